@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Builds the sandbox's binaries from the Go module proxy (and etcd from Debian's
+# package) into a cache keyed by version. Builds only what is missing.
+#
+#   tools/build.sh [kube|kwok|helm|etcd]...   (default: all)
+#
+# VGPU_BIN_DIR picks the cache (default: <repo>/.cache/bin). Each piece lands in
+# $VGPU_BIN_DIR/<piece>-<version>/ and is linked from $VGPU_BIN_DIR/current/.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$here")
+# shellcheck source=versions.env
+. "$here/versions.env"
+bin_dir=${VGPU_BIN_DIR:-$repo/.cache/bin}
+mkdir -p "$bin_dir/current"
+export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+# done_or_build NAME VERSION BUILD_FUNCTION: runs the build into a temp folder
+# and moves it into place only when it succeeded, so a broken build never
+# leaves a half-filled cache entry.
+build_once() {
+  local name=$1 version=$2 fn=$3 dest="$bin_dir/$1-$2"
+  if [ -f "$dest/.complete" ]; then
+    log "$name $version: cached in $dest"
+  else
+    log "$name $version: building (first time only)"
+    local tmp; tmp=$(mktemp -d "$bin_dir/.$name-XXXXXX")
+    local start=$SECONDS
+    if ! "$fn" "$tmp" "$version"; then
+      rm -rf "$tmp"
+      log "$name $version: build FAILED; see the output above"
+      return 1
+    fi
+    touch "$tmp/.complete"
+    rm -rf "$dest"; mv "$tmp" "$dest"
+    log "$name $version: built in $((SECONDS - start))s"
+  fi
+  local f
+  for f in "$dest"/*; do ln -sfn "$f" "$bin_dir/current/$(basename "$f")"; done
+}
+
+build_kube() {
+  local out=$1 v=$2 minor=${2#v1.}; minor=${minor%%.*}
+  local date; date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  local ld="-s -w"
+  local pkg
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+  done
+  (cd "$here/kube" && go build -trimpath -pgo=off -ldflags "$ld" -o "$out/kube" .) || return 1
+  local p
+  for p in kube-apiserver kube-controller-manager kube-scheduler kubectl; do ln -s kube "$out/$p"; done
+}
+
+build_kwok() {
+  (cd "$here/kwok" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$2" -o "$1/kwok" sigs.k8s.io/kwok/cmd/kwok)
+}
+
+build_helm() {
+  local kminor=${KUBE_VERSION#v1.}; kminor=${kminor%%.*}
+  local ld="-s -w -X helm.sh/helm/v3/internal/version.version=$2"
+  ld="$ld -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$kminor"
+  ld="$ld -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kminor"
+  (cd "$here/helm" && go build -trimpath -ldflags "$ld" -o "$1/helm" helm.sh/helm/v3/cmd/helm)
+}
+
+build_etcd() {
+  local out=$1 v=$2 work; work=$(mktemp -d)
+  # apt-get download needs package lists; fetch them once if this machine has none.
+  if ! (cd "$work" && apt-get download "etcd-server=$v" >/dev/null 2>&1); then
+    apt-get update >/dev/null 2>&1 || true
+    (cd "$work" && apt-get download "etcd-server=$v") || {
+      log "etcd: could not download Debian's etcd-server $v; check that apt-get reaches Debian's packages"
+      rm -rf "$work"; return 1; }
+  fi
+  dpkg-deb -x "$work"/etcd-server_*.deb "$work/root" || { rm -rf "$work"; return 1; }
+  cp "$work/root/usr/bin/etcd" "$out/etcd"
+  rm -rf "$work"
+}
+
+pieces=("$@")
+[ ${#pieces[@]} -gt 0 ] || pieces=(etcd kwok helm kube)
+for p in "${pieces[@]}"; do
+  case $p in
+    kube) build_once kube "$KUBE_VERSION" build_kube ;;
+    kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
+    helm) build_once helm "$HELM_VERSION" build_helm ;;
+    etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
+    *) log "unknown piece '$p'; choose from kube kwok helm etcd"; exit 2 ;;
+  esac
+done
+log "binaries in $bin_dir/current"
