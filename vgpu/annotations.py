@@ -1,0 +1,311 @@
+"""Codecs of the annotations that carry state between the parts (contracts 2 and 3 of DESIGN.md).
+
+Two versioned JSON documents, each with one ``encode_*`` and one ``decode_*`` function:
+
+* the node inventory, ``vgpu.openaios.io/devices`` on a Node, written by the device plugin::
+
+    {"version": 1, "devices": [{"uuid": "GPU-...", "index": 0, "model": "NVIDIA H200",
+      "memoryMiB": 143771, "cores": 100, "split": 10, "numa": 0, "healthy": true,
+      "links": {"GPU-...": "nvlink"}}]}
+
+* the placement, ``vgpu.openaios.io/allocation`` on a Pod, written by the extender at bind::
+
+    {"version": 1, "node": "node-a", "containers": [{"name": "main",
+      "devices": [{"uuid": "GPU-...", "memoryMiB": 3000, "cores": 30}]}]}
+
+  together with ``vgpu.openaios.io/phase`` (``bound`` -> ``allocated`` | ``failed``) and
+  ``vgpu.openaios.io/reason``.
+
+Decoding checks the version and every field, and raises :class:`vgpu.errors.AnnotationError`
+naming the annotation and the field (``devices[1].memoryMiB``). Encoding is deterministic (sorted
+keys, no spaces), so a writer can compare strings to see whether anything changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vgpu.errors import AnnotationError
+
+PREFIX = "vgpu.openaios.io/"
+
+# contract 2: node inventory
+DEVICES_ANNOTATION = PREFIX + "devices"
+DEVICES_VERSION = 1
+
+# contract 3: placement
+ALLOCATION_ANNOTATION = PREFIX + "allocation"
+ALLOCATION_VERSION = 1
+PHASE_ANNOTATION = PREFIX + "phase"
+REASON_ANNOTATION = PREFIX + "reason"
+PHASE_BOUND = "bound"
+PHASE_ALLOCATED = "allocated"
+PHASE_FAILED = "failed"
+PHASES = (PHASE_BOUND, PHASE_ALLOCATED, PHASE_FAILED)
+
+# contract 1: what a user may write on a pod
+USE_GPUTYPE_ANNOTATION = "nvidia.com/use-gputype"
+NOUSE_GPUTYPE_ANNOTATION = "nvidia.com/nouse-gputype"
+USE_GPUUUID_ANNOTATION = "nvidia.com/use-gpuuuid"
+NOUSE_GPUUUID_ANNOTATION = "nvidia.com/nouse-gpuuuid"
+NODE_POLICY_ANNOTATION = PREFIX + "node-policy"
+GPU_POLICY_ANNOTATION = PREFIX + "gpu-policy"
+
+# contract 2: liveness Lease of a node's device plugin
+LEASE_PREFIX = "vgpu-"
+
+
+def lease_name(node: str) -> str:
+    """Name of the Lease the device plugin of ``node`` renews."""
+    return LEASE_PREFIX + node
+
+
+# ---------------------------------------------------------------------------------------------
+# contract 2: node inventory
+
+
+@dataclass(frozen=True)
+class Device:
+    """One physical GPU as the device plugin advertises it.
+
+    ``memory_mib`` and ``cores`` already include the node's memory and core scaling; ``split`` is
+    the most vGPUs the card may carry; ``numa`` is the NUMA node (-1 when unknown); ``links`` maps
+    a peer card's UUID to the kind of link between them (``nvlink``, ``pcie``...).
+    """
+
+    uuid: str
+    index: int
+    model: str
+    memory_mib: int
+    cores: int
+    split: int
+    numa: int = -1
+    healthy: bool = True
+    links: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    devices: tuple[Device, ...]
+    version: int = DEVICES_VERSION
+
+
+def encode_devices(inventory: NodeInventory) -> str:
+    doc = {
+        "version": DEVICES_VERSION,
+        "devices": [
+            {
+                "uuid": d.uuid,
+                "index": d.index,
+                "model": d.model,
+                "memoryMiB": d.memory_mib,
+                "cores": d.cores,
+                "split": d.split,
+                "numa": d.numa,
+                "healthy": d.healthy,
+                "links": dict(d.links),
+            }
+            for d in inventory.devices
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def decode_devices(text: str | bytes | None) -> NodeInventory:
+    """Decode a node's ``vgpu.openaios.io/devices`` annotation; raises AnnotationError."""
+    r = _Reader(DEVICES_ANNOTATION)
+    doc = r.load(text)
+    r.version(doc, DEVICES_VERSION)
+    items = r.array(doc, "devices", "devices")
+    devices: list[Device] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        path = f"devices[{i}]"
+        obj = r.obj(item, path)
+        uuid = r.string(obj, "uuid", path)
+        if uuid in seen:
+            raise AnnotationError(DEVICES_ANNOTATION, f"{path}.uuid", f"duplicate uuid {uuid!r}")
+        seen.add(uuid)
+        numa_raw = obj.get("numa", -1)
+        links_raw = obj.get("links", {})
+        if not isinstance(links_raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in links_raw.items()
+        ):
+            raise AnnotationError(
+                DEVICES_ANNOTATION, f"{path}.links", "must be an object mapping peer uuid to link kind"
+            )
+        devices.append(
+            Device(
+                uuid=uuid,
+                index=r.integer(obj, "index", path, minimum=0),
+                model=r.string(obj, "model", path, allow_empty=True),
+                memory_mib=r.integer(obj, "memoryMiB", path, minimum=0),
+                cores=r.integer(obj, "cores", path, minimum=0),
+                split=r.integer(obj, "split", path, minimum=1),
+                numa=-1 if numa_raw is None else r.integer(obj, "numa", path, minimum=-1),
+                healthy=r.boolean(obj, "healthy", path),
+                links=dict(links_raw),
+            )
+        )
+    return NodeInventory(devices=tuple(devices))
+
+
+# ---------------------------------------------------------------------------------------------
+# contract 3: placement
+
+
+@dataclass(frozen=True)
+class DeviceAllocation:
+    """The share of one card that one vGPU of a container holds."""
+
+    uuid: str
+    memory_mib: int
+    cores: int
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    name: str
+    devices: tuple[DeviceAllocation, ...]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where a pod's vGPUs went: init containers first, then containers, each in spec order.
+
+    Containers that ask for no vGPU are left out.
+    """
+
+    node: str
+    containers: tuple[ContainerAllocation, ...]
+    version: int = ALLOCATION_VERSION
+
+    def container(self, name: str) -> ContainerAllocation | None:
+        return next((c for c in self.containers if c.name == name), None)
+
+
+def encode_allocation(allocation: Allocation) -> str:
+    doc = {
+        "version": ALLOCATION_VERSION,
+        "node": allocation.node,
+        "containers": [
+            {
+                "name": c.name,
+                "devices": [{"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices],
+            }
+            for c in allocation.containers
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def decode_allocation(text: str | bytes | None) -> Allocation:
+    """Decode a pod's ``vgpu.openaios.io/allocation`` annotation; raises AnnotationError."""
+    r = _Reader(ALLOCATION_ANNOTATION)
+    doc = r.load(text)
+    r.version(doc, ALLOCATION_VERSION)
+    node = r.string(doc, "node", "")
+    containers: list[ContainerAllocation] = []
+    for i, item in enumerate(r.array(doc, "containers", "containers")):
+        path = f"containers[{i}]"
+        obj = r.obj(item, path)
+        name = r.string(obj, "name", path)
+        devs: list[DeviceAllocation] = []
+        for j, ditem in enumerate(r.array(obj, "devices", f"{path}.devices")):
+            dpath = f"{path}.devices[{j}]"
+            dobj = r.obj(ditem, dpath)
+            devs.append(
+                DeviceAllocation(
+                    uuid=r.string(dobj, "uuid", dpath),
+                    memory_mib=r.integer(dobj, "memoryMiB", dpath, minimum=0),
+                    cores=r.integer(dobj, "cores", dpath, minimum=0),
+                )
+            )
+        containers.append(ContainerAllocation(name=name, devices=tuple(devs)))
+    return Allocation(node=node, containers=tuple(containers))
+
+
+def decode_phase(text: str | None) -> str | None:
+    """The phase annotation's value, or None when absent; raises AnnotationError for an unknown one."""
+    if text is None:
+        return None
+    if text not in PHASES:
+        raise AnnotationError(
+            PHASE_ANNOTATION, "", f"unknown phase {text!r}; expected one of {', '.join(PHASES)}"
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Typed field access that raises AnnotationError naming the annotation and the field path."""
+
+    def __init__(self, annotation: str) -> None:
+        self.annotation = annotation
+
+    def fail(self, path: str, message: str) -> AnnotationError:
+        return AnnotationError(self.annotation, path, message)
+
+    def load(self, text: str | bytes | None) -> dict[str, Any]:
+        if text is None or (isinstance(text, str | bytes) and not text.strip()):
+            raise self.fail("", "annotation is missing or empty")
+        try:
+            doc = json.loads(text)
+        except (ValueError, TypeError) as err:
+            raise self.fail("", f"not valid JSON ({err})") from err
+        if not isinstance(doc, dict):
+            raise self.fail("", f"must be a JSON object, got {type(doc).__name__}")
+        return doc
+
+    def version(self, doc: Mapping[str, Any], expected: int) -> None:
+        if "version" not in doc:
+            raise self.fail("version", f"missing; this reader understands version {expected}")
+        got = doc["version"]
+        if isinstance(got, bool) or not isinstance(got, int) or got != expected:
+            raise self.fail(
+                "version",
+                f"unsupported version {got!r}; this reader understands version {expected} "
+                "(upgrade the component that reads it, or the one that wrote it, so both match)",
+            )
+
+    def obj(self, value: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be an object, got {type(value).__name__}")
+        return value
+
+    def _get(self, obj: Mapping[str, Any], key: str, path: str) -> tuple[Any, str]:
+        full = f"{path}.{key}" if path else key
+        if key not in obj:
+            raise self.fail(full, "missing")
+        return obj[key], full
+
+    def array(self, obj: Mapping[str, Any], key: str, full: str) -> list[Any]:
+        if key not in obj:
+            raise self.fail(full, "missing")
+        value = obj[key]
+        if not isinstance(value, list):
+            raise self.fail(full, f"must be a list, got {type(value).__name__}")
+        return value
+
+    def string(self, obj: Mapping[str, Any], key: str, path: str, allow_empty: bool = False) -> str:
+        value, full = self._get(obj, key, path)
+        if not isinstance(value, str) or (not value and not allow_empty):
+            raise self.fail(full, f"must be a non-empty string, got {value!r}")
+        return value
+
+    def integer(self, obj: Mapping[str, Any], key: str, path: str, minimum: int) -> int:
+        value, full = self._get(obj, key, path)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(full, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def boolean(self, obj: Mapping[str, Any], key: str, path: str) -> bool:
+        value, full = self._get(obj, key, path)
+        if not isinstance(value, bool):
+            raise self.fail(full, f"must be true or false, got {value!r}")
+        return value
