@@ -26,7 +26,9 @@ def test_regenerating_the_stubs_gives_the_committed_files(tmp_path: Path) -> Non
 
 
 def test_the_services_use_kubelets_method_paths() -> None:
-    services = {s.full_name: [m.name for m in s.methods] for s in api_pb2.DESCRIPTOR.services_by_name.values()}
+    services = {
+        s.full_name: [m.name for m in s.methods] for s in api_pb2.DESCRIPTOR.services_by_name.values()
+    }
     assert services == {
         "v1beta1.Registration": ["Register"],
         "v1beta1.DevicePlugin": [
@@ -44,7 +46,9 @@ def test_messages_encode_with_upstream_field_numbers() -> None:
     # Bytes worked out by hand from upstream's field numbers: tag = (field << 3) | wire type.
     req = api_pb2.RegisterRequest(version="v1beta1", endpoint="e", resource_name="r")
     assert req.SerializeToString() == b"\x0a\x07v1beta1\x12\x01e\x1a\x01r"
-    dev = api_pb2.Device(ID="a", health="Healthy", topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=1)]))
+    dev = api_pb2.Device(
+        ID="a", health="Healthy", topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=1)])
+    )
     assert dev.SerializeToString() == b"\x0a\x01a\x12\x07Healthy\x1a\x04\x0a\x02\x08\x01"
     pref = api_pb2.ContainerPreferredAllocationRequest(
         available_deviceIDs=["x"], must_include_deviceIDs=["y"], allocation_size=2
