@@ -1,0 +1,60 @@
+# The project's vocabulary. `make demo` runs the product, `make test` runs the tests;
+# both do all set-up on a fresh machine first.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup venv tools native test unit e2e gpu-test lint proto demo bench images clean
+
+setup: venv tools native ## everything the tests and the demo need; rebuilds only what is missing
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+tools: ## kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, KWOK, helm, etcd
+	bash tools/build.sh
+
+native: ## libvgpu.so and the stub driver libraries
+	@if [ -f native/hook/Makefile ]; then $(MAKE) -C native/hook; fi
+
+test: setup ## unit, integration and e2e tests (no GPU)
+	$(BIN)/pytest -m 'not gpu' $(PYTEST_ARGS)
+
+unit: venv
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+e2e: setup
+	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
+
+gpu-test: venv native ## on a machine with an NVIDIA GPU
+	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check vgpu tests bench
+	$(BIN)/ruff format --check vgpu tests bench
+	$(BIN)/mypy
+
+proto: venv ## regenerate the kubelet device-plugin stubs
+	@if [ -f vgpu/plugin/proto.mk ]; then $(MAKE) -f vgpu/plugin/proto.mk BIN=$(BIN); fi
+
+demo: setup ## the sandbox, the playbook, sample pods placed and shown
+	$(BIN)/python -m vgpu.sandbox.demo
+
+bench: setup
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+images: ## container images, where a container engine runs
+	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
+	  for f in images/*.Dockerfile; do docker build -f $$f -t vgpu/$$(basename $$f .Dockerfile):dev . || exit 1; done; \
+	else echo "make images: no container engine reachable here (docker info failed); nothing built"; fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

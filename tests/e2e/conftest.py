@@ -1,0 +1,35 @@
+"""The e2e tests' cluster: one sandbox per test session, started on first use.
+
+It runs in its own folder under pytest's temp dir, so a developer's own sandbox is never
+touched, and it is always taken down at the end, also when tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vgpu.sandbox.cluster import Sandbox, Spec
+
+E2E_NODES = 3
+E2E_GPUS_PER_NODE = 4
+
+
+@pytest.fixture(scope="session")
+def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
+    state_dir = Path(os.environ.get("VGPU_E2E_SANDBOX_DIR") or tmp_path_factory.mktemp("sandbox"))
+    sb = Sandbox(state_dir)
+    sb.up(Spec(nodes=E2E_NODES, gpus_per_node=E2E_GPUS_PER_NODE, gpu_memory_mib=81920))
+    try:
+        yield sb
+    finally:
+        sb.down()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "sandbox" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)

@@ -1,0 +1,114 @@
+"""`vgpu sandbox` as a person uses it: bad input is refused cleanly and `down` leaves nothing behind.
+
+These start their own small sandboxes (through the real CLI) beside the session one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vgpu.sandbox import procs
+from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu.sandbox.errors import SandboxError
+
+pytestmark = pytest.mark.e2e
+
+
+def vgpu(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def listening_ports(state: dict) -> list[int]:  # type: ignore[type-arg]
+    return [c["port"] for c in state["components"] if c.get("port") and procs.port_open(c["port"])]
+
+
+def test_a_second_up_while_one_runs_is_refused_and_touches_nothing(sandbox: Sandbox) -> None:
+    before = sandbox.running_pids()
+    with pytest.raises(SandboxError, match="already running.*vgpu sandbox down"):
+        Sandbox(sandbox.state_dir).up(Spec(nodes=1))
+    assert sandbox.running_pids() == before
+    assert sandbox.status()["healthy"]
+
+
+def test_up_with_the_apiserver_port_taken_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", "--apiserver-port", str(port))
+    assert result.returncode != 0
+    assert f"port {port}" in result.stderr and "--apiserver-port" in result.stderr
+    assert procs.tagged_pids((tmp_path / "sb").resolve()) == []
+
+
+def test_up_with_a_missing_binary_names_it_and_the_fix(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    (empty / "current").mkdir(parents=True)
+    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", env={"VGPU_BIN_DIR": str(empty)})
+    assert result.returncode != 0
+    assert "kube-apiserver" in result.stderr and "make setup" in result.stderr
+    assert procs.tagged_pids((tmp_path / "sb").resolve()) == []
+
+
+def test_bad_sizes_are_refused_naming_the_flag(tmp_path: Path) -> None:
+    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "0")
+    assert result.returncode != 0 and "--nodes" in result.stderr
+    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--gpu-memory", "12")
+    assert result.returncode != 0 and "--gpu-memory" in result.stderr
+
+
+def test_down_after_a_component_crash_leaves_no_process_and_no_port(tmp_path: Path) -> None:
+    sb_dir = tmp_path / "crash"
+    up = vgpu("sandbox", "--dir", str(sb_dir), "up", "--nodes", "2", "--control-plane-only")
+    assert up.returncode == 0, up.stderr
+    state = json.loads((sb_dir / "state.json").read_text())
+    status = vgpu("sandbox", "--dir", str(sb_dir), "status", "--json")
+    assert status.returncode == 0, status.stdout
+    assert [n["ready"] for n in json.loads(status.stdout)["nodes"]] == [True, True]
+
+    apiserver = next(c for c in state["components"] if c["name"] == "kube-apiserver")
+    os.kill(apiserver["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    degraded = vgpu("sandbox", "--dir", str(sb_dir), "status")
+    assert degraded.returncode != 0 and "DEAD" in degraded.stdout
+
+    down = vgpu("sandbox", "--dir", str(sb_dir), "down")
+    assert down.returncode == 0, down.stderr
+    assert procs.tagged_pids(sb_dir.resolve()) == []
+    assert listening_ports(state) == []
+
+
+def test_down_after_up_itself_was_killed_midway_leaves_nothing(tmp_path: Path) -> None:
+    sb_dir = (tmp_path / "killed").resolve()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(procs.tagged_pids(sb_dir)) < 2:
+            time.sleep(0.1)
+        assert len(procs.tagged_pids(sb_dir)) >= 2, "up never got as far as starting two components"
+    finally:
+        up.kill()
+        up.wait()
+    assert procs.tagged_pids(sb_dir), "the components should outlive the killed `up`"
+    down = vgpu("sandbox", "--dir", str(sb_dir), "down")
+    assert down.returncode == 0, down.stderr
+    assert procs.tagged_pids(sb_dir) == []

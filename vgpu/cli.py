@@ -1,0 +1,65 @@
+"""The `vgpu` command: one entry point, a subcommand per part.
+
+Each subcommand lives in its own module, which exposes ``register(parser)`` to
+declare its arguments and ``run(args) -> int`` to carry it out. Modules are
+imported only when their subcommand runs, so ``vgpu sandbox`` never pays for
+grpc and ``vgpu device-plugin`` never pays for Flask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sandbox": ("vgpu.sandbox.cli", "a local control plane with simulated GPU nodes"),
+    "extender": ("vgpu.extender.cli", "the kube-scheduler extender and admission webhook"),
+    "device-plugin": ("vgpu.plugin.cli", "the kubelet device plugin for one node"),
+    "monitor": ("vgpu.plugin.monitor_cli", "the node monitor: /metrics from the hook's regions"),
+    "status": ("vgpu.status", "which container got which vGPU, per node and card"),
+    "limits": ("vgpu.limits_cli", "change a running container's limits through its region"),
+}
+
+
+def _load(module: str) -> object | None:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module.startswith(err.name):
+            return None  # that part is not installed in this build
+        raise
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vgpu", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        mod = _load(module)
+        if mod is None:
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.register(p)  # type: ignore[attr-defined]
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(only=first if first in COMMANDS else None)
+    args = parser.parse_args(args_list)
+    mod = getattr(args, "_module", None)
+    if mod is None:
+        parser.print_help()
+        return 2
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""`vgpu sandbox up|status|kubeconfig|down`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from vgpu.sandbox.cluster import Sandbox, Spec, default_dir
+from vgpu.sandbox.errors import SandboxError
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help=f"the sandbox's state folder (default: $VGPU_SANDBOX_DIR or {default_dir()})",
+    )
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = sub.add_parser("up", help="start a control plane with simulated GPU nodes")
+    defaults = Spec()
+    up.add_argument("--nodes", type=int, default=defaults.nodes, help="simulated GPU nodes (default %(default)s)")
+    up.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node, help="default %(default)s")
+    up.add_argument("--gpu-memory", type=int, default=defaults.gpu_memory_mib, help="MiB per GPU (default %(default)s)")
+    up.add_argument("--gpu-model", default=defaults.gpu_model, help="model name (default %(default)r)")
+    up.add_argument("--split", type=int, default=defaults.split, help="vGPUs per card (default %(default)s)")
+    up.add_argument("--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)")
+    up.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="run the bare control plane, without the extender and device plugins",
+    )
+    sub.add_parser("status", help="what runs, and the nodes").add_argument("--json", action="store_true")
+    sub.add_parser("kubeconfig", help="print the kubeconfig's path")
+    sub.add_parser("down", help="stop everything; leaves no process and no listening port")
+
+
+def _err(message: str) -> int:
+    print(f"vgpu sandbox: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    sandbox = Sandbox(args.dir)
+    try:
+        if args.action == "up":
+            spec = Spec(
+                nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                gpu_memory_mib=args.gpu_memory,
+                gpu_model=args.gpu_model,
+                split=args.split,
+                apiserver_port=args.apiserver_port,
+                product=not args.control_plane_only,
+            )
+            seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))
+            print(f"sandbox: up in {seconds:.1f}s with {spec.nodes} nodes", file=sys.stderr)
+            print(f"export KUBECONFIG={sandbox.kubeconfig}")
+            return 0
+        if args.action == "kubeconfig":
+            if not sandbox.kubeconfig.exists():
+                return _err(f"no sandbox in {sandbox.state_dir}; start one with `vgpu sandbox up`")
+            print(sandbox.kubeconfig)
+            return 0
+        if args.action == "status":
+            report = sandbox.status()
+            if args.json:
+                print(json.dumps(report, indent=2))
+            else:
+                _print_status(report)
+            return 0 if report.get("healthy") else 1
+        if args.action == "down":
+            stopped = sandbox.down()
+            print(f"sandbox: stopped {len(stopped)} processes" if stopped else "sandbox: nothing was running")
+            return 0
+    except SandboxError as err:
+        return _err(str(err))
+    except KeyboardInterrupt:
+        return _err("interrupted; everything started was stopped")
+    return _err(f"unknown action {args.action!r}")
+
+
+def _print_status(report: dict[str, object]) -> None:
+    if not report.get("components"):
+        print(f"no sandbox in {report['dir']}")
+        return
+    state = "healthy" if report.get("healthy") else ("degraded" if report.get("running") else "stopped")
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(report.get("started", 0))))  # type: ignore[arg-type]
+    print(f"sandbox {state}, started {started}, state in {report['dir']}")
+    print(f"kubeconfig: {report.get('kubeconfig')}")
+    for comp in report["components"]:  # type: ignore[attr-defined]
+        port = f" port {comp['port']}" if comp.get("port") else ""
+        print(f"  {comp['name']:<28} pid {comp['pid']:<8} {'running' if comp['alive'] else 'DEAD'}{port}")
+    for node in report.get("nodes", []):  # type: ignore[attr-defined]
+        print(f"  node {node['name']:<23} {'Ready' if node['ready'] else 'NotReady'}  nvidia.com/gpu={node['gpus']}")

@@ -1,0 +1,427 @@
+"""The sandbox: bring a real control plane up on 127.0.0.1, report on it, take it down.
+
+All state lives in one folder (``state.json`` records the processes and ports), so any
+``vgpu`` command, or a test run, can find and stop a sandbox that another one started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vgpu.sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs
+from vgpu.sandbox.controlplane import Layout
+from vgpu.sandbox.errors import SandboxError
+
+# Identities and the groups RBAC knows them by. Components get the bootstrap roles
+# made for them; only the person's kubeconfig and KWOK are cluster admins.
+IDENTITIES: dict[str, tuple[str, str]] = {
+    "admin": ("admin", "system:masters"),
+    "kube-controller-manager": ("system:kube-controller-manager", ""),
+    "kube-scheduler": ("system:kube-scheduler", ""),
+    "kwok": ("kwok", "system:masters"),
+    "vgpu": ("vgpu", "system:masters"),
+}
+
+
+def default_dir() -> Path:
+    env = os.environ.get("VGPU_SANDBOX_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vgpu" / "sandbox"
+
+
+@dataclass
+class Spec:
+    nodes: int = 3
+    gpus_per_node: int = 4
+    gpu_memory_mib: int = 81920
+    gpu_model: str = "NVIDIA A100-SXM4-80GB"
+    split: int = 10
+    apiserver_port: int = 0
+    product: bool = True
+
+    def validate(self) -> None:
+        checks = [
+            (self.nodes >= 1, "--nodes must be at least 1"),
+            (self.nodes <= 2000, "--nodes must be at most 2000"),
+            (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
+            (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),
+            (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
+            (1 <= self.split <= 100, "--split must be between 1 and 100"),
+            (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SandboxError(message)
+
+
+@dataclass
+class Component:
+    name: str
+    pid: int
+    argv: list[str]
+    port: int | None = None
+
+
+@dataclass
+class State:
+    spec: Spec
+    ports: dict[str, int] = field(default_factory=dict)
+    components: list[Component] = field(default_factory=list)
+    started: float = 0.0
+    ready: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> State:
+        raw = json.loads(text)
+        return cls(
+            spec=Spec(**raw["spec"]),
+            ports=dict(raw.get("ports", {})),
+            components=[Component(**c) for c in raw.get("components", [])],
+            started=float(raw.get("started", 0.0)),
+            ready=bool(raw.get("ready", False)),
+        )
+
+
+class Sandbox:
+    """A handle on the sandbox whose state lives in ``state_dir``."""
+
+    def __init__(self, state_dir: Path | None = None) -> None:
+        self.state_dir = (state_dir or default_dir()).resolve()
+        self.layout = Layout(self.state_dir)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._state: State | None = None
+
+    # ---- what tests and the CLI use -------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.layout.kubeconfig
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.layout.logs
+
+    @staticmethod
+    def bin(name: str) -> Path:
+        return binaries.find(name)
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        argv = [str(self.bin("kubectl")), f"--kubeconfig={self.kubeconfig}", *args]
+        result = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise SandboxError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
+        return result
+
+    def state(self) -> State | None:
+        try:
+            return State.from_json(self.layout.state_file.read_text())
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as err:
+            raise SandboxError(
+                f"{self.layout.state_file} is unreadable ({err}); run `vgpu sandbox down` to clean up"
+            ) from err
+
+    def running_pids(self) -> list[int]:
+        pids = set(procs.tagged_pids(self.state_dir))
+        try:
+            state = self.state()
+        except SandboxError:
+            state = None
+        if state is not None:
+            pids |= {c.pid for c in state.components if procs.alive(c.pid)}
+        return sorted(p for p in pids if procs.alive(p))
+
+    def is_running(self) -> bool:
+        return bool(self.running_pids())
+
+    # ---- up ------------------------------------------------------------------------
+    def up(self, spec: Spec, progress: Callable[[str], None] = lambda _: None) -> float:
+        """Start everything; on any failure stop what was started and raise. Returns seconds taken."""
+        spec.validate()
+        if self.is_running():
+            raise SandboxError(
+                f"a sandbox is already running from {self.state_dir} (pids {self.running_pids()}); "
+                f"run `vgpu sandbox down` first, or give another folder with --dir"
+            )
+        found = binaries.check_all()
+        if spec.product:
+            found["kubectl"] = binaries.find("kubectl")
+        if spec.apiserver_port:
+            procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
+        start = time.monotonic()
+        self._reset_folder()
+        self._state = State(spec=spec, started=time.time())
+        try:
+            self._start_control_plane(spec, found, progress)
+            self._create_nodes(spec, progress)
+            if spec.product:
+                from vgpu.sandbox import product
+
+                product.start(self, spec, progress)
+            self._state.ready = True
+            self._save()
+        except BaseException:
+            progress("start failed; stopping what was started")
+            self._stop_everything()
+            raise
+        return time.monotonic() - start
+
+    def _reset_folder(self) -> None:
+        if self.state_dir.exists():
+            shutil.rmtree(self.state_dir)
+        self.state_dir.mkdir(parents=True, mode=0o700)
+        for folder in (self.layout.pki, self.layout.logs, self.layout.config, self.layout.nodes):
+            folder.mkdir(mode=0o700)
+
+    def _save(self) -> None:
+        assert self._state is not None
+        tmp = self.layout.state_file.with_suffix(".tmp")
+        tmp.write_text(self._state.to_json())
+        tmp.replace(self.layout.state_file)
+
+    def port(self, name: str) -> int:
+        assert self._state is not None
+        if name not in self._state.ports:
+            port = procs.free_port()
+            while port in self._state.ports.values():
+                port = procs.free_port()
+            self._state.ports[name] = port
+            self._save()
+        return self._state.ports[name]
+
+    def launch(
+        self, name: str, argv: Sequence[str], port: int | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start one component and record it before anything waits on it."""
+        assert self._state is not None
+        proc = procs.start(name, argv, state_dir=self.state_dir, log_dir=self.layout.logs, env=env)
+        self._procs[name] = proc
+        self._state.components.append(Component(name=name, pid=proc.pid, argv=list(argv), port=port))
+        self._save()
+        return proc
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float, component: str | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if component is not None:
+                proc = self._procs.get(component)
+                if proc is not None and proc.poll() is not None:
+                    raise SandboxError(
+                        f"{component} exited with code {proc.returncode} while starting; "
+                        f"its log is {self.layout.logs / (component + '.log')}{self._log_tail(component)}"
+                    )
+            try:
+                if ready():
+                    return
+            except (OSError, SandboxError, subprocess.SubprocessError):
+                pass
+            time.sleep(0.2)
+        hint = f"; see {self.layout.logs / (component + '.log')}" if component else ""
+        raise SandboxError(f"timed out after {timeout:.0f}s waiting for {what}{hint}")
+
+    def _log_tail(self, component: str, lines: int = 8) -> str:
+        try:
+            text = (self.layout.logs / f"{component}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n  " + "\n  ".join(text[-lines:]) if text else ""
+
+    def api_get(self, path: str, identity: str = "admin") -> Any:
+        """GET against the API server with an identity's token; the CA is verified."""
+        assert self._state is not None or self.state() is not None
+        state = self._state or self.state()
+        assert state is not None
+        token = self._tokens()[identity]
+        ctx = ssl.create_default_context(cafile=str(self.layout.pki / "ca.crt"))
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{state.ports['apiserver']}{path}",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+            body = resp.read()
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body.decode()
+
+    def _tokens(self) -> dict[str, str]:
+        tokens = {}
+        for line in (self.layout.config / "tokens.csv").read_text().splitlines():
+            token, user, *_ = line.split(",")
+            for identity, (name, _group) in IDENTITIES.items():
+                if name == user:
+                    tokens[identity] = token
+        return tokens
+
+    def _start_control_plane(self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None]) -> None:
+        layout = self.layout
+        ca = pki.CertificateAuthority(layout.pki)
+        serving = ca.issue("apiserver", ["127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"])
+        sa_key = pki.service_account_key(layout.pki / "service-account.key")
+        tokens_csv = layout.config / "tokens.csv"
+        tokens_csv.touch(mode=0o600)
+        lines = []
+        for identity, (user, group) in IDENTITIES.items():
+            token = secrets.token_hex(16)
+            lines.append(f'{token},{user},{identity}-uid,"{group}"' if group else f"{token},{user},{identity}-uid")
+        tokens_csv.write_text("\n".join(lines) + "\n")
+        tokens = self._tokens()
+
+        if spec.apiserver_port:
+            self._state.ports["apiserver"] = spec.apiserver_port  # type: ignore[union-attr]
+        api_port = self.port("apiserver")
+        server = f"https://127.0.0.1:{api_port}"
+        for identity, (user, _group) in IDENTITIES.items():
+            target = layout.kubeconfig if identity == "admin" else layout.identity_kubeconfig(identity)
+            kubeconfig.write(target, server=server, ca_pem=ca.pem, user=user, token=tokens[identity])
+
+        progress("starting etcd")
+        etcd_port, peer_port = self.port("etcd"), self.port("etcd-peer")
+        self.launch("etcd", controlplane.etcd_argv(found["etcd"], layout, etcd_port, peer_port), etcd_port)
+        self.wait_for("etcd to listen", lambda: procs.port_open(etcd_port), 30, "etcd")
+
+        progress("starting kube-apiserver")
+        self.launch(
+            "kube-apiserver",
+            controlplane.apiserver_argv(
+                found["kube-apiserver"],
+                layout,
+                port=api_port,
+                etcd_port=etcd_port,
+                tls_cert=serving.cert,
+                tls_key=serving.key,
+                sa_key=sa_key,
+            ),
+            api_port,
+        )
+        self.wait_for("kube-apiserver /readyz", lambda: self.api_get("/readyz") == "ok", 90, "kube-apiserver")
+
+        progress("starting kube-controller-manager, kube-scheduler and KWOK")
+        self.launch(
+            "kube-controller-manager",
+            controlplane.controller_manager_argv(
+                found["kube-controller-manager"], layout, ca=ca.cert_path, sa_key=sa_key
+            ),
+        )
+        sched_config = layout.config / "kube-scheduler.json"
+        sched_config.write_text(controlplane.scheduler_config(layout.identity_kubeconfig("kube-scheduler")))
+        self.launch("kube-scheduler", controlplane.scheduler_argv(found["kube-scheduler"], sched_config))
+        (layout.config / "kwok.yaml").write_text(KWOK_CONFIG)
+        kwok_port = self.port("kwok")
+        self.launch("kwok", controlplane.kwok_argv(found["kwok"], layout, kwok_port), kwok_port)
+
+        def default_sa() -> bool:
+            return bool(self.api_get("/api/v1/namespaces/default/serviceaccounts/default"))
+
+        self.wait_for("the default ServiceAccount (kube-controller-manager)", default_sa, 60, "kube-controller-manager")
+
+    def _create_nodes(self, spec: Spec, progress: Callable[[str], None]) -> None:
+        progress(f"creating {spec.nodes} simulated GPU nodes")
+        gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
+        items = [nodes.manifest(nodes.node_name(i), gpu, advertise_gpus=True) for i in range(spec.nodes)]
+        self.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+
+        def all_ready() -> bool:
+            listed = self.api_get("/api/v1/nodes?labelSelector=gpu%3Don")
+            ready = 0
+            for item in listed.get("items", []):
+                conditions = item.get("status", {}).get("conditions", [])
+                taints = item.get("spec", {}).get("taints", []) or []
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
+                    t.get("key") == "node.kubernetes.io/not-ready" for t in taints
+                ):
+                    ready += 1
+            return ready >= spec.nodes
+
+        self.wait_for(f"{spec.nodes} nodes to be Ready (KWOK)", all_ready, 60 + spec.nodes * 0.2, "kwok")
+
+    # ---- status and down -------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        state = self.state()
+        if state is None:
+            return {"running": False, "dir": str(self.state_dir), "components": []}
+        comps = [
+            {"name": c.name, "pid": c.pid, "alive": procs.alive(c.pid), "port": c.port} for c in state.components
+        ]
+        report: dict[str, Any] = {
+            "running": any(c["alive"] for c in comps),
+            "healthy": state.ready and all(c["alive"] for c in comps),
+            "dir": str(self.state_dir),
+            "kubeconfig": str(self.kubeconfig),
+            "started": state.started,
+            "spec": asdict(state.spec),
+            "components": comps,
+        }
+        if report["running"]:
+            self._state = state
+            try:
+                listed = self.api_get("/api/v1/nodes")
+                report["nodes"] = [
+                    {
+                        "name": n["metadata"]["name"],
+                        "ready": any(
+                            c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", [])
+                        ),
+                        "gpus": n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0"),
+                    }
+                    for n in listed.get("items", [])
+                ]
+            except (OSError, urllib.error.URLError, KeyError) as err:
+                report["nodes_error"] = str(err)
+            finally:
+                self._state = None
+        return report
+
+    def down(self) -> list[int]:
+        """Stop every process of this sandbox, even after crashes; returns the pids it stopped."""
+        pids = self.running_pids()
+        self._stop_everything()
+        return pids
+
+    def _stop_everything(self) -> None:
+        pids: set[int] = {p.pid for p in self._procs.values()}
+        try:
+            state = self._state or self.state()
+        except SandboxError:
+            state = None
+        if state is not None:
+            pids |= {c.pid for c in state.components}
+        procs.stop_all(pids, self.state_dir)
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        if state is not None and self.layout.state_file.exists():
+            state.ready = False
+            self.layout.state_file.write_text(state.to_json())
+
+
+# KWOK: default stages (node ready + heartbeat, pods to Running); nothing else.
+KWOK_CONFIG = """\
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  enableCNI: false
+  nodeLeaseDurationSeconds: 40
+"""
