@@ -1,0 +1,63 @@
+"""Cards become kubelet device IDs and the inventory of contract 2; preferred allocations spread cards."""
+
+from __future__ import annotations
+
+import threading
+
+from vgpu.annotations import decode_devices, encode_devices
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.discovery import Card
+from vgpu.plugin.server import prefer
+
+CARDS = [
+    Card("GPU-a", 0, "H200", 1000, numa=0, links={"GPU-b": "nvlink"}),
+    Card("GPU-b", 1, "H200", 1000, numa=-1, links={"GPU-a": "nvlink"}),
+]
+
+
+def test_each_card_is_advertised_as_split_device_ids_with_its_numa_node() -> None:
+    state = DeviceState(CARDS, NodeConfig(split=3))
+    devices = state.kubelet_devices()
+    assert [d.ID for d in devices] == [f"GPU-{c}::{n}" for c in "ab" for n in range(3)]
+    assert {card_of(d.ID) for d in devices} == {"GPU-a", "GPU-b"}
+    assert [n.ID for n in devices[0].topology.nodes] == [0]
+    assert not devices[3].HasField("topology")
+    assert all(d.health == "Healthy" for d in devices)
+
+
+def test_the_inventory_applies_memory_and_core_scaling_and_round_trips() -> None:
+    cfg = NodeConfig(split=5, device_memory_scaling=1.5, device_core_scaling=2, oversubscribe=True)
+    inv = DeviceState(CARDS, cfg).inventory()
+    assert [(d.memory_mib, d.cores, d.split) for d in inv.devices] == [(1500, 200, 5), (1500, 200, 5)]
+    assert decode_devices(encode_devices(inv)) == inv
+
+
+def test_a_health_change_wakes_waiters_and_marks_the_cards_devices() -> None:
+    state = DeviceState(CARDS, NodeConfig(split=2))
+    seen = state.version
+    woke: list[int] = []
+    t = threading.Thread(target=lambda: woke.append(state.wait_change(seen, 5.0)))
+    t.start()
+    assert state.set_health("GPU-b", False) is True
+    t.join(5)
+    assert woke and woke[0] != seen
+    assert [d.health for d in state.kubelet_devices()] == ["Healthy", "Healthy", "Unhealthy", "Unhealthy"]
+    assert state.set_health("GPU-b", False) is False  # no change, no new version
+    assert [d.healthy for d in state.inventory().devices] == [True, False]
+
+
+def test_preferred_allocation_puts_each_vgpu_on_its_own_card() -> None:
+    available = ["GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-c::0", "GPU-c::1", "GPU-c::2"]
+    picked = prefer(available, [], 2)
+    assert len({card_of(i) for i in picked}) == 2
+    assert card_of(picked[0]) == "GPU-c"  # the card with the most free IDs first
+
+
+def test_preferred_allocation_keeps_the_must_include_ids() -> None:
+    picked = prefer(["GPU-a::0", "GPU-b::0", "GPU-b::1"], ["GPU-a::0"], 2)
+    assert picked == ["GPU-a::0", "GPU-b::0"]
+
+
+def test_preferred_allocation_fills_from_one_card_when_cards_run_out() -> None:
+    assert sorted(prefer(["GPU-a::0", "GPU-a::1"], [], 2)) == ["GPU-a::0", "GPU-a::1"]

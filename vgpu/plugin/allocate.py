@@ -1,0 +1,309 @@
+"""Allocate: from kubelet's device IDs to the pod and container they serve, and contract 4's answer.
+
+kubelet's Allocate names only device IDs, never the pod. The pod is found among the pods bound
+to this node whose phase is ``bound``: kubelet admits pods one at a time, oldest first, and
+their containers in order (init containers, then containers), so the answer is the oldest bound
+pod whose next unserved container asks for as many vGPUs as kubelet passed, preferring one
+whose cards are those of the IDs. Only that choice happens under a lock, in memory; the API
+server calls (the pod list, the phase patch) happen outside it, so pods never wait on each
+other's I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    PHASE_ALLOCATED,
+    PHASE_ANNOTATION,
+    PHASE_BOUND,
+    PHASE_FAILED,
+    REASON_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    decode_allocation,
+)
+from vgpu.errors import AnnotationError, KubeError
+from vgpu.plugin.api import api_pb2
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
+
+log = logging.getLogger(__name__)
+
+PRIORITY_RESOURCE = "nvidia.com/priority"
+DEFAULT_PRIORITY = "1"
+
+
+class PodSource(Protocol):
+    """The two API server calls Allocate needs (vgpu.kube provides them)."""
+
+    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
+        """Pods bound to ``node``, as API JSON (camelCase keys)."""
+        ...
+
+    def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None: ...
+
+
+class AllocateError(Exception):
+    """Allocate refused; ``code`` is the gRPC status kubelet gets, the message says why and what to do."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one container got: its pod, its share of the cards, and the answer for kubelet."""
+
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    allocation: ContainerAllocation
+    response: api_pb2.ContainerAllocateResponse
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    namespace: str
+    name: str
+    uid: str
+    created: str
+    allocation: Allocation
+    order: tuple[str, ...]  # containers with vGPUs, in the order kubelet starts them
+    priorities: Mapping[str, str]
+
+
+def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = pod.get("metadata") or {}
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _pod_ref(pod: Mapping[str, Any]) -> str:
+    m = _meta(pod)
+    return f"{m.get('namespace', '?')}/{m.get('name', '?')}"
+
+
+def _kubelet_order(pod: Mapping[str, Any], allocation: Allocation) -> tuple[str, ...]:
+    spec = pod.get("spec") or {}
+    names = [c.get("name") for c in (spec.get("initContainers") or [])] + [
+        c.get("name") for c in (spec.get("containers") or [])
+    ]
+    wanted = {c.name for c in allocation.containers if c.devices}
+    ordered = [n for n in names if n in wanted]
+    # Containers the annotation names but the spec does not are an error the caller reports.
+    return tuple(ordered + [c.name for c in allocation.containers if c.devices and c.name not in ordered])
+
+
+def _priorities(pod: Mapping[str, Any]) -> dict[str, str]:
+    spec = pod.get("spec") or {}
+    out: dict[str, str] = {}
+    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        limits = ((c.get("resources") or {}).get("limits")) or {}
+        out[str(c.get("name"))] = str(limits.get(PRIORITY_RESOURCE, DEFAULT_PRIORITY))
+    return out
+
+
+class Allocator:
+    def __init__(
+        self,
+        node: str,
+        pods: PodSource,
+        state: DeviceState,
+        paths: HostPaths,
+        hook: HookInstall | None,
+    ) -> None:
+        self.node = node
+        self.pods = pods
+        self.state = state
+        self.paths = paths
+        self.hook = hook
+        self._lock = threading.Lock()
+        self._served: dict[str, set[str]] = {}  # pod uid -> containers already answered
+        self._done: dict[str, bool] = {}  # pod uid -> every container answered
+
+    @property
+    def config(self) -> NodeConfig:
+        return self.state.config
+
+    # -- finding the pod --------------------------------------------------------------------
+
+    def _waiting(self) -> tuple[list[_Waiting], list[str]]:
+        try:
+            pods = self.pods.list_node_pods(self.node)
+        except KubeError as err:
+            raise AllocateError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot list the pods of node {self.node}: {err}"
+            ) from err
+        waiting: list[_Waiting] = []
+        malformed: list[str] = []
+        for pod in pods:
+            meta = _meta(pod)
+            annotations = meta.get("annotations") or {}
+            if meta.get("deletionTimestamp") or annotations.get(PHASE_ANNOTATION) != PHASE_BOUND:
+                continue
+            try:
+                allocation = decode_allocation(annotations.get(ALLOCATION_ANNOTATION))
+            except AnnotationError as err:
+                malformed.append(f"{_pod_ref(pod)} ({err})")
+                continue
+            if allocation.node != self.node:
+                malformed.append(
+                    f"{_pod_ref(pod)} ({ALLOCATION_ANNOTATION}: node: names {allocation.node!r}, "
+                    f"but the pod runs on {self.node!r})"
+                )
+                continue
+            waiting.append(
+                _Waiting(
+                    namespace=str(meta.get("namespace", "")),
+                    name=str(meta.get("name", "")),
+                    uid=str(meta.get("uid", "")),
+                    created=str(meta.get("creationTimestamp", "")),
+                    allocation=allocation,
+                    order=_kubelet_order(pod, allocation),
+                    priorities=_priorities(pod),
+                )
+            )
+        waiting.sort(key=lambda w: (w.created, w.namespace, w.name))
+        return waiting, malformed
+
+    def _claim(
+        self, waiting: list[_Waiting], ids: Sequence[str]
+    ) -> tuple[_Waiting, ContainerAllocation, bool]:
+        """Pick the pod and container for these IDs and mark the container served.
+
+        Returns the pod, the container and whether it was the pod's last container.
+        """
+        cards = sorted(card_of(i) for i in ids)
+        with self._lock:
+            # Forget pods fully served that are no longer waiting (their phase moved on).
+            listed = {w.uid for w in waiting}
+            for uid in [u for u, done in self._done.items() if done and u not in listed]:
+                del self._done[uid], self._served[uid]
+            by_count: tuple[_Waiting, ContainerAllocation] | None = None
+            chosen: tuple[_Waiting, ContainerAllocation] | None = None
+            for w in waiting:
+                served = self._served.get(w.uid, set())
+                nxt = next((n for n in w.order if n not in served), None)
+                if nxt is None:
+                    continue
+                container = w.allocation.container(nxt)
+                if container is None or len(container.devices) != len(ids):
+                    continue
+                if sorted(d.uuid for d in container.devices) == cards:
+                    chosen = (w, container)
+                    break
+                if by_count is None:
+                    by_count = (w, container)
+            chosen = chosen or by_count
+            if chosen is None:
+                raise LookupError
+            w, container = chosen
+            served = self._served.setdefault(w.uid, set())
+            served.add(container.name)
+            last = all(n in served for n in w.order)
+            self._done[w.uid] = last
+            return w, container, last
+
+    def _forget(self, uid: str) -> None:
+        with self._lock:
+            self._served.pop(uid, None)
+            self._done.pop(uid, None)
+
+    # -- the answer -------------------------------------------------------------------------
+
+    def _response(self, w: _Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
+        for d in container.devices:
+            card = self.state.card(d.uuid)
+            if card is None:
+                raise _PodFailure(f"card {d.uuid} of container {container.name} is not on node {self.node}")
+            if not card.healthy:
+                raise _PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
+        inside = self.paths.container_dir_inside(w.uid, container.name)
+        host_dir = self.paths.container_dir(w.uid, container.name)
+        host_dir.mkdir(parents=True, exist_ok=True)
+        envs = {
+            "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
+            "CUDA_TASK_PRIORITY": w.priorities.get(container.name, DEFAULT_PRIORITY),
+        }
+        for i, d in enumerate(container.devices):
+            envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
+            envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
+        if self.config.oversubscribe:
+            envs["CUDA_OVERSUBSCRIBE"] = "true"
+        mounts = [api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False)]
+        if self.hook is not None:
+            mounts += [
+                api_pb2.Mount(
+                    container_path=CONTAINER_HOOK_PATH, host_path=str(self.hook.library), read_only=True
+                ),
+                api_pb2.Mount(
+                    container_path="/etc/ld.so.preload", host_path=str(self.hook.preload), read_only=True
+                ),
+            ]
+        return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+    def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:
+        try:
+            self.pods.patch_pod_annotations(
+                w.namespace, w.name, {PHASE_ANNOTATION: phase, REASON_ANNOTATION: reason}
+            )
+        except KubeError as err:
+            log.warning("could not mark pod %s/%s %s: %s", w.namespace, w.name, phase, err)
+
+    def allocate_container(self, ids: Sequence[str]) -> Served:
+        """Serve one ContainerAllocateRequest; raises AllocateError with the gRPC status."""
+        if not ids:
+            raise AllocateError(grpc.StatusCode.INVALID_ARGUMENT, "Allocate named no device IDs")
+        unknown = [i for i in ids if self.state.card(card_of(i)) is None]
+        if unknown:
+            raise AllocateError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"device IDs {', '.join(unknown)} are not devices of this plugin",
+            )
+        waiting, malformed = self._waiting()
+        try:
+            w, container, last = self._claim(waiting, ids)
+        except LookupError:
+            msg = (
+                f"no pod bound to node {self.node} is waiting for a container with {len(ids)} vGPU(s) "
+                f"({len(waiting)} pod(s) in phase {PHASE_BOUND} with a valid {ALLOCATION_ANNOTATION})"
+            )
+            if malformed:
+                msg += "; pods whose allocation cannot be read: " + "; ".join(malformed)
+                msg += " (let the vgpu-scheduler place the pod again: delete and recreate it)"
+            raise AllocateError(grpc.StatusCode.FAILED_PRECONDITION, msg) from None
+        try:
+            response = self._response(w, container)
+        except _PodFailure as err:
+            self._forget(w.uid)
+            self._mark(w, PHASE_FAILED, str(err))
+            raise AllocateError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"pod {w.namespace}/{w.name}: {err}"
+            ) from err
+        if last:
+            self._mark(w, PHASE_ALLOCATED, None)
+        log.info("allocated %s/%s container %s: %s", w.namespace, w.name, container.name, dict(response.envs))
+        return Served(w.namespace, w.name, w.uid, container.name, container, response)
+
+    def allocate(self, request: api_pb2.AllocateRequest) -> api_pb2.AllocateResponse:
+        responses = [
+            self.allocate_container(list(r.devices_ids)).response for r in request.container_requests
+        ]
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+
+class _PodFailure(Exception):
+    """The pod cannot be served on this node; it is marked failed with this reason."""

@@ -1,0 +1,112 @@
+"""The per-node settings of the device plugin, validated before anything starts.
+
+The file (``--config``; every key optional)::
+
+    split: 10                  # most vGPUs one card may carry (kubelet sees split x cards devices)
+    deviceMemoryScaling: 1.0   # advertised memory = real memory x this; > 1 needs oversubscribe
+    deviceCoreScaling: 1.0     # advertised cores = 100 x this
+    oversubscribe: false       # spill device memory beyond the card to host RAM (CUDA_OVERSUBSCRIBE)
+    resourceName: nvidia.com/gpu
+    nodes:                     # per-node overrides of the keys above, by node name
+      gpu-node-7: {split: 4}
+
+A bad value stops the plugin at start with the file, the field and the fix; it never runs
+half-configured.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vgpu.errors import ConfigError
+
+_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    split: int = 10
+    device_memory_scaling: float = 1.0
+    device_core_scaling: float = 1.0
+    oversubscribe: bool = False
+    resource_name: str = "nvidia.com/gpu"
+
+
+_FIELDS = {
+    "split": "split",
+    "deviceMemoryScaling": "device_memory_scaling",
+    "deviceCoreScaling": "device_core_scaling",
+    "oversubscribe": "oversubscribe",
+    "resourceName": "resource_name",
+}
+
+
+def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> NodeConfig:
+    for key, value in doc.items():
+        path = f"{prefix}{key}"
+        if key not in _FIELDS:
+            raise ConfigError(source, path, f"unknown key; known keys: {', '.join(sorted(_FIELDS))}, nodes")
+        if key == "split":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+                raise ConfigError(source, path, f"must be an integer from 1 to 100, got {value!r}")
+        elif key in ("deviceMemoryScaling", "deviceCoreScaling"):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 100:
+                raise ConfigError(
+                    source, path, f"must be a number above 0 (1 = the card as it is), got {value!r}"
+                )
+            value = float(value)
+        elif key == "oversubscribe":
+            if not isinstance(value, bool):
+                raise ConfigError(source, path, f"must be true or false, got {value!r}")
+        elif key == "resourceName":
+            if not isinstance(value, str) or not _RESOURCE.match(value):
+                raise ConfigError(
+                    source, path, f"must be an extended resource name like nvidia.com/gpu, got {value!r}"
+                )
+        cfg = replace(cfg, **{_FIELDS[key]: value})
+    return cfg
+
+
+def parse_node_config(text: str, node: str, source: str) -> NodeConfig:
+    """The config of ``node``: top-level keys, then its entry under ``nodes``; raises ConfigError."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(source, "", f"not valid YAML ({err})") from err
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(source, "", "must be a mapping of settings (see docs/device-plugin.md)")
+    doc = dict(doc)
+    nodes = doc.pop("nodes", {}) or {}
+    if not isinstance(nodes, dict):
+        raise ConfigError(source, "nodes", "must map node names to settings")
+    cfg = _apply(NodeConfig(), doc, source, "")
+    own = nodes.get(node, {}) or {}
+    if not isinstance(own, dict):
+        raise ConfigError(source, f"nodes.{node}", "must be a mapping of settings")
+    cfg = _apply(cfg, own, source, f"nodes.{node}.")
+    if cfg.device_memory_scaling > 1 and not cfg.oversubscribe:
+        where = f"nodes.{node}.deviceMemoryScaling" if "deviceMemoryScaling" in own else "deviceMemoryScaling"
+        raise ConfigError(
+            source,
+            where,
+            f"{cfg.device_memory_scaling} promises more memory than the cards have; "
+            "set oversubscribe: true to spill the excess to host memory, or use a value <= 1",
+        )
+    return cfg
+
+
+def load_node_config(path: Path | None, node: str) -> NodeConfig:
+    if path is None:
+        return NodeConfig()
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(str(path), "", f"cannot read the node config ({err.strerror})") from err
+    return parse_node_config(text, node, str(path))

@@ -1,0 +1,105 @@
+"""The node's cards as kubelet and the scheduler see them, with health that changes over time.
+
+Each card is advertised to kubelet as ``split`` device IDs ``<uuid>::<n>``; the inventory of
+contract 2 carries the card with the node's memory and core scaling applied.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+from vgpu.annotations import Device, NodeInventory
+from vgpu.plugin.api import api_pb2
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.discovery import Card
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+ID_SEPARATOR = "::"
+
+
+def device_id(uuid: str, n: int) -> str:
+    return f"{uuid}{ID_SEPARATOR}{n}"
+
+
+def card_of(device_id: str) -> str:
+    """The card UUID a kubelet device ID belongs to."""
+    return device_id.rsplit(ID_SEPARATOR, 1)[0]
+
+
+class DeviceState:
+    """Cards, config and health; ``version`` grows on every change and waiters are woken."""
+
+    def __init__(self, cards: list[Card], config: NodeConfig) -> None:
+        self.config = config
+        self._cards = {c.uuid: c for c in cards}
+        self._order = [c.uuid for c in cards]
+        self._cond = threading.Condition()
+        self.version = 0
+
+    def cards(self) -> list[Card]:
+        with self._cond:
+            return [self._cards[u] for u in self._order]
+
+    def card(self, uuid: str) -> Card | None:
+        with self._cond:
+            return self._cards.get(uuid)
+
+    def set_health(self, uuid: str, healthy: bool) -> bool:
+        """Record a card's health; returns whether it changed."""
+        with self._cond:
+            card = self._cards.get(uuid)
+            if card is None or card.healthy == healthy:
+                return False
+            self._cards[uuid] = replace(card, healthy=healthy)
+            self.version += 1
+            self._cond.notify_all()
+            return True
+
+    def wait_change(self, seen: int, timeout_s: float) -> int:
+        """Block until ``version`` differs from ``seen`` or the timeout passes; returns the version."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.version != seen, timeout_s)
+            return self.version
+
+    def kick(self) -> None:
+        """Wake every waiter (used on shutdown)."""
+        with self._cond:
+            self.version += 1
+            self._cond.notify_all()
+
+    def kubelet_devices(self) -> list[api_pb2.Device]:
+        out = []
+        for card in self.cards():
+            topology = (
+                api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=card.numa)]) if card.numa >= 0 else None
+            )
+            for n in range(self.config.split):
+                out.append(
+                    api_pb2.Device(
+                        ID=device_id(card.uuid, n),
+                        health=HEALTHY if card.healthy else UNHEALTHY,
+                        topology=topology,
+                    )
+                )
+        return out
+
+    def inventory(self) -> NodeInventory:
+        cfg = self.config
+        return NodeInventory(
+            devices=tuple(
+                Device(
+                    uuid=c.uuid,
+                    index=c.index,
+                    model=c.model,
+                    memory_mib=int(c.memory_mib * cfg.device_memory_scaling),
+                    cores=int(100 * cfg.device_core_scaling),
+                    split=cfg.split,
+                    numa=c.numa,
+                    healthy=c.healthy,
+                    links=dict(c.links),
+                )
+                for c in self.cards()
+            )
+        )

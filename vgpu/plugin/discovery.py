@@ -1,0 +1,60 @@
+"""What the plugin needs to know about the node's GPUs, behind one narrow interface.
+
+Two backends satisfy :class:`Discovery`: :class:`vgpu.plugin.nvml.NvmlDiscovery` (the real cards,
+through pynvml) and :class:`vgpu.plugin.fake_nvml.FakeDiscovery` (cards described by a YAML file,
+for tests and the sandbox). The kubelet plumbing, the inventory writer and the monitor only ever
+talk to this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Card:
+    """One physical GPU as discovered, before the node config scales it."""
+
+    uuid: str
+    index: int
+    model: str
+    memory_mib: int
+    numa: int = -1  # -1: unknown
+    healthy: bool = True
+    links: Mapping[str, str] = field(default_factory=dict)  # peer uuid -> "nvlink" | "pcie" ...
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A card changed health; ``reason`` says why (``Xid 79``, ``marked unhealthy in gpus.yaml``)."""
+
+    uuid: str
+    healthy: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class CardUsage:
+    """What the card reports right now, for the monitor."""
+
+    memory_used_mib: int
+    memory_total_mib: int
+    utilization_percent: int
+
+
+class Discovery(Protocol):
+    def cards(self) -> list[Card]:
+        """Every GPU of the node, in index order, with its current health."""
+        ...
+
+    def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        """Block up to ``timeout_s`` for health changes; returns those seen (maybe none)."""
+        ...
+
+    def usage(self, uuid: str) -> CardUsage | None:
+        """Current memory and utilization of one card, None when it cannot be read."""
+        ...
+
+    def close(self) -> None: ...

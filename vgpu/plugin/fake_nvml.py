@@ -1,0 +1,156 @@
+"""A stand-in for NVML: GPUs described by a small YAML file (tests and the sandbox use it).
+
+The file::
+
+    gpus:
+      - uuid: GPU-3f1c0d6e-0000-4000-8000-000000000000   # required, unique, at most 58 characters
+        model: NVIDIA H200                                # default "Fake GPU"
+        memoryMiB: 143771                                 # required, > 0
+        index: 0                                          # default: position in the list
+        numa: 0                                           # default -1 (unknown)
+        healthy: true                                     # default true
+        links: {GPU-...: nvlink}                          # default {}
+        memoryUsedMiB: 0                                  # what the monitor reports, default 0
+        utilization: 0                                    # percent, default 0
+
+The file is watched: edit ``healthy`` and the plugin
+sees a health event within about a second, as it would see an Xid from NVML.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vgpu.errors import ConfigError
+from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
+
+MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
+KEYS = {"index", "uuid", "model", "memoryMiB", "numa", "healthy", "links", "memoryUsedMiB", "utilization"}
+
+
+def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardUsage]]:
+    """Parse the fake GPU file; raises ConfigError naming the field."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(source, "", f"not valid YAML ({err})") from err
+    if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
+        raise ConfigError(source, "gpus", "must be a list of GPUs (see docs/device-plugin.md)")
+    cards: list[Card] = []
+    usage: dict[str, CardUsage] = {}
+    for i, item in enumerate(doc["gpus"]):
+        path = f"gpus[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(source, path, "must be a mapping with at least uuid and memoryMiB")
+        unknown = sorted(set(item) - KEYS)
+        if unknown:
+            raise ConfigError(
+                source, f"{path}.{unknown[0]}", f"unknown key; known: {', '.join(sorted(KEYS))}"
+            )
+        uuid = item.get("uuid")
+        if not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_LEN:
+            raise ConfigError(source, f"{path}.uuid", f"must be a string of 1..{MAX_UUID_LEN} characters")
+        if any(c.uuid == uuid for c in cards):
+            raise ConfigError(source, f"{path}.uuid", f"duplicate uuid {uuid!r}")
+        mem = _int(item, "memoryMiB", path, source, minimum=1, default=None)
+        links = item.get("links", {}) or {}
+        if not isinstance(links, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in links.items()
+        ):
+            raise ConfigError(source, f"{path}.links", "must map peer uuid to a link kind (nvlink, pcie)")
+        healthy = item.get("healthy", True)
+        if not isinstance(healthy, bool):
+            raise ConfigError(source, f"{path}.healthy", "must be true or false")
+        model = item.get("model", "Fake GPU")
+        if not isinstance(model, str):
+            raise ConfigError(source, f"{path}.model", "must be a string")
+        index = _int(item, "index", path, source, minimum=0, default=i)
+        if any(c.index == index for c in cards):
+            raise ConfigError(source, f"{path}.index", f"duplicate index {index}")
+        cards.append(
+            Card(
+                uuid=uuid,
+                index=index,
+                model=model,
+                memory_mib=mem,
+                numa=_int(item, "numa", path, source, minimum=-1, default=-1),
+                healthy=healthy,
+                links=dict(links),
+            )
+        )
+        usage[uuid] = CardUsage(
+            memory_used_mib=_int(item, "memoryUsedMiB", path, source, minimum=0, default=0),
+            memory_total_mib=mem,
+            utilization_percent=_int(item, "utilization", path, source, minimum=0, default=0),
+        )
+    return sorted(cards, key=lambda c: c.index), usage
+
+
+def _int(item: dict[str, Any], key: str, path: str, source: str, minimum: int, default: int | None) -> int:
+    value = item.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(source, f"{path}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class FakeDiscovery:
+    """Discovery from a YAML file, re-read when it changes (health, usage)."""
+
+    def __init__(self, path: Path, poll_s: float = 0.5) -> None:
+        self.path = Path(path)
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._stamp = self._file_stamp()
+        self._cards, self._usage = parse_fake_gpus(self.path.read_text(), str(self.path))
+
+    def _file_stamp(self) -> tuple[int, int, int]:
+        st = self.path.stat()
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return list(self._cards)
+
+    def usage(self, uuid: str) -> CardUsage | None:
+        with self._lock:
+            return self._usage.get(uuid)
+
+    def _reload(self) -> list[HealthEvent]:
+        try:
+            stamp = self._file_stamp()
+            if stamp == self._stamp:
+                return []
+            cards, usage = parse_fake_gpus(self.path.read_text(), str(self.path))
+        except (OSError, ConfigError):
+            return []  # a half-written or broken edit: keep the last good view
+        with self._lock:
+            before = {c.uuid: c.healthy for c in self._cards}
+            self._stamp = stamp
+            # The set of cards is fixed at start, as with NVML; only health and usage change.
+            by_uuid = {c.uuid: c for c in cards}
+            self._cards = [by_uuid.get(c.uuid, c) for c in self._cards]
+            self._usage.update({u: v for u, v in usage.items() if u in before})
+            return [
+                HealthEvent(
+                    c.uuid, c.healthy, f"marked {'healthy' if c.healthy else 'unhealthy'} in {self.path}"
+                )
+                for c in self._cards
+                if before[c.uuid] != c.healthy
+            ]
+
+    def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = self._reload()
+            left = deadline - time.monotonic()
+            if events or left <= 0:
+                return events
+            time.sleep(min(self.poll_s, left))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,148 @@
+"""Discovery of the real GPUs through NVML (pynvml): cards, memory, model, NUMA, NVLink, Xid health."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from vgpu.errors import ConfigError
+from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
+
+log = logging.getLogger(__name__)
+
+# Xids caused by the application, not the card (as NVIDIA's own plugin treats them): no health change.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlDiscovery:
+    """Discovery through NVML. ``root`` prefixes /sys when NVML cannot tell the NUMA node."""
+
+    def __init__(self, root: Path = Path("/")) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise ConfigError(
+                "NVML",
+                "",
+                f"cannot initialise NVML ({err}); run on a GPU node, or pass --fake-nvml GPUS.yaml",
+            ) from err
+        self.root = root
+        self._lock = threading.Lock()
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self._uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self._handles]
+        self._unhealthy: dict[str, str] = {}
+        self._events: Any = None
+        try:
+            self._events = pynvml.nvmlEventSetCreate()
+            for h in self._handles:
+                try:
+                    pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._events)
+                except pynvml.NVMLError as err:
+                    log.warning("Xid events unavailable on %s (%s); health is not watched", _text(h), err)
+        except pynvml.NVMLError as err:
+            log.warning("NVML events unavailable (%s); card health is not watched", err)
+        self._static = [self._describe(i, h) for i, h in enumerate(self._handles)]
+
+    def _numa(self, handle: Any) -> int:
+        nv = self._nvml
+        try:
+            return int(nv.nvmlDeviceGetNumaNodeId(handle))
+        except (nv.NVMLError, AttributeError):
+            pass
+        try:
+            bus = _text(nv.nvmlDeviceGetPciInfo(handle).busId).lower()
+            # NVML spells the domain with 8 hex digits, sysfs with 4.
+            bus = bus[4:] if len(bus.split(":")[0]) == 8 else bus
+            value = int((self.root / "sys/bus/pci/devices" / bus / "numa_node").read_text().strip())
+            return max(value, -1)
+        except (nv.NVMLError, OSError, ValueError):
+            return -1
+
+    def _links(self, index: int, handle: Any) -> dict[str, str]:
+        nv = self._nvml
+        links: dict[str, str] = {}
+        for j, peer in enumerate(self._handles):
+            if j == index:
+                continue
+            kind = "pcie"
+            try:
+                if (
+                    nv.nvmlDeviceGetP2PStatus(handle, peer, nv.NVML_P2P_CAPS_INDEX_NVLINK)
+                    == nv.NVML_P2P_STATUS_OK
+                ):
+                    kind = "nvlink"
+            except nv.NVMLError:
+                pass
+            links[self._uuids[j]] = kind
+        return links
+
+    def _describe(self, index: int, handle: Any) -> Card:
+        nv = self._nvml
+        mem = nv.nvmlDeviceGetMemoryInfo(handle)
+        return Card(
+            uuid=self._uuids[index],
+            index=index,
+            model=_text(nv.nvmlDeviceGetName(handle)),
+            memory_mib=int(mem.total) // (1 << 20),
+            numa=self._numa(handle),
+            links=self._links(index, handle),
+        )
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return [
+                Card(c.uuid, c.index, c.model, c.memory_mib, c.numa, c.uuid not in self._unhealthy, c.links)
+                for c in self._static
+            ]
+
+    def usage(self, uuid: str) -> CardUsage | None:
+        nv = self._nvml
+        try:
+            h = self._handles[self._uuids.index(uuid)]
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            try:
+                util = int(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            except nv.NVMLError:
+                util = 0
+            return CardUsage(int(mem.used) // (1 << 20), int(mem.total) // (1 << 20), util)
+        except (ValueError, nv.NVMLError):
+            return None
+
+    def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        nv = self._nvml
+        if self._events is None:
+            threading.Event().wait(timeout_s)
+            return []
+        try:
+            data = nv.nvmlEventSetWait_v2(self._events, int(timeout_s * 1000))
+        except nv.NVMLError as err:
+            if getattr(err, "value", None) != nv.NVML_ERROR_TIMEOUT:
+                log.warning("waiting for NVML events failed: %s", err)
+            return []
+        xid = int(data.eventData)
+        if xid in APPLICATION_XIDS:
+            return []
+        uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+        with self._lock:
+            if uuid in self._unhealthy:
+                return []
+            self._unhealthy[uuid] = f"Xid {xid}"
+        return [HealthEvent(uuid, False, f"Xid {xid}")]
+
+    def close(self) -> None:
+        nv = self._nvml
+        try:
+            if self._events is not None:
+                nv.nvmlEventSetFree(self._events)
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass

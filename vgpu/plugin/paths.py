@@ -1,0 +1,83 @@
+"""Every host path the plugin touches, under one root prefix (``--root``) so tests run in temp trees."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PLUGIN_SOCKET_NAME = "vgpu.sock"
+KUBELET_SOCKET_NAME = "kubelet.sock"
+REGION_FILE_NAME = "vgpu.region"
+HOOK_LIBRARY_NAME = "libvgpu.so"
+# Where the hook library appears inside a container; /etc/ld.so.preload names it.
+CONTAINER_HOOK_PATH = "/usr/local/vgpu/" + HOOK_LIBRARY_NAME
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    root: Path
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.root / "var/lib/kubelet/device-plugins"
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.kubelet_dir / KUBELET_SOCKET_NAME
+
+    @property
+    def plugin_socket(self) -> Path:
+        return self.kubelet_dir / PLUGIN_SOCKET_NAME
+
+    @property
+    def vgpu_dir(self) -> Path:
+        return self.root / "var/lib/vgpu"
+
+    @property
+    def containers_dir(self) -> Path:
+        return self.vgpu_dir / "containers"
+
+    @property
+    def lib_dir(self) -> Path:
+        return self.vgpu_dir / "lib"
+
+    def container_dir(self, pod_uid: str, container: str) -> Path:
+        return self.containers_dir / f"{pod_uid}_{container}"
+
+    @staticmethod
+    def container_dir_inside(pod_uid: str, container: str) -> str:
+        """The same folder as the container sees it (mounted at its host path without the root)."""
+        return f"/var/lib/vgpu/containers/{pod_uid}_{container}"
+
+
+@dataclass(frozen=True)
+class HookInstall:
+    version: str
+    library: Path  # host path of the versioned library
+    preload: Path  # host path of the file mounted over /etc/ld.so.preload
+
+
+def install_hook(source: Path, paths: HostPaths) -> HookInstall:
+    """Copy the hook library to ``lib/<content hash>/`` unless that version is already there.
+
+    A version folder is written once and never changed, so a library mapped by running
+    containers is never overwritten in place; a new build lands in a new folder.
+    """
+    data = Path(source).read_bytes()
+    version = hashlib.sha256(data).hexdigest()[:16]
+    folder = paths.lib_dir / version
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / HOOK_LIBRARY_NAME
+    preload = folder / "ld.so.preload"
+    if not library.exists():
+        tmp = folder / f".{HOOK_LIBRARY_NAME}.{os.getpid()}"
+        tmp.write_bytes(data)
+        tmp.chmod(0o755)
+        os.replace(tmp, library)
+    if not preload.exists():
+        tmp = folder / f".ld.so.preload.{os.getpid()}"
+        tmp.write_text(CONTAINER_HOOK_PATH + "\n")
+        os.replace(tmp, preload)
+    return HookInstall(version, library, preload)

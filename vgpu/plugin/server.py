@@ -1,0 +1,222 @@
+"""The kubelet plumbing: the DevicePlugin gRPC service on a unix socket, Register, re-registering.
+
+Device knowledge lives in :class:`DeviceState`, pod knowledge in :class:`Allocator`; this module
+only speaks kubelet's protocol. kubelet removes every plugin socket when it restarts and
+recreates its own; the watcher notices either (inode of kubelet.sock changed, our socket gone),
+restarts the gRPC server on a fresh socket and registers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from vgpu.plugin.allocate import AllocateError, Allocator
+from vgpu.plugin.api import api_pb2, api_pb2_grpc
+from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.paths import PLUGIN_SOCKET_NAME, HostPaths
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+
+
+class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
+    def __init__(self, state: DeviceState, allocator: Allocator, stopping: threading.Event) -> None:
+        self.state = state
+        self.allocator = allocator
+        self.stopping = stopping
+
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
+        seen = -1
+        while not self.stopping.is_set() and context.is_active():
+            version = self.state.version
+            if version != seen:
+                seen = version
+                yield api_pb2.ListAndWatchResponse(devices=self.state.kubelet_devices())
+            self.state.wait_change(seen, 1.0)
+
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        return api_pb2.PreferredAllocationResponse(
+            container_responses=[
+                api_pb2.ContainerPreferredAllocationResponse(
+                    deviceIDs=prefer(
+                        list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size
+                    )
+                )
+                for r in request.container_requests
+            ]
+        )
+
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        try:
+            return self.allocator.allocate(request)
+        except AllocateError as err:
+            log.warning("Allocate refused: %s", err)
+            context.abort(err.code, str(err))
+            raise  # abort raises; this keeps type checkers content
+
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+
+def prefer(available: list[str], must: list[str], size: int) -> list[str]:
+    """IDs on distinct cards (each vGPU of a container on its own card), the must-haves first.
+
+    Among the rest, cards with the most free IDs come first, so kubelet keeps IDs spread the
+    way the scheduler counts vGPUs per card.
+    """
+    chosen = list(must)
+    cards = {card_of(i) for i in chosen}
+    free: dict[str, list[str]] = {}
+    for i in available:
+        free.setdefault(card_of(i), []).append(i)
+    for card, ids in sorted(free.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if len(chosen) >= size:
+            break
+        if card in cards:
+            continue
+        pick = next((i for i in ids if i not in chosen), None)
+        if pick is not None:
+            chosen.append(pick)
+            cards.add(card)
+    # Fewer cards than asked for: fill from any card rather than give kubelet too few.
+    for i in available:
+        if len(chosen) >= size:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return chosen[:size] if size > 0 else chosen
+
+
+class PluginServer:
+    """Serves the plugin socket and keeps it registered with kubelet."""
+
+    def __init__(
+        self,
+        paths: HostPaths,
+        state: DeviceState,
+        allocator: Allocator,
+        resource_name: str,
+        watch_interval_s: float = 1.0,
+    ) -> None:
+        self.paths = paths
+        self.state = state
+        self.allocator = allocator
+        self.resource_name = resource_name
+        self.watch_interval_s = watch_interval_s
+        self._stopping = threading.Event()
+        self._server: grpc.Server | None = None
+        self._streams_stop = threading.Event()
+        self._kubelet_inode: int | None = None
+        self._registered = False
+        self._watcher: threading.Thread | None = None
+        self.registrations = 0  # how many times Register succeeded (tests and logs)
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        self._stop_server()
+        self.paths.kubelet_dir.mkdir(parents=True, exist_ok=True)
+        sock = self.paths.plugin_socket
+        if sock.exists() or sock.is_symlink():
+            sock.unlink()
+        self._streams_stop = threading.Event()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="dp-grpc"))
+        api_pb2_grpc.add_DevicePluginServicer_to_server(
+            DevicePluginService(self.state, self.allocator, self._streams_stop), server
+        )
+        server.add_insecure_port(f"unix://{sock}")
+        server.start()
+        self._server = server
+        log.info("serving the device plugin on %s", sock)
+
+    def _stop_server(self) -> None:
+        if self._server is not None:
+            self._streams_stop.set()
+            self.state.kick()
+            self._server.stop(grace=1).wait(5)
+            self._server = None
+
+    def _register(self) -> bool:
+        kubelet = self.paths.kubelet_socket
+        try:
+            with grpc.insecure_channel(f"unix://{kubelet}") as channel:
+                api_pb2_grpc.RegistrationStub(channel).Register(
+                    api_pb2.RegisterRequest(
+                        version=API_VERSION,
+                        endpoint=PLUGIN_SOCKET_NAME,
+                        resource_name=self.resource_name,
+                        options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+                    ),
+                    timeout=5,
+                )
+        except grpc.RpcError as err:
+            log.warning("registering with kubelet at %s failed (%s); retrying", kubelet, err.details())
+            return False
+        self.registrations += 1
+        log.info("registered %s with kubelet at %s", self.resource_name, kubelet)
+        return True
+
+    def _kubelet_socket_inode(self) -> int | None:
+        try:
+            return os.stat(self.paths.kubelet_socket).st_ino
+        except OSError:
+            return None
+
+    def check_once(self) -> None:
+        """One round of the watcher: serve again and re-register when kubelet came back."""
+        inode = self._kubelet_socket_inode()
+        if inode is None:
+            self._registered = False  # kubelet is down; register when its socket is back
+            return
+        restarted = self._kubelet_inode is not None and inode != self._kubelet_inode
+        need_serve = self._server is None or restarted or not self.paths.plugin_socket.exists()
+        if need_serve:
+            if restarted:
+                log.info("kubelet restarted (its socket was recreated); serving and registering again")
+            self._serve()
+        if need_serve or inode != self._kubelet_inode or not self._registered:
+            self._registered = self._register()
+        self._kubelet_inode = inode
+
+    def start(self) -> None:
+        self._serve()
+        self.check_once()
+        self._watcher = threading.Thread(target=self._watch, name="dp-kubelet-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.watch_interval_s):
+            try:
+                self.check_once()
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one failure
+                log.exception("kubelet watcher round failed")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        self._stop_server()
+        try:
+            self.paths.plugin_socket.unlink()
+        except OSError:
+            pass
