@@ -1,0 +1,157 @@
+"""Properties of the fit over random clusters and request sequences (hypothesis).
+
+The oracle below is an independent brute force: it tries every assignment of every vGPU to a card
+and checks the per-card limits directly, so it shares no search code with :mod:`vgpu.fit`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vgpu.annotations import Device, NodeInventory
+from vgpu.fit import Plan, fit_node
+from vgpu.ledger import ZERO, Ledger, Usage, vgpu_usage
+from vgpu.requests import ContainerRequest, PodRequest, Selection
+
+MODELS = ("NVIDIA H200", "Tesla T4")
+
+
+@st.composite
+def inventories(draw: st.DrawFn, prefix: str = "n") -> NodeInventory:
+    n = draw(st.integers(1, 4))
+    devices = []
+    for i in range(n):
+        devices.append(
+            Device(
+                uuid=f"{prefix}-GPU-{i}",
+                index=i,
+                model=draw(st.sampled_from(MODELS)),
+                memory_mib=draw(st.sampled_from([1000, 2000, 4000])),
+                cores=draw(st.sampled_from([100, 200])),
+                split=draw(st.integers(1, 4)),
+                numa=draw(st.integers(0, 1)),
+                healthy=draw(st.booleans().map(lambda b: b or draw(st.booleans()))),
+            )
+        )
+    return NodeInventory(devices=tuple(devices))
+
+
+@st.composite
+def containers(draw: st.DrawFn, name: str, init: bool) -> ContainerRequest:
+    percent = draw(st.booleans())
+    return ContainerRequest(
+        name=name,
+        count=draw(st.integers(0 if init else 1, 2)),
+        memory_mib=None if percent else draw(st.sampled_from([100, 500, 1000, 1500, 3000])),
+        memory_percent=draw(st.sampled_from([10, 50, 100])) if percent else None,
+        cores=draw(st.sampled_from([0, 0, 20, 50, 100])),
+        init=init,
+        sidecar=init and draw(st.booleans()),
+    )
+
+
+@st.composite
+def pods(draw: st.DrawFn) -> PodRequest:
+    inits = [draw(containers(f"i{k}", True)) for k in range(draw(st.integers(0, 2)))]
+    apps = [draw(containers(f"a{k}", False)) for k in range(draw(st.integers(1, 2)))]
+    selection = draw(
+        st.sampled_from([Selection(), Selection(use_types=("t4",)), Selection(nouse_uuids=("n-GPU-0",))])
+    )
+    return PodRequest(
+        tuple(inits + apps), selection, gpu_policy=draw(st.sampled_from([None, "binpack", "spread"]))
+    )
+
+
+def oracle_fits(inv: NodeInventory, usage: Mapping[str, Usage], pod: PodRequest) -> bool:
+    """Brute force: does any assignment of vGPUs to cards respect every card's limits?"""
+    cards = [d for d in inv.devices if d.healthy and pod.selection.why_not(d.uuid, d.model) is None]
+    wanted = [c for c in pod.containers if c.count > 0]
+    choices = [list(itertools.permutations(cards, c.count)) for c in wanted]
+    phases = [[c.name for c in phase] for phase in pod.phases()]
+    for assignment in itertools.product(*choices):
+        placed = {c.name: (c, combo) for c, combo in zip(wanted, assignment, strict=True)}
+        fp: dict[str, Usage] = {}
+        ok = True
+        for phase in phases:
+            use: dict[str, Usage] = {}
+            for name in phase:
+                c, combo = placed[name]
+                for d in combo:
+                    use[d.uuid] = use.get(d.uuid, ZERO) + vgpu_usage(c.memory_on(d.memory_mib), c.cores)
+            for uuid, u in use.items():
+                if u.exclusive and u.count > 1:
+                    ok = False
+                fp[uuid] = fp.get(uuid, ZERO).max(u)
+        for d in inv.devices:
+            mine, other = fp.get(d.uuid, ZERO), usage.get(d.uuid, ZERO)
+            total = mine + other
+            if mine.count and (other.exclusive or (mine.exclusive and other.count)):
+                ok = False
+            if total.memory_mib > d.memory_mib or total.cores > d.cores or total.count > d.split:
+                ok = False
+        if ok:
+            return True
+    return False
+
+
+def within_capacity(inv: NodeInventory, usage: Mapping[str, Usage]) -> bool:
+    for d in inv.devices:
+        u = usage.get(d.uuid, ZERO)
+        if u.memory_mib > d.memory_mib or u.cores > d.cores or u.count > d.split:
+            return False
+        if u.exclusive and u.count > u.exclusive:
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inventories(), pods(), st.data())
+def test_a_pod_that_fits_a_node_is_never_rejected_and_one_that_does_not_is_never_placed(
+    inv: NodeInventory, pod: PodRequest, data: st.DataObject
+) -> None:
+    # some capacity already committed by other pods, itself within the cards
+    usage: dict[str, Usage] = {}
+    for d in inv.devices:
+        if data.draw(st.booleans()):
+            u = vgpu_usage(data.draw(st.integers(0, d.memory_mib)), data.draw(st.sampled_from([0, 30, 100])))
+            usage[d.uuid] = u
+    result = fit_node("n", inv, usage, pod)
+    assert isinstance(result, Plan) == oracle_fits(inv, usage, pod), result
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(inventories(), min_size=1, max_size=3), st.lists(st.tuples(pods(), st.booleans()), max_size=12)
+)
+def test_committed_memory_cores_and_vgpus_never_exceed_any_card(
+    nodes: list[NodeInventory], requests: list[tuple[PodRequest, bool]]
+) -> None:
+    # give every node distinct card uuids
+    cluster = {
+        f"node-{k}": NodeInventory(
+            tuple(Device(**{**d.__dict__, "uuid": f"node-{k}-{d.uuid}"}) for d in inv.devices)
+        )
+        for k, inv in enumerate(nodes)
+    }
+    ledger = Ledger()
+    live: list[str] = []
+    for n, (pod, release_one) in enumerate(requests):
+        placed = False
+        for name, inv in cluster.items():
+            usage = ledger.usage(name)
+            result = fit_node(name, inv, usage, pod)
+            if isinstance(result, Plan):
+                ledger.commit(f"pod-{n}", name, result.footprint)
+                live.append(f"pod-{n}")
+                placed = True
+                break
+            # a rejection means the brute force finds no way either
+            assert not oracle_fits(inv, usage, pod)
+        if release_one and live and not placed:
+            ledger.release(live.pop(0))
+        for name, inv in cluster.items():
+            assert within_capacity(inv, ledger.usage(name)), (name, ledger.usage(name))

@@ -1,0 +1,123 @@
+"""Request parsing (contract 1): defaults, API-server quantities, errors naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vgpu.config import SchedulerConfig
+from vgpu.errors import RequestError
+from vgpu.requests import asks_for_vgpu, parse_pod, parse_quantity
+
+CFG = SchedulerConfig()
+
+
+def pod(
+    *containers: dict[str, Any],
+    init: tuple[dict[str, Any], ...] = (),
+    annotations: dict[str, str] | None = None,
+):
+    return {
+        "metadata": {"name": "p", "annotations": annotations or {}},
+        "spec": {"containers": list(containers), "initContainers": list(init)},
+    }
+
+
+def ctr(name: str = "main", **limits: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "resources": {"limits": {"nvidia.com/" + k.replace("_", "-"): v for k, v in limits.items()}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("3000", 3000), ("3k", 3000), ("1e3", 1000), ("1Ki", 1024), (7, 7), ("2000m", 2), ("0", 0)],
+)
+def test_quantities_parse_as_the_api_server_writes_them(text: str | int, value: int) -> None:
+    assert parse_quantity(text, "f") == value
+
+
+@pytest.mark.parametrize("text", ["1.5", "500m", "abc", "3 GB", True, ""])
+def test_a_quantity_that_is_not_a_whole_number_is_rejected_naming_the_field(text: Any) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_quantity(text, "spec.containers[0].resources.limits[nvidia.com/gpumem]")
+    assert info.value.field.endswith("[nvidia.com/gpumem]")
+
+
+def test_only_gpu_means_the_whole_card() -> None:
+    req = parse_pod(pod(ctr(gpu=2)), CFG)
+    (c,) = req.containers
+    assert (c.count, c.memory_mib, c.memory_percent, c.cores) == (2, None, 100, 0)
+    assert c.memory_on(80000) == 80000
+
+
+def test_configured_defaults_apply_when_memory_and_cores_are_not_given() -> None:
+    (c,) = parse_pod(pod(ctr(gpu=1)), SchedulerConfig(default_mem=4000, default_cores=25)).containers
+    assert (c.memory_mib, c.memory_percent, c.cores) == (4000, None, 25)
+
+
+def test_memory_alone_implies_one_vgpu() -> None:
+    (c,) = parse_pod(pod(ctr(gpumem="3k", gpucores=30)), CFG).containers
+    assert (c.count, c.memory_mib, c.cores) == (1, 3000, 30)
+
+
+def test_memory_percentage_scales_with_the_card() -> None:
+    (c,) = parse_pod(pod(ctr(gpumem_percentage=25)), CFG).containers
+    assert c.memory_on(80000) == 20000 and c.memory_mib is None
+
+
+def test_cores_of_100_mean_the_card_exclusively() -> None:
+    (c,) = parse_pod(pod(ctr(gpu=1, gpucores=100)), CFG).containers
+    assert c.exclusive
+
+
+def test_a_container_without_vgpu_resources_asks_for_nothing() -> None:
+    req = parse_pod(pod({"name": "side", "resources": {"limits": {"cpu": "1"}}}), CFG)
+    assert not req.wants_vgpu
+    assert not asks_for_vgpu(pod({"name": "side"}))
+    assert asks_for_vgpu(pod(ctr(gpu=1)))
+
+
+@pytest.mark.parametrize(
+    ("limits", "field", "words"),
+    [
+        ({"gpumem": 1000, "gpumem_percentage": 10}, "[nvidia.com/gpumem-percentage]", "not both"),
+        ({"gpucores": 101}, "[nvidia.com/gpucores]", "0..100"),
+        ({"gpumem": -5}, "[nvidia.com/gpumem]", "negative"),
+        ({"gpu": "1.5"}, "[nvidia.com/gpu]", "whole number"),
+        ({"gpumem_percentage": 150}, "[nvidia.com/gpumem-percentage]", "1..100"),
+        ({"gpu": 0, "gpumem": 100}, "[nvidia.com/gpu]", "at least one"),
+        ({"priority": 3}, "[nvidia.com/priority]", "0 (high) or 1"),
+    ],
+)
+def test_an_impossible_request_is_rejected_naming_the_field(
+    limits: dict[str, Any], field: str, words: str
+) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod({"name": "ok"}, ctr("bad", **limits)), CFG)
+    assert info.value.field == "spec.containers[1].resources.limits" + field
+    assert words in str(info.value)
+
+
+def test_a_bad_policy_annotation_is_rejected_naming_it() -> None:
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr(gpu=1), annotations={"vgpu.openaios.io/node-policy": "pack"}), CFG)
+    assert "vgpu.openaios.io/node-policy" in info.value.field
+
+
+def test_selection_annotations_are_comma_lists() -> None:
+    annos = {"nvidia.com/use-gputype": "A100, H200", "nvidia.com/nouse-gpuuuid": "GPU-1,GPU-2"}
+    sel = parse_pod(pod(ctr(gpu=1), annotations=annos), CFG).selection
+    assert sel.use_types == ("A100", "H200") and sel.nouse_uuids == ("GPU-1", "GPU-2")
+    assert sel.why_not("GPU-9", "NVIDIA H200 141GB") is None
+    assert sel.why_not("GPU-9", "Tesla T4") is not None
+    assert sel.why_not("GPU-1", "NVIDIA A100") is not None
+
+
+def test_init_containers_run_in_their_own_phases_and_sidecars_stay_for_the_app_phase() -> None:
+    init = (ctr("setup", gpu=1), {**ctr("side", gpu=1), "restartPolicy": "Always"}, ctr("warm", gpu=1))
+    req = parse_pod(pod(ctr("app", gpu=1), ctr("cpu-only", gpu=0), init=init), CFG)
+    names = [[c.name for c in phase] for phase in req.phases()]
+    assert names == [["setup"], ["side", "warm"], ["side", "app"]]

@@ -1,0 +1,146 @@
+"""The ledger: what every card has committed (memory, cores, vGPUs), pod by pod.
+
+A pod holds on each card the most it needs at any one time (see :mod:`vgpu.requests`: init
+containers run before the app containers, so their capacity is reused). That per-card maximum is
+the pod's *footprint*; the ledger adds footprints per card. It is a plain data structure, not
+thread-safe: its owner serialises access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from vgpu.annotations import Allocation
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What is committed on one card: memory (MiB), cores (percent), vGPUs, exclusive vGPUs among them."""
+
+    memory_mib: int = 0
+    cores: int = 0
+    count: int = 0
+    exclusive: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.memory_mib + other.memory_mib,
+            self.cores + other.cores,
+            self.count + other.count,
+            self.exclusive + other.exclusive,
+        )
+
+    def __sub__(self, other: Usage) -> Usage:
+        return Usage(
+            self.memory_mib - other.memory_mib,
+            self.cores - other.cores,
+            self.count - other.count,
+            self.exclusive - other.exclusive,
+        )
+
+    def max(self, other: Usage) -> Usage:
+        return Usage(
+            max(self.memory_mib, other.memory_mib),
+            max(self.cores, other.cores),
+            max(self.count, other.count),
+            max(self.exclusive, other.exclusive),
+        )
+
+    @property
+    def empty(self) -> bool:
+        return self.count == 0 and self.memory_mib == 0 and self.cores == 0
+
+
+ZERO = Usage()
+Footprint = Mapping[str, Usage]
+
+
+def vgpu_usage(memory_mib: int, cores: int) -> Usage:
+    """The usage of one vGPU; 100 cores or more means the card exclusively."""
+    return Usage(memory_mib, cores, 1, 1 if cores >= 100 else 0)
+
+
+def footprint(allocation: Allocation, phases: Iterable[Iterable[str]] | None = None) -> dict[str, Usage]:
+    """Per-card footprint of an allocation, given which containers run at the same time.
+
+    ``phases`` lists groups of container names that hold their vGPUs together. Containers of the
+    allocation that no phase names (or all of them, when ``phases`` is None) are counted as one
+    more phase together, which is never less than the truth.
+    """
+    groups = [set(p) for p in phases] if phases is not None else []
+    named = set().union(*groups) if groups else set()
+    leftovers = {c.name for c in allocation.containers if c.name not in named}
+    if leftovers:
+        groups.append(leftovers)
+    out: dict[str, Usage] = {}
+    for group in groups:
+        phase: dict[str, Usage] = {}
+        for c in allocation.containers:
+            if c.name in group:
+                for d in c.devices:
+                    phase[d.uuid] = phase.get(d.uuid, ZERO) + vgpu_usage(d.memory_mib, d.cores)
+        for uuid, u in phase.items():
+            out[uuid] = out.get(uuid, ZERO).max(u)
+    return out
+
+
+class Ledger:
+    """Committed capacity per node and card, keyed by pod UID."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, tuple[str, dict[str, Usage]]] = {}
+        self._nodes: dict[str, dict[str, Usage]] = {}
+        self.version = 0  # bumped on every change; lets readers cache what they derive
+
+    def commit(self, uid: str, node: str, fp: Footprint) -> None:
+        """Record (or replace) what pod ``uid`` holds on ``node``."""
+        self.release(uid)
+        cards = self._nodes.setdefault(node, {})
+        for uuid, u in fp.items():
+            cards[uuid] = cards.get(uuid, ZERO) + u
+        self._pods[uid] = (node, dict(fp))
+        self.version += 1
+
+    def release(self, uid: str) -> bool:
+        """Forget pod ``uid``; True when it held something."""
+        entry = self._pods.pop(uid, None)
+        if entry is None:
+            return False
+        node, fp = entry
+        cards = self._nodes[node]
+        for uuid, u in fp.items():
+            left = cards[uuid] - u
+            if left.empty:
+                del cards[uuid]
+            else:
+                cards[uuid] = left
+        if not cards:
+            del self._nodes[node]
+        self.version += 1
+        return True
+
+    def node_of(self, uid: str) -> str | None:
+        entry = self._pods.get(uid)
+        return entry[0] if entry else None
+
+    def pod_footprint(self, uid: str) -> Footprint:
+        entry = self._pods.get(uid)
+        return entry[1] if entry else {}
+
+    def usage(self, node: str, excluding: str | None = None) -> dict[str, Usage]:
+        """Committed usage per card of ``node``, leaving out pod ``excluding`` (its own earlier plan)."""
+        cards = dict(self._nodes.get(node, {}))
+        if excluding is not None:
+            entry = self._pods.get(excluding)
+            if entry is not None and entry[0] == node:
+                for uuid, u in entry[1].items():
+                    cards[uuid] = cards[uuid] - u
+        return cards
+
+    def pods(self) -> dict[str, str]:
+        """pod UID -> node."""
+        return {uid: node for uid, (node, _) in self._pods.items()}
+
+    def nodes(self) -> list[str]:
+        return list(self._nodes)

@@ -1,0 +1,288 @@
+"""What a pod asks for (contract 1): parse a pod spec into per-container vGPU requests.
+
+Input is the pod as the API server serialises it (a ``dict`` with camelCase keys). Values are
+Kubernetes quantities: the API server rewrites ``nvidia.com/gpumem: 1000`` as ``"1k"``, so a
+quantity is parsed exactly and must be a whole number.
+
+Kubernetes runs init containers one after another before the app containers, so a pod needs, on
+each card, the largest of what any one phase needs: each init container (with the restartable
+"sidecar" init containers started before it), then all app containers with all sidecars. The
+:class:`PodRequest` keeps that phase structure for the fit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from vgpu import annotations as ann
+from vgpu.config import POLICIES, SchedulerConfig
+from vgpu.errors import RequestError
+
+RESOURCE_GPU = "nvidia.com/gpu"
+RESOURCE_MEM = "nvidia.com/gpumem"
+RESOURCE_MEM_PERCENT = "nvidia.com/gpumem-percentage"
+RESOURCE_CORES = "nvidia.com/gpucores"
+RESOURCE_PRIORITY = "nvidia.com/priority"
+RESOURCES = (RESOURCE_GPU, RESOURCE_MEM, RESOURCE_MEM_PERCENT, RESOURCE_CORES, RESOURCE_PRIORITY)
+
+SOURCE = "pod"
+
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$"
+)
+_SUFFIX = {
+    "": Fraction(1),
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+    "Ki": Fraction(2**10),
+    "Mi": Fraction(2**20),
+    "Gi": Fraction(2**30),
+    "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50),
+    "Ei": Fraction(2**60),
+}
+
+
+def parse_quantity(value: Any, field: str) -> int:
+    """A Kubernetes quantity that must be a whole number (``"3000"``, ``"3k"``, ``2``)."""
+    if isinstance(value, bool):
+        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    m = _QUANTITY.match(text)
+    if m is None:
+        raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {value!r}")
+    number = Fraction(m.group(1))
+    if m.group(2):
+        number *= Fraction(10) ** int(m.group(2)[1:])
+    else:
+        number *= _SUFFIX[m.group(3) or ""]
+    if number.denominator != 1:
+        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """One container's vGPUs: ``count`` cards, each with the same share.
+
+    Exactly one of ``memory_mib`` and ``memory_percent`` is set; ``memory_percent == 100`` is the
+    whole card. ``cores`` is percent of a card (0 = no compute cap; 100 = the card exclusively).
+    """
+
+    name: str
+    count: int
+    memory_mib: int | None
+    memory_percent: int | None
+    cores: int
+    priority: int = 1
+    init: bool = False
+    sidecar: bool = False
+
+    def memory_on(self, card_memory_mib: int) -> int:
+        if self.memory_mib is not None:
+            return self.memory_mib
+        assert self.memory_percent is not None
+        return card_memory_mib * self.memory_percent // 100
+
+    @property
+    def exclusive(self) -> bool:
+        return self.cores >= 100
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which cards a pod accepts (annotations ``nvidia.com/use-gputype`` and friends)."""
+
+    use_types: tuple[str, ...] = ()
+    nouse_types: tuple[str, ...] = ()
+    use_uuids: tuple[str, ...] = ()
+    nouse_uuids: tuple[str, ...] = ()
+
+    def why_not(self, uuid: str, model: str) -> str | None:
+        """None when the card is acceptable, else a short reason."""
+        upper = model.upper()
+        if self.use_types and not any(t.upper() in upper for t in self.use_types):
+            return f"type {model!r} not in use-gputype"
+        if any(t.upper() in upper for t in self.nouse_types):
+            return f"type {model!r} excluded by nouse-gputype"
+        if self.use_uuids and uuid not in self.use_uuids:
+            return "uuid not in use-gpuuuid"
+        if uuid in self.nouse_uuids:
+            return "uuid excluded by nouse-gpuuuid"
+        return None
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """A pod's vGPU needs, in spec order (init containers first)."""
+
+    containers: tuple[ContainerRequest, ...]
+    selection: Selection = Selection()
+    node_policy: str | None = None
+    gpu_policy: str | None = None
+
+    @property
+    def wants_vgpu(self) -> bool:
+        return any(c.count > 0 for c in self.containers)
+
+    def phases(self) -> list[list[ContainerRequest]]:
+        """Groups of containers that hold their vGPUs at the same time (see the module doc)."""
+        out: list[list[ContainerRequest]] = []
+        sidecars: list[ContainerRequest] = []
+        for c in self.containers:
+            if c.init and not c.sidecar:
+                out.append([*sidecars, c])
+            elif c.sidecar:
+                sidecars.append(c)
+        apps = [c for c in self.containers if not c.init]
+        out.append([*sidecars, *apps])
+        return [[c for c in phase if c.count > 0] for phase in out if any(c.count > 0 for c in phase)]
+
+
+def asks_for_vgpu(pod: Mapping[str, Any]) -> bool:
+    """True when any container names one of our resources (cheap; no validation)."""
+    spec = pod.get("spec") or {}
+    for key in ("initContainers", "containers"):
+        for c in spec.get(key) or []:
+            res = (c or {}).get("resources") or {}
+            for part in ("limits", "requests"):
+                if any(r in (res.get(part) or {}) for r in RESOURCES):
+                    return True
+    return False
+
+
+def _resources(container: Mapping[str, Any], path: str) -> dict[str, tuple[Any, str]]:
+    res = container.get("resources") or {}
+    if not isinstance(res, dict):
+        raise RequestError(SOURCE, f"{path}.resources", "must be an object")
+    out: dict[str, tuple[Any, str]] = {}
+    for part in ("requests", "limits"):  # limits win: extended resources live there
+        values = res.get(part) or {}
+        if not isinstance(values, dict):
+            raise RequestError(SOURCE, f"{path}.resources.{part}", "must be an object")
+        for name in RESOURCES:
+            if name in values:
+                out[name] = (values[name], f"{path}.resources.{part}[{name}]")
+    return out
+
+
+def parse_container(
+    container: Mapping[str, Any], path: str, config: SchedulerConfig, init: bool = False
+) -> ContainerRequest:
+    """Parse one container; raises RequestError naming the field for a request that can never fit."""
+    name = container.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(SOURCE, f"{path}.name", "must be a non-empty string")
+    sidecar = init and container.get("restartPolicy") == "Always"
+    res = _resources(container, path)
+    values = {k: parse_quantity(v, f) for k, (v, f) in res.items()}
+    fields = {k: f for k, (_, f) in res.items()}
+    for k, v in values.items():
+        if v < 0:
+            raise RequestError(SOURCE, fields[k], f"must not be negative, got {v}")
+    if not values:
+        return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
+    if RESOURCE_MEM in values and RESOURCE_MEM_PERCENT in values:
+        raise RequestError(
+            SOURCE,
+            fields[RESOURCE_MEM_PERCENT],
+            f"give either {RESOURCE_MEM} (MiB) or {RESOURCE_MEM_PERCENT} (percent), not both",
+        )
+    count = values.get(RESOURCE_GPU, 1)
+    if count == 0:
+        others = [k for k in values if k not in (RESOURCE_GPU, RESOURCE_PRIORITY) and values[k] > 0]
+        if others:
+            raise RequestError(
+                SOURCE,
+                fields[RESOURCE_GPU],
+                f"is 0 but {others[0]} is set; ask for at least one vGPU or drop it",
+            )
+        return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
+    percent = values.get(RESOURCE_MEM_PERCENT)
+    if percent is not None and not 1 <= percent <= 100:
+        raise RequestError(
+            SOURCE, fields[RESOURCE_MEM_PERCENT], f"must be 1..100 (percent of a card), got {percent}"
+        )
+    mem: int | None = values.get(RESOURCE_MEM)
+    if mem is None and percent is None:
+        if config.default_mem > 0:
+            mem = config.default_mem
+        else:
+            percent = 100
+    if mem is not None and mem == 0:
+        raise RequestError(SOURCE, fields.get(RESOURCE_MEM, RESOURCE_MEM), "must be at least 1 MiB")
+    cores = values.get(RESOURCE_CORES, config.default_cores)
+    if cores > 100:
+        raise RequestError(
+            SOURCE,
+            fields[RESOURCE_CORES],
+            f"must be 0..100 (percent of a card; 100 = exclusive), got {cores}",
+        )
+    priority = values.get(RESOURCE_PRIORITY, 1)
+    if priority not in (0, 1):
+        raise RequestError(
+            SOURCE, fields[RESOURCE_PRIORITY], f"must be 0 (high) or 1 (normal), got {priority}"
+        )
+    return ContainerRequest(
+        name, count, mem, percent if mem is None else None, cores, priority, init, sidecar
+    )
+
+
+def _csv(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, str):
+        return ()
+    return tuple(p.strip() for p in value.split(",") if p.strip())
+
+
+def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
+    """Parse a whole pod; raises RequestError naming the field (``spec.containers[1]...``)."""
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise RequestError(SOURCE, "spec", "missing or not an object")
+    containers: list[ContainerRequest] = []
+    for key, init in (("initContainers", True), ("containers", False)):
+        items = spec.get(key) or []
+        if not isinstance(items, list):
+            raise RequestError(SOURCE, f"spec.{key}", "must be a list")
+        for i, c in enumerate(items):
+            path = f"spec.{key}[{i}]"
+            if not isinstance(c, dict):
+                raise RequestError(SOURCE, path, "must be an object")
+            containers.append(parse_container(c, path, config, init=init))
+    meta = pod.get("metadata") or {}
+    annos = meta.get("annotations") or {}
+    if not isinstance(annos, dict):
+        raise RequestError(SOURCE, "metadata.annotations", "must be an object")
+    policies: dict[str, str | None] = {}
+    for key in (ann.NODE_POLICY_ANNOTATION, ann.GPU_POLICY_ANNOTATION):
+        value = annos.get(key)
+        if value is not None and value not in POLICIES:
+            raise RequestError(
+                SOURCE, f"metadata.annotations[{key}]", f"must be one of {', '.join(POLICIES)}, got {value!r}"
+            )
+        policies[key] = value
+    selection = Selection(
+        use_types=_csv(annos.get(ann.USE_GPUTYPE_ANNOTATION)),
+        nouse_types=_csv(annos.get(ann.NOUSE_GPUTYPE_ANNOTATION)),
+        use_uuids=_csv(annos.get(ann.USE_GPUUUID_ANNOTATION)),
+        nouse_uuids=_csv(annos.get(ann.NOUSE_GPUUUID_ANNOTATION)),
+    )
+    return PodRequest(
+        containers=tuple(containers),
+        selection=selection,
+        node_policy=policies[ann.NODE_POLICY_ANNOTATION],
+        gpu_policy=policies[ann.GPU_POLICY_ANNOTATION],
+    )
