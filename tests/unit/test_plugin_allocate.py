@@ -1,0 +1,236 @@
+"""Allocate picks the pod and container kubelet is starting and answers with contract 4.
+
+The pods come from an in-memory list shaped like the API server's JSON; the integration tests
+run the same code against the sandbox's real API server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    PHASE_ANNOTATION,
+    REASON_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    encode_allocation,
+)
+from vgpu.plugin.allocate import AllocateError, Allocator
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.discovery import Card
+from vgpu.plugin.paths import HostPaths, install_hook
+
+NODE = "node-a"
+CARDS = [Card(f"GPU-{c}", i, "H200", 80000) for i, c in enumerate("abcd")]
+
+
+class Pods:
+    def __init__(self) -> None:
+        self.pods: list[dict[str, Any]] = []
+        self.patches: list[tuple[str, Mapping[str, str | None]]] = []
+
+    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods if p["spec"].get("nodeName") == node]
+
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        self.patches.append((name, dict(annotations)))
+        for p in self.pods:
+            if p["metadata"]["name"] == name:
+                p["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v is not None})
+
+    def add(
+        self,
+        name: str,
+        containers: dict[str, list[tuple[str, int, int]]],
+        init: tuple[str, ...] = (),
+        created: str = "2026-01-01T00:00:00Z",
+        annotation: str | None = None,
+        priority: dict[str, str] | None = None,
+    ) -> str:
+        uid = f"uid-{name}"
+        alloc = Allocation(
+            node=NODE,
+            containers=tuple(
+                ContainerAllocation(c, tuple(DeviceAllocation(u, m, k) for u, m, k in devs))
+                for c, devs in containers.items()
+            ),
+        )
+
+        def spec_of(c: str) -> dict[str, Any]:
+            limits = {"nvidia.com/gpu": str(len(containers.get(c, [])))} if containers.get(c) else {}
+            if priority and c in priority:
+                limits["nvidia.com/priority"] = priority[c]
+            return {"name": c, "resources": {"limits": limits}}
+
+        self.pods.append(
+            {
+                "metadata": {
+                    "name": name,
+                    "namespace": "default",
+                    "uid": uid,
+                    "creationTimestamp": created,
+                    "annotations": {
+                        ALLOCATION_ANNOTATION: annotation
+                        if annotation is not None
+                        else encode_allocation(alloc),
+                        PHASE_ANNOTATION: "bound",
+                    },
+                },
+                "spec": {
+                    "nodeName": NODE,
+                    "initContainers": [spec_of(c) for c in init],
+                    "containers": [spec_of(c) for c in containers if c not in init],
+                },
+            }
+        )
+        return uid
+
+    def phase(self, name: str) -> str | None:
+        pod = next(p for p in self.pods if p["metadata"]["name"] == name)
+        return pod["metadata"]["annotations"].get(PHASE_ANNOTATION)
+
+
+@pytest.fixture
+def pods() -> Pods:
+    return Pods()
+
+
+def make(pods: Pods, tmp_path: Path, config: NodeConfig | None = None, hook: bool = True) -> Allocator:
+    paths = HostPaths(tmp_path)
+    lib = tmp_path / "build/libvgpu.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\x7fELF fake hook")
+    return Allocator(
+        NODE,
+        pods,
+        DeviceState(CARDS, config or NodeConfig(split=4)),
+        paths,
+        install_hook(lib, paths) if hook else None,
+    )
+
+
+def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tmp_path: Path) -> None:
+    uid = pods.add("p", {"main": [("GPU-b", 3000, 30)]})
+    served = make(pods, tmp_path).allocate_container(["GPU-c::0"])
+    envs = dict(served.response.envs)
+    assert envs == {
+        "NVIDIA_VISIBLE_DEVICES": "GPU-b",
+        "CUDA_DEVICE_MEMORY_LIMIT_0": "3000m",
+        "CUDA_DEVICE_SM_LIMIT_0": "30",
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"/var/lib/vgpu/containers/{uid}_main/vgpu.region",
+        "CUDA_TASK_PRIORITY": "1",
+    }
+    mounts = {m.container_path: (m.host_path, m.read_only) for m in served.response.mounts}
+    region_dir = tmp_path / f"var/lib/vgpu/containers/{uid}_main"
+    assert mounts[f"/var/lib/vgpu/containers/{uid}_main"] == (str(region_dir), False)
+    assert region_dir.is_dir()
+    lib_host, _ = mounts["/usr/local/vgpu/libvgpu.so"]
+    preload_host, ro = mounts["/etc/ld.so.preload"]
+    assert ro and Path(preload_host).read_text() == "/usr/local/vgpu/libvgpu.so\n"
+    assert Path(lib_host).read_bytes() == b"\x7fELF fake hook"
+    assert pods.phase("p") == "allocated"
+
+
+def test_several_vgpus_are_indexed_in_the_order_of_visible_devices(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-d", 1000, 10), ("GPU-a", 2000, 0)]}, priority={"main": "0"})
+    cfg = NodeConfig(split=4, device_memory_scaling=2, oversubscribe=True)
+    envs = dict(make(pods, tmp_path, cfg).allocate_container(["GPU-a::0", "GPU-d::0"]).response.envs)
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-d,GPU-a"
+    assert (envs["CUDA_DEVICE_MEMORY_LIMIT_0"], envs["CUDA_DEVICE_SM_LIMIT_0"]) == ("1000m", "10")
+    assert (envs["CUDA_DEVICE_MEMORY_LIMIT_1"], envs["CUDA_DEVICE_SM_LIMIT_1"]) == ("2000m", "0")
+    assert envs["CUDA_OVERSUBSCRIBE"] == "true"
+    assert envs["CUDA_TASK_PRIORITY"] == "0"
+
+
+def test_containers_are_served_in_kubelets_order_and_the_pod_is_marked_when_all_are(
+    pods: Pods, tmp_path: Path
+) -> None:
+    pods.add(
+        "p",
+        {"setup": [("GPU-a", 100, 0)], "train": [("GPU-b", 200, 50)], "eval": [("GPU-c", 300, 0)]},
+        init=("setup",),
+    )
+    alloc = make(pods, tmp_path)
+    got = [alloc.allocate_container(["GPU-a::0"]).container for _ in range(2)]
+    assert got == ["setup", "train"]
+    assert pods.phase("p") == "bound"
+    last = alloc.allocate_container(["GPU-a::1"])
+    assert last.container == "eval"
+    assert dict(last.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"] == "300m"
+    assert pods.phase("p") == "allocated"
+
+
+def test_with_several_pods_waiting_the_oldest_is_served_first(pods: Pods, tmp_path: Path) -> None:
+    pods.add("young", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:09Z")
+    pods.add("old", {"main": [("GPU-a", 2000, 0)]}, created="2026-01-01T00:00:01Z")
+    pods.add("two", {"main": [("GPU-a", 1, 0), ("GPU-b", 1, 0)]}, created="2026-01-01T00:00:00Z")
+    alloc = make(pods, tmp_path)
+    assert alloc.allocate_container(["GPU-a::0"]).pod == "old"  # "two" asks for 2 vGPUs, not 1
+    assert alloc.allocate_container(["GPU-a::1"]).pod == "young"
+    assert alloc.allocate_container(["GPU-a::2", "GPU-b::0"]).pod == "two"
+    assert [pods.phase(n) for n in ("young", "old", "two")] == ["allocated"] * 3
+
+
+def test_a_pod_whose_cards_match_the_ids_wins_over_an_older_one(pods: Pods, tmp_path: Path) -> None:
+    pods.add("old", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:01Z")
+    pods.add("new", {"main": [("GPU-c", 1000, 0)]}, created="2026-01-01T00:00:02Z")
+    assert make(pods, tmp_path).allocate_container(["GPU-c::3"]).pod == "new"
+
+
+def test_a_malformed_annotation_refuses_allocate_and_touches_nothing(pods: Pods, tmp_path: Path) -> None:
+    pods.add("bad", {"main": [("GPU-a", 1000, 0)]}, annotation='{"version": 1, "node": "node-a"')
+    with pytest.raises(AllocateError) as info:
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/bad" in str(info.value) and "not valid JSON" in str(info.value)
+    assert pods.patches == []
+    assert pods.phase("bad") == "bound"
+
+
+def test_a_wrong_version_is_named_in_the_refusal(pods: Pods, tmp_path: Path) -> None:
+    pods.add("v2", {}, annotation=json.dumps({"version": 2, "node": NODE, "containers": []}))
+    with pytest.raises(AllocateError, match="unsupported version 2"):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+
+
+def test_no_waiting_pod_refuses_allocate(pods: Pods, tmp_path: Path) -> None:
+    with pytest.raises(AllocateError, match="no pod bound to node node-a"):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+
+
+def test_unknown_device_ids_are_refused_as_invalid(pods: Pods, tmp_path: Path) -> None:
+    with pytest.raises(AllocateError) as info:
+        make(pods, tmp_path).allocate_container(["GPU-z::0"])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_card_not_on_this_node_fails_the_pod_with_a_reason(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-elsewhere", 1000, 0)]})
+    with pytest.raises(AllocateError, match="not on node node-a"):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert pods.phase("p") == "failed"
+    assert "GPU-elsewhere" in (pods.patches[-1][1][REASON_ANNOTATION] or "")
+
+
+def test_an_unhealthy_card_fails_the_pod(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-b", 1000, 0)]})
+    alloc = make(pods, tmp_path)
+    alloc.state.set_health("GPU-b", False)
+    with pytest.raises(AllocateError, match="unhealthy"):
+        alloc.allocate_container(["GPU-a::0"])
+    assert pods.phase("p") == "failed"
+
+
+def test_without_a_hook_library_only_the_region_folder_is_mounted(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-a", 1000, 0)]})
+    served = make(pods, tmp_path, hook=False).allocate_container(["GPU-a::0"])
+    assert [m.container_path for m in served.response.mounts] == ["/var/lib/vgpu/containers/uid-p_main"]

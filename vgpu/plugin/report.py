@@ -1,0 +1,98 @@
+"""Contract 2 from the node: the inventory annotation (written only when it changes) and the Lease."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from vgpu.annotations import DEVICES_ANNOTATION, encode_devices, lease_name
+from vgpu.errors import KubeError
+from vgpu.plugin.devices import DeviceState
+
+log = logging.getLogger(__name__)
+
+
+class NodeAPI(Protocol):
+    def node_annotations(self, node: str) -> dict[str, str]: ...
+
+    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None: ...
+
+    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None: ...
+
+
+class NodeReporter:
+    """Publishes the inventory and renews the Lease ``vgpu-<node>`` every ``renew_s``."""
+
+    def __init__(
+        self,
+        node: str,
+        namespace: str,
+        state: DeviceState,
+        api: NodeAPI,
+        lease_duration_s: int = 40,
+        renew_s: float = 10.0,
+    ) -> None:
+        self.node = node
+        self.namespace = namespace
+        self.state = state
+        self.api = api
+        self.lease_duration_s = lease_duration_s
+        self.renew_s = renew_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._published: str | None = None
+        self.writes = 0  # annotation writes, for tests and logs
+
+    def publish(self) -> bool:
+        """Write the inventory unless the Node carries this exact text; returns whether it wrote."""
+        text = encode_devices(self.state.inventory())
+        if text == self._published:
+            return False
+        current = self.api.node_annotations(self.node).get(DEVICES_ANNOTATION)
+        if current != text:
+            self.api.patch_node_annotations(self.node, {DEVICES_ANNOTATION: text})
+            self.writes += 1
+            log.info("published the inventory of node %s", self.node)
+        self._published = text
+        return current != text
+
+    def renew(self) -> None:
+        self.api.renew_lease(
+            self.namespace, lease_name(self.node), f"vgpu-device-plugin/{self.node}", self.lease_duration_s
+        )
+
+    def run_once(self) -> None:
+        self.publish()
+        self.renew()
+
+    def start(self) -> None:
+        self.run_once()  # fail at start, loudly, when the API server refuses us
+        self._thread = threading.Thread(target=self._loop, name="dp-report", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        seen = self.state.version
+        next_renew = time.monotonic() + self.renew_s
+        while not self._stop.is_set():
+            seen = self.state.wait_change(seen, 1.0)
+            if self._stop.is_set():
+                return
+            try:
+                self.publish()
+                if time.monotonic() >= next_renew:
+                    self._published = None  # re-read the Node now and then: someone may have removed it
+                    self.publish()
+                    self.renew()
+                    next_renew = time.monotonic() + self.renew_s
+            except KubeError as err:
+                log.warning("reporting node %s failed (%s); retrying", self.node, err)
+                self._published = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.state.kick()
+        if self._thread is not None:
+            self._thread.join(5)
