@@ -26,7 +26,7 @@ build_once() {
     log "$name $version: cached in $dest"
   else
     log "$name $version: building (first time only)"
-    local tmp; tmp=$(mktemp -d "$bin_dir/.$name-XXXXXX")
+    local tmp; tmp=$(mktemp -d "$bin_dir/.$name-XXXXXX"); chmod 755 "$tmp"
     local start=$SECONDS
     if ! "$fn" "$tmp" "$version"; then
       rm -rf "$tmp"

@@ -17,6 +17,7 @@ import (
 	_ "k8s.io/component-base/metrics/prometheus/clientgo"
 	_ "k8s.io/component-base/metrics/prometheus/version"
 	kubectl "k8s.io/kubectl/pkg/cmd"
+	cmdutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
@@ -43,7 +44,11 @@ func main() {
 		os.Exit(2)
 	}
 	if name == "kubectl" {
-		os.Exit(cli.RunNoErrOutput(newCommand()))
+		// kubectl prints its own errors in its own format, as upstream's main does.
+		if err := cli.RunNoErrOutput(newCommand()); err != nil {
+			cmdutil.CheckErr(err)
+		}
+		return
 	}
 	os.Exit(cli.Run(newCommand()))
 }

@@ -169,4 +169,5 @@ def kwok_argv(binary: Path, layout: Layout, server_port: int) -> list[str]:
         "--node-ip=127.0.0.1",
         "--cidr=10.244.0.1/16",
         f"--config={layout.config / 'kwok.yaml'}",
+        "--v=WARN",
     ]
