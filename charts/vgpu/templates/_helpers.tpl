@@ -1,0 +1,115 @@
+{{/* Names, labels, images and the install-time TLS material shared by the templates. */}}
+
+{{/* vgpu.fullname: the prefix of every object name; "vgpu" for a release named vgpu. */}}
+{{- define "vgpu.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* vgpu.labels: the labels of every object; call with (dict "ctx" $ "component" "scheduler"). */}}
+{{- define "vgpu.labels" -}}
+{{ include "vgpu.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: vgpu
+{{- with .ctx.Values.global.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* vgpu.selectorLabels: the immutable subset used in selectors; same argument as vgpu.labels. */}}
+{{- define "vgpu.selectorLabels" -}}
+app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* vgpu.image: "registry/repository:tag"; call with (dict "ctx" $ "image" .Values.x.image "tag" "v1"). */}}
+{{- define "vgpu.image" -}}
+{{- $registry := .ctx.Values.global.imageRegistry | default .image.registry -}}
+{{- $tag := .tag | default .image.tag | default .ctx.Chart.AppVersion -}}
+{{- if $registry -}}
+{{- printf "%s/%s:%s" (trimSuffix "/" $registry) .image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* vgpu.clusterVersion: the API server's version without build suffixes ("v1.33.1+k3s1" -> "v1.33.1"). */}}
+{{- define "vgpu.clusterVersion" -}}
+{{- regexFind "^v?[0-9]+\\.[0-9]+\\.[0-9]+" .Capabilities.KubeVersion.Version -}}
+{{- end -}}
+
+{{/* vgpu.kubeSchedulerTag: scheduler.kubeScheduler.imageTag, or the cluster's own version. */}}
+{{- define "vgpu.kubeSchedulerTag" -}}
+{{- .Values.scheduler.kubeScheduler.imageTag | default (include "vgpu.clusterVersion" .) -}}
+{{- end -}}
+
+{{/* vgpu.hookVersion: the version directory of the hook library on the host. */}}
+{{- define "vgpu.hookVersion" -}}
+{{- .Values.devicePlugin.hook.version | default .Chart.AppVersion -}}
+{{- end -}}
+
+{{/* vgpu.extenderService: the name of the Service in front of the extender's HTTPS port. */}}
+{{- define "vgpu.extenderService" -}}
+{{- printf "%s-extender" (include "vgpu.fullname" .) -}}
+{{- end -}}
+
+{{/*
+vgpu.tls: the extender's CA and serving certificate as a dict {ca, crt, key} of PEM strings.
+Helm's genCA/genSignedCert make them at render time (no download, no Job), so every `helm
+install` and `helm upgrade` makes a new pair. They are made once per render and kept on the
+root context, so the Secret, kube-scheduler's caData and the webhooks' caBundle all agree.
+*/}}
+{{- define "vgpu.tls" -}}
+{{- if not (hasKey . "vgpuTLS") -}}
+{{- $svc := include "vgpu.extenderService" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $days := int .Values.webhook.certificate.validityDays -}}
+{{- $ca := genCA (printf "%s-ca" (include "vgpu.fullname" .)) $days -}}
+{{- $names := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) "localhost" -}}
+{{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) (list "127.0.0.1") $names $days $ca -}}
+{{- $_ := set . "vgpuTLS" (dict "ca" $ca.Cert "crt" $cert.Cert "key" $cert.Key) -}}
+{{- end -}}
+{{- toYaml .vgpuTLS -}}
+{{- end -}}
+
+{{/* vgpu.imagePullSecrets: the pod spec's imagePullSecrets from global.imagePullSecrets. */}}
+{{- define "vgpu.imagePullSecrets" -}}
+{{- with .Values.global.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+vgpu.webhookCommon: what both webhooks share: pod creation, in the namespaces and pods the
+values select. The chart's own namespace is not excluded: the webhook passes pods that ask for
+no vGPU resource untouched, the scheduler pods among them.
+*/}}
+{{- define "vgpu.webhookCommon" -}}
+admissionReviewVersions: ["v1"]
+sideEffects: None
+failurePolicy: {{ .Values.webhook.failurePolicy }}
+timeoutSeconds: {{ .Values.webhook.timeoutSeconds }}
+rules:
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["pods"]
+    scope: Namespaced
+{{- with .Values.webhook.namespaceSelector }}
+namespaceSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.webhook.objectSelector }}
+objectSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1
+# The device plugin image: the `vgpu` command (device plugin and node monitor) and the native
+# hook library at /usr/local/vgpu/libvgpu.so, which the plugin copies to the host at start
+# (/var/lib/vgpu/lib/<content hash>/, never over a library in use).
+#
+#   docker build -f images/device-plugin.Dockerfile -t vgpu/device-plugin:dev .   (from the repo root)
+#
+# Bases are pinned to exact tags; pin digests too where your registry policy asks for them.
+#
+# The hook is preloaded into every GPU container, whatever its distribution, so it is built on
+# the oldest glibc still in wide use (CentOS 7's 2.17, the manylinux2014 image, gcc from
+# devtoolset): a library built on a newer glibc would fail to preload in older images and leave
+# their processes without limits. For arm64 pass
+# --build-arg HOOK_BUILDER=quay.io/pypa/manylinux2014_aarch64:2024-03-10-4935fcc.
+ARG HOOK_BUILDER=quay.io/pypa/manylinux2014_x86_64:2024-03-10-4935fcc
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${HOOK_BUILDER} AS hook
+WORKDIR /src/native/hook
+COPY native/hook ./
+RUN make clean >/dev/null 2>&1 || true; make libvgpu.so \
+ && install -D -m 0755 "$(find . -name libvgpu.so -type f | head -n 1)" /out/libvgpu.so
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml ./
+COPY vgpu ./vgpu
+RUN python -m venv /opt/vgpu \
+ && /opt/vgpu/bin/pip install --no-cache-dir --no-compile . \
+ && /opt/vgpu/bin/python -m compileall -q /opt/vgpu/lib
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="vgpu-device-plugin" \
+      org.opencontainers.image.description="vgpu device plugin, node monitor and hook library" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/vgpu /opt/vgpu
+COPY --from=hook /out/libvgpu.so /usr/local/vgpu/libvgpu.so
+ENV PATH=/opt/vgpu/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    VGPU_HOOK_LIBRARY=/usr/local/vgpu/libvgpu.so
+# Root, without privileges (the chart drops every capability but CHOWN, FOWNER, DAC_OVERRIDE):
+# the plugin serves its socket in the kubelet's root-owned directory and hands each container
+# a directory under /var/lib/vgpu owned by that container's user.
+USER 0:0
+ENTRYPOINT ["vgpu"]
+CMD ["device-plugin", "--help"]
