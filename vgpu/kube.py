@@ -1,0 +1,288 @@
+"""The Kubernetes client seam: the only module that imports the ``kubernetes`` package.
+
+Everything else talks to :class:`Kube`, which speaks plain ``dict`` objects exactly as the API
+server serialises them (camelCase keys), never the client's generated models: they are slow to
+build for thousands of nodes, and keeping them out keeps the rest of the code free of them.
+Errors come out as :class:`vgpu.errors.KubeError` (``ConflictError`` for HTTP 409).
+
+Watches are read line by line from the raw HTTP stream (``_preload_content=False``), so every
+event is one ``json.loads``; a stale resource version ends the watch with :class:`Gone` and the
+caller lists again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from vgpu.errors import ConflictError, KubeError
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+REQUEST_TIMEOUT_S = 15
+
+
+class Gone(KubeError):
+    """The watch's resource version is too old (HTTP 410): list again."""
+
+
+def _wrap(what: str, err: Exception) -> KubeError:
+    if isinstance(err, ApiException):
+        body = err.body
+        if body is None and getattr(err, "data", None) is None:
+            resp = getattr(err, "http_resp", None) or getattr(err, "response", None)
+            body = getattr(resp, "data", None)
+        detail = body.decode(errors="replace") if isinstance(body, bytes) else (body or err.reason or "")
+        try:
+            detail = json.loads(detail).get("message", detail)
+        except (ValueError, AttributeError):
+            pass
+        cls = ConflictError if err.status == 409 else Gone if err.status == 410 else KubeError
+        return cls(f"{what}: HTTP {err.status}: {detail}", status=err.status)
+    return KubeError(f"{what}: {err}")
+
+
+def _json(resp: Any) -> Obj:
+    data = resp.data if hasattr(resp, "data") else resp.read()
+    try:
+        doc = json.loads(data)
+    finally:
+        resp.release_conn()
+    if not isinstance(doc, dict):
+        raise KubeError(f"unexpected reply from the API server: {str(doc)[:200]}")
+    return doc
+
+
+def now_micro() -> str:
+    """The current time as a Kubernetes MicroTime string."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str | None) -> dt.datetime | None:
+    """Parse a Kubernetes Time or MicroTime string; None when absent or malformed."""
+    if not text:
+        return None
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+class Kube:
+    """A small, thread-safe client for what the extender (and the device plugin) need."""
+
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
+        cfg = k8s.Configuration()
+        try:
+            if kubeconfig:
+                k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+            else:
+                k8s_config.load_incluster_config(client_configuration=cfg)
+        except Exception as err:  # the loaders raise several unrelated types
+            where = kubeconfig or "in-cluster service account"
+            raise KubeError(f"cannot load Kubernetes credentials from {where}: {err}") from err
+        cfg.connection_pool_maxsize = pool_size
+        self.api_client = k8s.ApiClient(cfg)
+        # typed Any: we pass plain dicts and read raw responses, which the generated stubs do not describe
+        self.core: Any = k8s.CoreV1Api(self.api_client)
+        self.coord: Any = k8s.CoordinationV1Api(self.api_client)
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.api_client.close()
+
+    # -- pods ---------------------------------------------------------------------------------
+    def list_pods(self, field_selector: str | None = None) -> tuple[list[Obj], str]:
+        """All pods (every namespace) matching ``field_selector``, and the list's resourceVersion."""
+        return self._list(self.core.list_pod_for_all_namespaces, "list pods", field_selector=field_selector)
+
+    def watch_pods(
+        self, resource_version: str, field_selector: str | None = None, timeout_s: int = 300
+    ) -> Iterator[tuple[str, Obj]]:
+        return self._watch(
+            self.core.list_pod_for_all_namespaces, "watch pods", resource_version, timeout_s, field_selector
+        )
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None:
+        try:
+            resp = self.core.read_namespaced_pod(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise _wrap(f"read pod {namespace}/{name}", err) from err
+        return _json(resp)
+
+    def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
+    ) -> Obj:
+        """Merge-patch annotations (None removes one); with ``uid``, only that incarnation of the pod."""
+        meta: Obj = {"annotations": dict(annotations)}
+        if uid is not None:
+            meta["uid"] = uid
+        try:
+            resp = self.core.patch_namespaced_pod(
+                name,
+                namespace,
+                {"metadata": meta},
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except ApiException as err:
+            raise _wrap(f"annotate pod {namespace}/{name}", err) from err
+        return _json(resp)
+
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """Create the pod's Binding to ``node``.
+
+        ``_preload_content=False``: the API server answers a Binding with a Status object, which
+        the generated client fails to read back as a V1Binding (a spurious ValueError).
+        """
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        try:
+            resp = self.core.create_namespaced_binding(
+                namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+            resp.release_conn()
+        except ApiException as err:
+            raise _wrap(f"bind pod {namespace}/{name} to {node}", err) from err
+
+    # -- nodes --------------------------------------------------------------------------------
+    def list_nodes(self) -> tuple[list[Obj], str]:
+        return self._list(self.core.list_node, "list nodes")
+
+    def watch_nodes(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
+        return self._watch(self.core.list_node, "watch nodes", resource_version, timeout_s, None)
+
+    # -- leases -------------------------------------------------------------------------------
+    def list_leases(self, namespace: str) -> tuple[list[Obj], str]:
+        return self._list(
+            lambda **kw: self.coord.list_namespaced_lease(namespace, **kw), f"list leases in {namespace}"
+        )
+
+    def watch_leases(
+        self, namespace: str, resource_version: str, timeout_s: int = 300
+    ) -> Iterator[tuple[str, Obj]]:
+        return self._watch(
+            lambda **kw: self.coord.list_namespaced_lease(namespace, **kw),
+            f"watch leases in {namespace}",
+            resource_version,
+            timeout_s,
+            None,
+        )
+
+    def get_lease(self, namespace: str, name: str) -> Obj | None:
+        try:
+            resp = self.coord.read_namespaced_lease(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise _wrap(f"read lease {namespace}/{name}", err) from err
+        return _json(resp)
+
+    def create_lease(self, namespace: str, lease: Obj) -> Obj:
+        try:
+            resp = self.coord.create_namespaced_lease(
+                namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        except ApiException as err:
+            raise _wrap(f"create lease {namespace}/{lease['metadata']['name']}", err) from err
+        return _json(resp)
+
+    def replace_lease(self, namespace: str, lease: Obj) -> Obj:
+        """Replace a Lease; its ``metadata.resourceVersion`` makes this a compare-and-swap."""
+        name = lease["metadata"]["name"]
+        try:
+            resp = self.coord.replace_namespaced_lease(
+                name, namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        except ApiException as err:
+            raise _wrap(f"replace lease {namespace}/{name}", err) from err
+        return _json(resp)
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _list(self, call: Callable[..., Any], what: str, **kw: Any) -> tuple[list[Obj], str]:
+        items: list[Obj] = []
+        cont: str | None = None
+        rv = ""
+        kw = {k: v for k, v in kw.items() if v is not None}
+        while True:
+            try:
+                resp = call(limit=500, _continue=cont, _preload_content=False, _request_timeout=60, **kw)
+            except ApiException as err:
+                raise _wrap(what, err) from err
+            doc = _json(resp)
+            items.extend(doc.get("items") or [])
+            meta = doc.get("metadata") or {}
+            rv = meta.get("resourceVersion", rv)
+            cont = meta.get("continue") or None
+            if not cont:
+                return items, rv
+
+    def _watch(
+        self,
+        call: Callable[..., Any],
+        what: str,
+        resource_version: str,
+        timeout_s: int,
+        field_selector: str | None,
+    ) -> Iterator[tuple[str, Obj]]:
+        """Yield (type, object) events; BOOKMARK events carry only the new resourceVersion."""
+        kw: dict[str, Any] = {}
+        if field_selector:
+            kw["field_selector"] = field_selector
+        try:
+            resp = call(
+                watch=True,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout_s,
+                _preload_content=False,
+                _request_timeout=(10, timeout_s + 30),
+                **kw,
+            )
+        except ApiException as err:
+            raise _wrap(what, err) from err
+        buf = b""
+        try:
+            for chunk in resp.stream(65536, decode_content=True):
+                if self._closed.is_set():
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    if kind == "ERROR":
+                        code = obj.get("code")
+                        msg = f"{what}: {obj.get('message', obj)}"
+                        raise Gone(msg, status=410) if code == 410 else KubeError(msg, status=code)
+                    yield kind, obj
+        except (OSError, ValueError, Urllib3Error) as err:
+            if self._closed.is_set():
+                return
+            raise KubeError(f"{what}: stream broke: {err}") from err
+        finally:
+            resp.release_conn()
