@@ -1,0 +1,223 @@
+"""``vgpu status``: per node and card, which container got what.
+
+Read from the API server only: the nodes' inventory annotations (contract 2), the device
+plugins' Leases, and the pods' allocation and phase annotations (contract 3). In the sandbox,
+the kubelet stand-in also records the env each container was started with; it is shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    DEVICES_ANNOTATION,
+    PHASE_ANNOTATION,
+    REASON_ANNOTATION,
+    decode_allocation,
+    decode_devices,
+    lease_name,
+)
+from vgpu.errors import AnnotationError, KubeError
+
+RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu.sandbox.kubelet
+
+
+@dataclass
+class Share:
+    namespace: str
+    pod: str
+    container: str
+    memory_mib: int
+    cores: int
+    phase: str
+    reason: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CardStatus:
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    cores: int
+    split: int
+    healthy: bool
+    shares: list[Share] = field(default_factory=list)
+
+    @property
+    def memory_used_mib(self) -> int:
+        return sum(s.memory_mib for s in self.shares)
+
+    @property
+    def cores_used(self) -> int:
+        return sum(s.cores for s in self.shares)
+
+
+@dataclass
+class NodeStatus:
+    name: str
+    lease: str  # "fresh", "expired" or "missing"
+    error: str = ""
+    cards: list[CardStatus] = field(default_factory=list)
+    unplaced: list[Share] = field(default_factory=list)  # shares on cards the inventory lacks
+
+
+def _lease_state(lease: dict[str, Any] | None, now: dt.datetime) -> str:
+    if lease is None:
+        return "missing"
+    spec = lease.get("spec") or {}
+    renew = spec.get("renewTime")
+    duration = spec.get("leaseDurationSeconds") or 0
+    if not renew:
+        return "expired"
+    try:
+        at = dt.datetime.fromisoformat(str(renew).replace("Z", "+00:00"))
+    except ValueError:
+        return "expired"
+    return "fresh" if at + dt.timedelta(seconds=int(duration)) > now else "expired"
+
+
+def build_status(
+    nodes: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+    leases: list[dict[str, Any]],
+    now: dt.datetime | None = None,
+) -> list[NodeStatus]:
+    """Pure: join nodes, pods and leases into per-card shares."""
+    now = now or dt.datetime.now(dt.UTC)
+    by_lease = {lease["metadata"]["name"]: lease for lease in leases}
+    out: dict[str, NodeStatus] = {}
+    for node in nodes:
+        name = node["metadata"]["name"]
+        annotations = node["metadata"].get("annotations") or {}
+        if DEVICES_ANNOTATION not in annotations:
+            continue  # not a vGPU node
+        status = NodeStatus(name, _lease_state(by_lease.get(lease_name(name)), now))
+        try:
+            inv = decode_devices(annotations[DEVICES_ANNOTATION])
+            status.cards = [
+                CardStatus(d.index, d.uuid, d.model, d.memory_mib, d.cores, d.split, d.healthy)
+                for d in inv.devices
+            ]
+        except AnnotationError as err:
+            status.error = str(err)
+        out[name] = status
+    for pod in pods:
+        meta = pod["metadata"]
+        annotations = meta.get("annotations") or {}
+        if ALLOCATION_ANNOTATION not in annotations:
+            continue
+        try:
+            alloc = decode_allocation(annotations[ALLOCATION_ANNOTATION])
+        except AnnotationError:
+            continue
+        node_status = out.get(alloc.node)
+        if node_status is None:
+            continue
+        try:
+            record = json.loads(annotations.get(RECORD_ANNOTATION) or "{}")
+        except ValueError:
+            record = {}
+        cards = {c.uuid: c for c in node_status.cards}
+        for c in alloc.containers:
+            env = (record.get(c.name) or {}).get("envs") or {}
+            for d in c.devices:
+                share = Share(
+                    namespace=str(meta.get("namespace", "")),
+                    pod=str(meta.get("name", "")),
+                    container=c.name,
+                    memory_mib=d.memory_mib,
+                    cores=d.cores,
+                    phase=str(annotations.get(PHASE_ANNOTATION, "")),
+                    reason=str(annotations.get(REASON_ANNOTATION) or ""),
+                    env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
+                )
+                card = cards.get(d.uuid)
+                (card.shares if card else node_status.unplaced).append(share)
+    return [out[n] for n in sorted(out)]
+
+
+def render_text(nodes: list[NodeStatus]) -> str:
+    if not nodes:
+        return f"no vGPU nodes: no Node carries {DEVICES_ANNOTATION} (is the device plugin running?)\n"
+    lines: list[str] = []
+    for n in nodes:
+        lines.append(f"node {n.name}  lease {n.lease}" + (f"  ERROR {n.error}" if n.error else ""))
+        for c in n.cards:
+            lines.append(
+                f"  gpu {c.index} {c.uuid} {c.model}  mem {c.memory_used_mib}/{c.memory_mib} MiB  "
+                f"cores {c.cores_used}/{c.cores}  vgpus {len(c.shares)}/{c.split}"
+                + ("" if c.healthy else "  UNHEALTHY")
+            )
+            for s in c.shares:
+                lines.append(_share_line(s))
+        for s in n.unplaced:
+            lines.append("  on a card the node does not list:")
+            lines.append(_share_line(s))
+    return "\n".join(lines) + "\n"
+
+
+def _share_line(s: Share) -> str:
+    text = f"    {s.namespace}/{s.pod} {s.container}  {s.memory_mib} MiB  {s.cores}%  {s.phase or '-'}"
+    if s.reason:
+        text += f" ({s.reason})"
+    if s.env:
+        text += "\n      env " + " ".join(f"{k}={v}" for k, v in sorted(s.env.items()))
+    return text
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", help="kubeconfig; default $KUBECONFIG, else the local sandbox's")
+    parser.add_argument("--namespace", default="kube-system", help="namespace of the device plugins' Leases")
+    parser.add_argument("--node", action="append", help="only this node (repeatable)")
+    parser.add_argument("--output", "-o", choices=("text", "json"), default="text")
+
+
+def _kubeconfig(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    if os.environ.get("KUBECONFIG"):
+        return os.environ["KUBECONFIG"].split(os.pathsep)[0]
+    try:
+        from vgpu.sandbox.cluster import Sandbox
+
+        path = Sandbox().kubeconfig
+        if Path(path).exists():
+            return str(path)
+    except ImportError:
+        pass
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from vgpu.kube import Kube
+
+    try:
+        kube = Kube(_kubeconfig(args.kubeconfig))
+        nodes, _ = kube.list_nodes()
+        pods, _ = kube.list_pods()
+        leases, _ = kube.list_leases(args.namespace)
+    except KubeError as err:
+        print(f"vgpu status: {err}", file=sys.stderr)
+        return 1
+    if args.node:
+        nodes = [n for n in nodes if n["metadata"]["name"] in args.node]
+    status = build_status(nodes, pods, leases)
+    if args.output == "json":
+        doc = [
+            asdict(n) | {"cards": [asdict(c) | {"memoryUsedMiB": c.memory_used_mib} for c in n.cards]}
+            for n in status
+        ]
+        print(json.dumps(doc, indent=2))
+    else:
+        sys.stdout.write(render_text(status))
+    return 0
