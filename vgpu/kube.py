@@ -286,3 +286,94 @@ class Kube:
             raise KubeError(f"{what}: stream broke: {err}") from err
         finally:
             resp.release_conn()
+
+
+# =============================================================================================
+# Node side (device plugin and the sandbox's kubelet stand-in). Written by the device-plugin
+# engineer; everything below builds on Kube and adds only the node calls those parts need.
+# =============================================================================================
+
+
+class NodeAgentClient(Kube):
+    """The API calls of a node's device plugin and of the sandbox kubelet."""
+
+    def list_node_pods(self, node: str) -> list[Obj]:
+        """Pods bound to ``node`` (every namespace)."""
+        pods, _ = self.list_pods(field_selector=f"spec.nodeName={node}")
+        return pods
+
+    def patch_pod_annotations(  # type: ignore[override]
+        self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
+    ) -> None:
+        super().patch_pod_annotations(namespace, name, annotations, uid)
+
+    def node_annotations(self, node: str) -> dict[str, str]:
+        try:
+            resp = self.core.read_node(node, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as err:
+            raise _wrap(f"read node {node}", err) from err
+        return dict((_json(resp).get("metadata") or {}).get("annotations") or {})
+
+    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
+        """Merge-patch a Node's annotations (None removes one)."""
+        try:
+            resp = self.core.patch_node(
+                node,
+                {"metadata": {"annotations": dict(annotations)}},
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            resp.release_conn()
+        except ApiException as err:
+            raise _wrap(f"annotate node {node}", err) from err
+
+    def patch_node_resources(self, node: str, resource: str, capacity: int, allocatable: int) -> None:
+        """Set one extended resource in the Node's status, as kubelet does for device plugins."""
+        body = {
+            "status": {"capacity": {resource: str(capacity)}, "allocatable": {resource: str(allocatable)}}
+        }
+        try:
+            resp = self.core.patch_node_status(
+                node,
+                body,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            resp.release_conn()
+        except ApiException as err:
+            raise _wrap(f"update the status of node {node}", err) from err
+
+    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
+        """Create the Lease, or renew it; a concurrent writer (409) is retried with a fresh copy."""
+        for _ in range(3):
+            lease = self.get_lease(namespace, name)
+            now = now_micro()
+            if lease is None:
+                try:
+                    self.create_lease(
+                        namespace,
+                        {
+                            "apiVersion": "coordination.k8s.io/v1",
+                            "kind": "Lease",
+                            "metadata": {"name": name, "namespace": namespace},
+                            "spec": {
+                                "holderIdentity": holder,
+                                "leaseDurationSeconds": duration_s,
+                                "acquireTime": now,
+                                "renewTime": now,
+                            },
+                        },
+                    )
+                    return
+                except ConflictError:
+                    continue
+            spec = lease.setdefault("spec", {})
+            spec.update({"holderIdentity": holder, "leaseDurationSeconds": duration_s, "renewTime": now})
+            try:
+                self.replace_lease(namespace, lease)
+                return
+            except ConflictError:
+                continue
+        raise KubeError(f"renew lease {namespace}/{name}: it kept changing under us (3 conflicts)")
