@@ -23,7 +23,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     if _has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi -L failed); run `pytest -m gpu` on the GPU machine")
+    skip = pytest.mark.skip(
+        reason="needs an NVIDIA GPU (nvidia-smi -L failed); run `pytest -m gpu` on the GPU machine"
+    )
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)

@@ -23,7 +23,9 @@ from vgpu.sandbox.errors import SandboxError
 pytestmark = pytest.mark.e2e
 
 
-def vgpu(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def vgpu(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vgpu.cli", *args],
         capture_output=True,
@@ -50,7 +52,9 @@ def test_up_with_the_apiserver_port_taken_says_so_and_starts_nothing(tmp_path: P
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", "--apiserver-port", str(port))
+        result = vgpu(
+            "sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", "--apiserver-port", str(port)
+        )
     assert result.returncode != 0
     assert f"port {port}" in result.stderr and "--apiserver-port" in result.stderr
     assert procs.tagged_pids((tmp_path / "sb").resolve()) == []
@@ -59,7 +63,9 @@ def test_up_with_the_apiserver_port_taken_says_so_and_starts_nothing(tmp_path: P
 def test_up_with_a_missing_binary_names_it_and_the_fix(tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     (empty / "current").mkdir(parents=True)
-    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", env={"VGPU_BIN_DIR": str(empty)})
+    result = vgpu(
+        "sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", env={"VGPU_BIN_DIR": str(empty)}
+    )
     assert result.returncode != 0
     assert "kube-apiserver" in result.stderr and "make setup" in result.stderr
     assert procs.tagged_pids((tmp_path / "sb").resolve()) == []

@@ -32,7 +32,9 @@ def test_serving_certificates_verify_against_the_ca_and_keys_are_private(tmp_pat
 
 
 def test_kubeconfig_carries_the_ca_and_token_and_is_private(tmp_path: Path) -> None:
-    path = kubeconfig.write(tmp_path / "kc", server="https://127.0.0.1:1234", ca_pem=b"PEM", user="u", token="t")
+    path = kubeconfig.write(
+        tmp_path / "kc", server="https://127.0.0.1:1234", ca_pem=b"PEM", user="u", token="t"
+    )
     loaded = yaml.safe_load(path.read_text())
     assert loaded["clusters"][0]["cluster"]["server"] == "https://127.0.0.1:1234"
     assert base64.b64decode(loaded["clusters"][0]["cluster"]["certificate-authority-data"]) == b"PEM"

@@ -22,12 +22,18 @@ def register(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="start a control plane with simulated GPU nodes")
     defaults = Spec()
-    up.add_argument("--nodes", type=int, default=defaults.nodes, help="simulated GPU nodes (default %(default)s)")
+    up.add_argument(
+        "--nodes", type=int, default=defaults.nodes, help="simulated GPU nodes (default %(default)s)"
+    )
     up.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node, help="default %(default)s")
-    up.add_argument("--gpu-memory", type=int, default=defaults.gpu_memory_mib, help="MiB per GPU (default %(default)s)")
+    up.add_argument(
+        "--gpu-memory", type=int, default=defaults.gpu_memory_mib, help="MiB per GPU (default %(default)s)"
+    )
     up.add_argument("--gpu-model", default=defaults.gpu_model, help="model name (default %(default)r)")
     up.add_argument("--split", type=int, default=defaults.split, help="vGPUs per card (default %(default)s)")
-    up.add_argument("--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)")
+    up.add_argument(
+        "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"
+    )
     up.add_argument(
         "--control-plane-only",
         action="store_true",
@@ -95,4 +101,5 @@ def _print_status(report: dict[str, object]) -> None:
         port = f" port {comp['port']}" if comp.get("port") else ""
         print(f"  {comp['name']:<28} pid {comp['pid']:<8} {'running' if comp['alive'] else 'DEAD'}{port}")
     for node in report.get("nodes", []):  # type: ignore[attr-defined]
-        print(f"  node {node['name']:<23} {'Ready' if node['ready'] else 'NotReady'}  nvidia.com/gpu={node['gpus']}")
+        ready = "Ready" if node["ready"] else "NotReady"
+        print(f"  node {node['name']:<23} {ready}  nvidia.com/gpu={node['gpus']}")

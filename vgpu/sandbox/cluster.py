@@ -107,6 +107,7 @@ class Sandbox:
         self.layout = Layout(self.state_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._state: State | None = None
+        self.ca: pki.CertificateAuthority | None = None
 
     # ---- what tests and the CLI use -------------------------------------------------
     @property
@@ -172,11 +173,11 @@ class Sandbox:
         self._state = State(spec=spec, started=time.time())
         try:
             self._start_control_plane(spec, found, progress)
-            self._create_nodes(spec, progress)
-            if spec.product:
-                from vgpu.sandbox import product
+            from vgpu.sandbox import product
 
-                product.start(self, spec, progress)
+            parts = product.available() if spec.product else product.Parts(False, False)
+            self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
+            product.start(self, spec, parts, progress)
             self._state.ready = True
             self._save()
         except BaseException:
@@ -219,15 +220,23 @@ class Sandbox:
         self._save()
         return proc
 
-    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float, component: str | None = None) -> None:
+    def wait_for(
+        self,
+        what: str,
+        ready: Callable[[], bool],
+        timeout: float,
+        component: str | Sequence[str] | None = None,
+    ) -> None:
+        """Poll ``ready`` until it holds; fail at once, with its log, if a watched component exits."""
+        watched = [component] if isinstance(component, str) else list(component or [])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if component is not None:
-                proc = self._procs.get(component)
+            for name in watched:
+                proc = self._procs.get(name)
                 if proc is not None and proc.poll() is not None:
                     raise SandboxError(
-                        f"{component} exited with code {proc.returncode} while starting; "
-                        f"its log is {self.layout.logs / (component + '.log')}{self._log_tail(component)}"
+                        f"{name} exited with code {proc.returncode} while starting; "
+                        f"its log is {self.layout.logs / (name + '.log')}{self._log_tail(name)}"
                     )
             try:
                 if ready():
@@ -235,7 +244,8 @@ class Sandbox:
             except (OSError, SandboxError, subprocess.SubprocessError):
                 pass
             time.sleep(0.2)
-        hint = f"; see {self.layout.logs / (component + '.log')}" if component else ""
+        logs = ", ".join(str(self.layout.logs / f"{name}.log") for name in watched[:3])
+        hint = f"; see {logs}" if watched else ""
         raise SandboxError(f"timed out after {timeout:.0f}s waiting for {what}{hint}")
 
     def _log_tail(self, component: str, lines: int = 8) -> str:
@@ -272,9 +282,11 @@ class Sandbox:
                     tokens[identity] = token
         return tokens
 
-    def _start_control_plane(self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None]) -> None:
+    def _start_control_plane(
+        self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None]
+    ) -> None:
         layout = self.layout
-        ca = pki.CertificateAuthority(layout.pki)
+        ca = self.ca = pki.CertificateAuthority(layout.pki)
         serving = ca.issue("apiserver", ["127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"])
         sa_key = pki.service_account_key(layout.pki / "service-account.key")
         tokens_csv = layout.config / "tokens.csv"
@@ -282,7 +294,9 @@ class Sandbox:
         lines = []
         for identity, (user, group) in IDENTITIES.items():
             token = secrets.token_hex(16)
-            lines.append(f'{token},{user},{identity}-uid,"{group}"' if group else f"{token},{user},{identity}-uid")
+            lines.append(
+                f'{token},{user},{identity}-uid,"{group}"' if group else f"{token},{user},{identity}-uid"
+            )
         tokens_csv.write_text("\n".join(lines) + "\n")
         tokens = self._tokens()
 
@@ -332,13 +346,17 @@ class Sandbox:
         def default_sa() -> bool:
             return bool(self.api_get("/api/v1/namespaces/default/serviceaccounts/default"))
 
-        self.wait_for("the default ServiceAccount (kube-controller-manager)", default_sa, 60, "kube-controller-manager")
+        self.wait_for(
+            "the default ServiceAccount (kube-controller-manager)", default_sa, 60, "kube-controller-manager"
+        )
 
-    def _create_nodes(self, spec: Spec, progress: Callable[[str], None]) -> None:
+    def _create_nodes(self, spec: Spec, progress: Callable[[str], None], advertise_gpus: bool) -> None:
         progress(f"creating {spec.nodes} simulated GPU nodes")
         gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
-        items = [nodes.manifest(nodes.node_name(i), gpu, advertise_gpus=True) for i in range(spec.nodes)]
-        self.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+        items = [nodes.manifest(nodes.node_name(i), gpu, advertise_gpus) for i in range(spec.nodes)]
+        self.kubectl(
+            "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        )
 
         def all_ready() -> bool:
             listed = self.api_get("/api/v1/nodes?labelSelector=gpu%3Don")
@@ -360,7 +378,8 @@ class Sandbox:
         if state is None:
             return {"running": False, "dir": str(self.state_dir), "components": []}
         comps = [
-            {"name": c.name, "pid": c.pid, "alive": procs.alive(c.pid), "port": c.port} for c in state.components
+            {"name": c.name, "pid": c.pid, "alive": procs.alive(c.pid), "port": c.port}
+            for c in state.components
         ]
         report: dict[str, Any] = {
             "running": any(c["alive"] for c in comps),
@@ -379,7 +398,8 @@ class Sandbox:
                     {
                         "name": n["metadata"]["name"],
                         "ready": any(
-                            c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", [])
+                            c["type"] == "Ready" and c["status"] == "True"
+                            for c in n["status"].get("conditions", [])
                         ),
                         "gpus": n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0"),
                     }

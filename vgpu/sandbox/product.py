@@ -1,13 +1,221 @@
-"""The product's own parts in the sandbox: filled in as they land."""
+"""The product's own parts in the sandbox, started as a cluster would run them.
+
+- the extender (Flask under gunicorn, HTTPS with a certificate from the sandbox's CA) and a
+  second kube-scheduler, ``vgpu-scheduler``, that calls it over verified TLS;
+- the admission webhooks, pointing the API server at the extender;
+- per node: a kubelet stand-in (Registration service, Allocate on bind) and the device plugin
+  with a fake NVML backend describing that node's simulated cards.
+
+Each part starts only when its code is installed, so the sandbox works at every stage.
+"""
 
 from __future__ import annotations
 
+import base64
+import importlib.util
+import json
+import ssl
+import sys
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import yaml
+
+from vgpu.sandbox import controlplane, nodes
 
 if TYPE_CHECKING:
     from vgpu.sandbox.cluster import Sandbox, Spec
 
+NAMESPACE = "kube-system"
+SCHEDULER_NAME = "vgpu-scheduler"
+MANAGED_RESOURCES = (
+    "nvidia.com/gpu",
+    "nvidia.com/gpumem",
+    "nvidia.com/gpumem-percentage",
+    "nvidia.com/gpucores",
+    "nvidia.com/priority",
+)
+INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
 
-def start(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
-    return None
+
+@dataclass(frozen=True)
+class Parts:
+    extender: bool
+    plugins: bool
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def available() -> Parts:
+    return Parts(
+        extender=_installed("vgpu.extender.cli"),
+        plugins=_installed("vgpu.plugin.cli") and _installed("vgpu.sandbox.kubelet"),
+    )
+
+
+def _vgpu(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vgpu.cli", *args]
+
+
+def start(sandbox: Sandbox, spec: Spec, parts: Parts, progress: Callable[[str], None]) -> None:
+    if parts.plugins:
+        start_node_agents(sandbox, spec, progress)
+    if parts.extender:
+        start_extender(sandbox, progress)
+
+
+def start_extender(sandbox: Sandbox, progress: Callable[[str], None]) -> None:
+    assert sandbox.ca is not None
+    layout = sandbox.layout
+    progress("starting the vgpu extender, its kube-scheduler and the admission webhook")
+    pair = sandbox.ca.issue("extender", ["127.0.0.1", "localhost"])
+    port, metrics_port = sandbox.port("extender"), sandbox.port("extender-metrics")
+    sandbox.launch(
+        "vgpu-extender",
+        _vgpu(
+            "extender",
+            f"--kubeconfig={layout.identity_kubeconfig('vgpu')}",
+            f"--listen=127.0.0.1:{port}",
+            f"--cert-file={pair.cert}",
+            f"--key-file={pair.key}",
+            f"--metrics-listen=127.0.0.1:{metrics_port}",
+            f"--namespace={NAMESPACE}",
+            f"--scheduler-name={SCHEDULER_NAME}",
+        ),
+        port,
+    )
+    ctx = ssl.create_default_context(cafile=str(sandbox.ca.cert_path))
+
+    def ready() -> bool:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=ctx, timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    sandbox.wait_for("the extender's /readyz", ready, 60, "vgpu-extender")
+
+    ca_b64 = base64.b64encode(sandbox.ca.pem).decode()
+    config = layout.config / "vgpu-scheduler.json"
+    config.write_text(
+        controlplane.scheduler_config(
+            layout.identity_kubeconfig("kube-scheduler"),
+            scheduler_name=SCHEDULER_NAME,
+            extender_url=f"https://127.0.0.1:{port}",
+            extender_ca_b64=ca_b64,
+            managed_resources=MANAGED_RESOURCES,
+        )
+    )
+    sandbox.launch("vgpu-scheduler", controlplane.scheduler_argv(sandbox.bin("kube-scheduler"), config))
+    sandbox.kubectl(
+        "apply", "-f", "-", input=json.dumps(webhook_configs(f"https://127.0.0.1:{port}", ca_b64))
+    )
+
+
+def webhook_configs(base_url: str, ca_b64: str) -> dict[str, object]:
+    """Mutating (route to vgpu-scheduler) and validating (refuse impossible requests) for pod CREATE.
+
+    failurePolicy Fail: a vGPU pod admitted without the webhook would reach the default scheduler
+    and be placed without the ledger; refusing it while the extender is away is the safe side.
+    The product's own namespace is left out so the extender can always be restarted.
+    """
+
+    def hook(name: str, path: str) -> dict[str, object]:
+        return {
+            "name": name,
+            "clientConfig": {"url": f"{base_url}{path}", "caBundle": ca_b64},
+            "rules": [
+                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+            ],
+            "namespaceSelector": {
+                "matchExpressions": [
+                    {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]}
+                ]
+            },
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+            "timeoutSeconds": 10,
+        }
+
+    return {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": "vgpu-webhook"},
+                "webhooks": [hook("mutate.vgpu.openaios.io", "/webhook/mutate")],
+            },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingWebhookConfiguration",
+                "metadata": {"name": "vgpu-webhook"},
+                "webhooks": [hook("validate.vgpu.openaios.io", "/webhook/validate")],
+            },
+        ],
+    }
+
+
+def start_node_agents(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
+    """Per node: the kubelet stand-in first (it owns kubelet.sock), then the device plugin."""
+    layout = sandbox.layout
+    progress(f"starting a device plugin and a kubelet stand-in on each of {spec.nodes} nodes")
+    gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
+    names = [nodes.node_name(i) for i in range(spec.nodes)]
+    kubeconfig = layout.identity_kubeconfig("vgpu")
+    for name in names:
+        root = layout.node_root(name)
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        gpus_file = root / "gpus.yaml"
+        gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
+        config_file = root / "node-config.yaml"
+        config_file.write_text(yaml.safe_dump({"split": spec.split}))
+        sandbox.launch(
+            f"kubelet-{name}",
+            [
+                sys.executable,
+                "-m",
+                "vgpu.sandbox.kubelet",
+                f"--node={name}",
+                f"--kubeconfig={kubeconfig}",
+                f"--root={root}",
+            ],
+        )
+        monitor_port = sandbox.port(f"monitor-{name}")
+        sandbox.launch(
+            f"device-plugin-{name}",
+            _vgpu(
+                "device-plugin",
+                f"--node={name}",
+                f"--kubeconfig={kubeconfig}",
+                f"--namespace={NAMESPACE}",
+                f"--root={root}",
+                f"--fake-nvml={gpus_file}",
+                f"--config={config_file}",
+                f"--monitor-listen=127.0.0.1:{monitor_port}",
+            ),
+            monitor_port,
+        )
+
+    def inventories_written() -> bool:
+        listed = sandbox.api_get("/api/v1/nodes?labelSelector=gpu%3Don")
+        done = 0
+        for item in listed.get("items", []):
+            annotations = item["metadata"].get("annotations") or {}
+            allocatable = item.get("status", {}).get("allocatable", {})
+            if INVENTORY_ANNOTATION in annotations and int(allocatable.get("nvidia.com/gpu", "0")) > 0:
+                done += 1
+        return done >= len(names)
+
+    sandbox.wait_for(
+        "every device plugin to report its node's GPUs (inventory annotation and nvidia.com/gpu)",
+        inventories_written,
+        60 + spec.nodes * 0.5,
+        [f"{kind}-{name}" for name in names for kind in ("kubelet", "device-plugin")],
+    )
