@@ -1,0 +1,55 @@
+"""The region layout has one definition (vgpu/region.py); the C header is generated from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vgpu import region
+
+HEADER = Path(__file__).resolve().parents[2] / "native" / "hook" / "region_layout.h"
+
+
+def test_the_committed_c_header_is_generated_from_the_python_layout() -> None:
+    assert HEADER.read_text() == region.c_header(), (
+        "run: python -m vgpu.region --c-header > native/hook/region_layout.h"
+    )
+
+
+def test_offsets_follow_c_alignment_rules() -> None:
+    off = region.HEADER_LAYOUT.offsets
+    assert off["magic"] == 0
+    assert off["seq"] % 8 == 0
+    assert off["lock"] % 64 == 0
+    assert off["limit"] % 8 == 0 and off["used"] % 8 == 0
+    assert region.HEADER_LAYOUT.size % 64 == 0
+    assert region.REGION_SIZE == region.HEADER_LAYOUT.size + region.MAX_PROCS * region.SLOT_LAYOUT.size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("4k", 4096), ("3000m", 3000 << 20), ("4g", 4 << 30), ("4G", 4 << 30)],
+)
+def test_sizes_read_like_contract_4(text: str, expected: int) -> None:
+    assert region.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "4x", "-1", "g", "1.5g"])
+def test_a_bad_size_is_refused_with_the_fix(text: str) -> None:
+    with pytest.raises(ValueError, match="k, m or g"):
+        region.parse_size(text)
+
+
+def test_a_file_that_is_not_a_region_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    bogus = tmp_path / "region"
+    bogus.write_bytes(b"x" * region.REGION_SIZE)
+    with pytest.raises(region.RegionError, match="not a vgpu region"):
+        region.Region(bogus)
+
+
+def test_a_short_file_is_refused_with_its_size(tmp_path: Path) -> None:
+    short = tmp_path / "region"
+    short.write_bytes(b"\0" * 100)
+    with pytest.raises(region.RegionError, match="holds 100 bytes"):
+        region.Region(short)
