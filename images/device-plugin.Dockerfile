@@ -18,8 +18,7 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${HOOK_BUILDER} AS hook
 WORKDIR /src/native/hook
 COPY native/hook ./
-RUN make clean >/dev/null 2>&1 || true; make libvgpu.so \
- && install -D -m 0755 "$(find . -name libvgpu.so -type f | head -n 1)" /out/libvgpu.so
+RUN make clean && make build/libvgpu.so && install -D -m 0755 build/libvgpu.so /out/libvgpu.so
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src

@@ -1,0 +1,91 @@
+"""The Dockerfiles under images/: pinned bases, non-root where the component allows, and the
+hook library built by the same make target and placed where the chart tells the plugin to look.
+No container engine runs here, so the build steps that can run without one are run for real."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = REPO / "images"
+DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
+
+
+def resolved_bases(text: str) -> list[str]:
+    """Every FROM image with ARG defaults substituted; stage names are left out."""
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    stages: set[str] = set()
+    bases = []
+    for image, stage in re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M):
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        if image not in stages:
+            bases.append(image)
+        if stage:
+            stages.add(stage)
+    return bases
+
+
+def final_user(text: str) -> str:
+    stages = re.split(r"^FROM ", text, flags=re.M)
+    users = re.findall(r"^USER (\S+)$", stages[-1], re.M)
+    return users[-1] if users else "root"
+
+
+def test_both_images_have_a_dockerfile() -> None:
+    assert {p.name for p in DOCKERFILES} == {"scheduler.Dockerfile", "device-plugin.Dockerfile"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_base_image_is_pinned_to_an_exact_version_or_digest(dockerfile: Path) -> None:
+    bases = resolved_bases(dockerfile.read_text())
+    assert bases
+    for base in bases:
+        name, _, tag = base.partition("@")[0].rpartition(":")
+        pinned_digest = "@sha256:" in base
+        # an exact tag carries a full version (3.11.13) or a build date (2024-03-10), never latest
+        exact_tag = bool(re.search(r"\d+\.\d+\.\d+|\d{4}-\d{2}-\d{2}", tag)) and tag != "latest"
+        assert name and (pinned_digest or exact_tag), f"{dockerfile.name}: {base} is not pinned"
+
+
+def test_the_scheduler_image_runs_as_a_non_root_user() -> None:
+    user = final_user((IMAGES / "scheduler.Dockerfile").read_text())
+    assert user.split(":")[0] not in ("root", "0")
+
+
+def test_the_device_plugin_image_ships_the_hook_where_the_chart_points_the_plugin() -> None:
+    text = (IMAGES / "device-plugin.Dockerfile").read_text()
+    copies = re.findall(r"^COPY --from=hook \S+ (\S+)$", text, re.M)
+    daemonset = (REPO / "charts/vgpu/templates/device-plugin-daemonset.yaml").read_text()
+    (flag,) = re.findall(r"--hook-library=(\S+)", daemonset)
+    assert copies == [flag]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_build_context_lets_in_only_what_the_dockerfile_copies(dockerfile: Path) -> None:
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = {src.rstrip("/") for src in re.findall(r"^COPY (?!--from)(\S+) ", dockerfile.read_text(), re.M)}
+    assert "*" in ignore and copied and copied <= allowed
+
+
+def test_the_hook_build_step_of_the_device_plugin_image_makes_an_exporting_libvgpu(tmp_path: Path) -> None:
+    """Runs the image's make target on a copy of native/hook with this machine's gcc."""
+    text = (IMAGES / "device-plugin.Dockerfile").read_text()
+    (target,) = re.findall(r"make (\S*libvgpu\.so)", text)
+    src = tmp_path / "hook"
+    shutil.copytree(REPO / "native/hook", src, ignore=shutil.ignore_patterns("build"))
+    result = subprocess.run(
+        ["make", "-C", str(src), target], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    library = src / target
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
+    assert {"cuMemAlloc_v2", "cuGetProcAddress", "dlsym"} <= exported

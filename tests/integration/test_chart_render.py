@@ -1,0 +1,345 @@
+"""The Helm chart rendered offline by the real helm: lint, Kubernetes 1.33 schemas, and what the
+objects say for the values given. Needs helm from `make setup` ($VGPU_BIN_DIR/current/helm)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from vgpu.plugin import cli as plugin_cli
+from vgpu.plugin.config import NodeConfig, parse_node_config
+from vgpu.sandbox import binaries
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vgpu"
+SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
+KUBE_VERSION = "1.33.0"
+NS = "kube-system"
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(binaries.find("helm")), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def render(*args: str, kube_version: str = KUBE_VERSION) -> list[dict[str, Any]]:
+    """`helm template vgpu charts/vgpu -n kube-system ARGS` as a list of objects; fails on error."""
+    result = helm("template", "vgpu", str(CHART), "-n", NS, "--kube-version", kube_version, *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name}, found {[o['metadata']['name'] for o in objs]}"
+    return matches[0]
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod_spec["containers"] if c["name"] == name)
+
+
+def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    cm = find(objs, "ConfigMap", "vgpu-scheduler-config")
+    return yaml.safe_load(cm["data"]["scheduler-config.yaml"])
+
+
+def node_config(objs: list[dict[str, Any]], node: str) -> NodeConfig:
+    """What the real device plugin makes of the rendered node settings on ``node``."""
+    cm = find(objs, "ConfigMap", "vgpu-device-plugin-config")
+    return parse_node_config(cm["data"]["node-config.yaml"], node, "chart")
+
+
+def scenario_id(path: Path) -> str:
+    return path.name.removesuffix("-values.yaml")
+
+
+def test_the_chart_has_a_ci_values_file_for_each_install_scenario() -> None:
+    assert {scenario_id(p) for p in SCENARIOS} >= {
+        "defaults",
+        "virtual-memory",
+        "custom-split-scaling",
+        "no-webhook",
+        "custom-registry",
+    }
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=scenario_id)
+def test_helm_lint_strict_passes_for_the_scenario(values: Path) -> None:
+    result = helm("lint", "--strict", str(CHART), "-f", str(values), "--kube-version", KUBE_VERSION)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=scenario_id)
+def test_every_object_of_the_scenario_is_valid_against_the_kubernetes_1_33_schemas(values: Path) -> None:
+    objs = render("-f", str(values))
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "DaemonSet", "ConfigMap", "Service", "ClusterRole", "Secret"} <= kinds
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_the_schema_check_rejects_a_misspelt_field_so_the_scenario_checks_can_fail() -> None:
+    deployment = find(render(), "Deployment", "vgpu-scheduler")
+    deployment["spec"]["replica"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+def test_kube_scheduler_follows_the_cluster_version_without_its_build_suffix() -> None:
+    objs = render(kube_version="v1.33.4+k3s1")
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert container(pod, "kube-scheduler")["image"] == "registry.k8s.io/kube-scheduler:v1.33.4"
+
+
+def test_a_pinned_kube_scheduler_tag_wins_over_the_cluster_version() -> None:
+    objs = render("--set", "scheduler.kubeScheduler.imageTag=v1.32.9", kube_version="1.33.2")
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert container(pod, "kube-scheduler")["image"] == "registry.k8s.io/kube-scheduler:v1.32.9"
+
+
+def test_kube_scheduler_calls_the_extender_over_https_with_the_release_ca() -> None:
+    objs = render()
+    cfg = scheduler_config(objs)
+    assert cfg["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert cfg["leaderElection"]["leaderElect"] is True
+    assert [p["schedulerName"] for p in cfg["profiles"]] == ["vgpu-scheduler"]
+    (ext,) = cfg["extenders"]
+    assert ext["urlPrefix"].startswith("https://")
+    assert ext["enableHTTPS"] is True and ext["tlsConfig"]["insecure"] is False
+    assert ext["nodeCacheCapable"] is True
+    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
+    managed = {r["name"]: r["ignoredByScheduler"] for r in ext["managedResources"]}
+    assert managed == {
+        "nvidia.com/gpu": True,
+        "nvidia.com/gpumem": True,
+        "nvidia.com/gpumem-percentage": True,
+        "nvidia.com/gpucores": True,
+        "nvidia.com/priority": True,
+    }
+    secret = find(objs, "Secret", "vgpu-extender-tls")
+    assert ext["tlsConfig"]["caData"] == secret["data"]["ca.crt"]
+
+
+def _certs(objs: list[dict[str, Any]]) -> tuple[x509.Certificate, x509.Certificate]:
+    data = find(objs, "Secret", "vgpu-extender-tls")["data"]
+    ca = x509.load_pem_x509_certificate(base64.b64decode(data["ca.crt"]))
+    crt = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+    return ca, crt
+
+
+def test_the_serving_certificate_is_signed_by_the_ca_every_client_is_given() -> None:
+    objs = render()
+    ca, crt = _certs(objs)
+    key = ca.public_key()
+    assert isinstance(key, rsa.RSAPublicKey)
+    assert crt.signature_hash_algorithm is not None
+    key.verify(crt.signature, crt.tbs_certificate_bytes, padding.PKCS1v15(), crt.signature_hash_algorithm)
+    assert crt.issuer == ca.subject
+    sans = crt.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "vgpu-extender.kube-system.svc" in sans.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    ca_b64 = find(objs, "Secret", "vgpu-extender-tls")["data"]["ca.crt"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        (hook,) = find(objs, kind, "vgpu-kube-system")["webhooks"]
+        assert hook["clientConfig"]["caBundle"] == ca_b64
+        assert hook["clientConfig"]["service"]["name"] == "vgpu-extender"
+
+
+def test_the_certificate_lasts_the_days_asked_for() -> None:
+    _, crt = _certs(render("--set", "webhook.certificate.validityDays=30"))
+    days = (crt.not_valid_after_utc - crt.not_valid_before_utc).days
+    assert days == 30
+
+
+def test_every_render_makes_a_new_certificate_and_rolls_the_scheduler_pods() -> None:
+    first, second = render(), render()
+    assert _certs(first)[1].serial_number != _certs(second)[1].serial_number
+    checksums = [
+        find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["metadata"]["annotations"][
+            "checksum/tls"
+        ]
+        for objs in (first, second)
+    ]
+    assert checksums[0] != checksums[1]
+    # the device plugin does not use the certificate: it is not restarted for it
+    ds = [find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"] for objs in (first, second)]
+    assert ds[0] == ds[1]
+
+
+def test_the_extender_runs_with_the_contracts_command_line() -> None:
+    pod = find(render(), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    cmd = container(pod, "extender")["command"]
+    assert cmd[:2] == ["vgpu", "extender"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in cmd[2:])
+    assert flags == {
+        "listen": "0.0.0.0:8443",
+        "cert-file": "/etc/vgpu/tls/tls.crt",
+        "key-file": "/etc/vgpu/tls/tls.key",
+        "metrics-listen": "0.0.0.0:9395",
+        "namespace": NS,
+        "scheduler-name": "vgpu-scheduler",
+        "node-policy": "binpack",
+        "gpu-policy": "spread",
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container(pod, "extender")["volumeMounts"]}
+    assert mounts["/etc/vgpu/tls"] == "extender-tls"
+
+
+def test_the_device_plugin_command_line_is_accepted_by_the_real_plugin_cli() -> None:
+    pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    cmd = container(pod, "device-plugin")["command"]
+    assert cmd[:2] == ["vgpu", "device-plugin"]
+    parser = argparse.ArgumentParser()
+    plugin_cli.register(parser)
+    args = parser.parse_args([a.replace("$(NODE_NAME)", "gpu-node-1") for a in cmd[2:]])
+    assert args.node == "gpu-node-1"
+    assert args.namespace == NS
+    assert args.monitor_listen == "0.0.0.0:9394"
+    assert args.fake_nvml is None and args.kubeconfig is None and args.root == Path("/")
+    assert str(args.hook_library) == "/usr/local/vgpu/libvgpu.so"
+    mounts = {m["mountPath"] for m in container(pod, "device-plugin")["volumeMounts"]}
+    assert str(args.config.parent) in mounts
+
+
+def test_node_settings_reach_the_plugin_as_it_reads_them() -> None:
+    objs = render("-f", str(CHART / "ci" / "custom-split-scaling-values.yaml"))
+    everywhere = node_config(objs, "gpu-node-3")
+    assert (everywhere.split, everywhere.device_memory_scaling, everywhere.device_core_scaling) == (
+        4,
+        0.9,
+        2.0,
+    )
+    assert everywhere.oversubscribe is False
+    tuned = node_config(objs, "gpu-node-h200-0")
+    assert (tuned.split, tuned.device_memory_scaling, tuned.device_core_scaling) == (16, 0.9, 1.0)
+
+
+def test_virtual_memory_turns_on_spilling_except_on_the_node_that_opts_out() -> None:
+    objs = render("-f", str(CHART / "ci" / "virtual-memory-values.yaml"))
+    spilling = node_config(objs, "gpu-node-1")
+    assert spilling.oversubscribe is True and spilling.device_memory_scaling == 1.5
+    small = node_config(objs, "gpu-node-small-ram")
+    assert small.oversubscribe is False and small.device_memory_scaling == 1.0
+
+
+def test_a_new_split_count_changes_the_device_plugin_pod_template() -> None:
+    before = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]
+    after = find(render("--set", "devicePlugin.deviceSplitCount=5"), "DaemonSet", "vgpu-device-plugin")
+    assert (
+        before["metadata"]["annotations"]["checksum/config"]
+        != (after["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    )
+
+
+def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
+    pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "on"}
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    sc = container(pod, "device-plugin")["securityContext"]
+    assert not sc.get("privileged") and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    host = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v}
+    assert host == {"/var/lib/kubelet/device-plugins": "Directory", "/var/lib/vgpu": "DirectoryOrCreate"}
+
+
+def test_the_monitor_and_metrics_services_use_the_contract_ports() -> None:
+    objs = render()
+    monitor = find(objs, "Service", "vgpu-monitor")["spec"]
+    assert monitor["type"] == "NodePort" and monitor["externalTrafficPolicy"] == "Local"
+    assert [(p["port"], p["nodePort"]) for p in monitor["ports"]] == [(9394, 31992)]
+    metrics = find(objs, "Service", "vgpu-scheduler-metrics")["spec"]
+    assert [(p["port"], p["nodePort"]) for p in metrics["ports"]] == [(9395, 31993)]
+
+
+def test_without_the_webhook_no_webhook_configuration_is_rendered_but_tls_to_the_extender_stays() -> None:
+    objs = render("-f", str(CHART / "ci" / "no-webhook-values.yaml"))
+    kinds = {o["kind"] for o in objs}
+    assert "MutatingWebhookConfiguration" not in kinds and "ValidatingWebhookConfiguration" not in kinds
+    assert scheduler_config(objs)["extenders"][0]["tlsConfig"]["caData"]
+
+
+def test_a_service_monitor_is_rendered_only_where_the_prometheus_operator_serves_it() -> None:
+    assert "ServiceMonitor" not in {o["kind"] for o in render()}
+    objs = render("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    sm = find(objs, "ServiceMonitor", "vgpu")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    off = render(
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "--set",
+        "monitoring.serviceMonitor.enabled=false",
+    )
+    assert "ServiceMonitor" not in {o["kind"] for o in off}
+
+
+def test_the_custom_registry_scenario_pulls_every_image_from_the_mirror_with_credentials() -> None:
+    objs = render("-f", str(CHART / "ci" / "custom-registry-values.yaml"))
+    pods = [
+        find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"],
+        find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"],
+    ]
+    images = [c["image"] for pod in pods for c in pod["containers"] + pod.get("initContainers", [])]
+    assert images and all(i.startswith("registry.internal.example:5000/mirror/") for i in images), images
+    assert "registry.internal.example:5000/mirror/kube-scheduler:v1.33.4" in images
+    assert all(pod["imagePullSecrets"] == [{"name": "mirror-credentials"}] for pod in pods)
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=scenario_id)
+def test_kube_scheduler_1_33_accepts_the_rendered_configuration_and_flags(
+    values: Path, tmp_path: Path
+) -> None:
+    """The real kube-scheduler decodes the config strictly and validates it, then writes it out."""
+    objs = render("-f", str(values))
+    config = tmp_path / "scheduler-config.yaml"
+    config.write_text(find(objs, "ConfigMap", "vgpu-scheduler-config")["data"]["scheduler-config.yaml"])
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    command = container(pod, "kube-scheduler")["command"]
+    assert command[0] == "kube-scheduler"
+    flags = [f"--config={config}" if a.startswith("--config=") else a for a in command[1:]]
+    written = tmp_path / "written.yaml"
+    # --master only lets it build a client; --write-config-to exits before connecting
+    result = subprocess.run(
+        [str(binaries.find("kube-scheduler")), *flags, f"--write-config-to={written}"]
+        + ["--master=https://127.0.0.1:1", f"--cert-dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    effective = yaml.safe_load(written.read_text())
+    assert effective["profiles"][0]["schedulerName"] == "vgpu-scheduler"
+    assert effective["extenders"][0]["nodeCacheCapable"] is True
+
+
+def test_kube_scheduler_refuses_a_broken_configuration_so_the_check_above_can_fail(tmp_path: Path) -> None:
+    cfg = scheduler_config(render())
+    cfg["extenders"][0]["nodeCachecapable"] = cfg["extenders"][0].pop("nodeCacheCapable")
+    config = tmp_path / "broken.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    result = subprocess.run(
+        [
+            str(binaries.find("kube-scheduler")),
+            f"--config={config}",
+            f"--write-config-to={tmp_path / 'w.yaml'}",
+        ]
+        + ["--master=https://127.0.0.1:1", f"--cert-dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "nodeCachecapable" in result.stderr

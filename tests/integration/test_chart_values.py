@@ -1,0 +1,239 @@
+"""The chart's values: documented, covered by the schema, and bad ones refused by helm with the
+value and the fix named; and the RBAC they produce grants each component only what it uses."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vgpu.sandbox import binaries
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vgpu"
+
+
+def template(*args: str, kube_version: str = "1.33.0") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(binaries.find("helm")), "template", "vgpu", str(CHART), "-n", "kube-system"]
+        + ["--kube-version", kube_version, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def leaves(doc: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the values; maps with entries are walked, everything else is a leaf."""
+    if isinstance(doc, dict) and doc:
+        out: set[str] = set()
+        for key, value in doc.items():
+            out |= {prefix + key} | leaves(value, prefix + key + ".")
+        return out
+    return set()
+
+
+def schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key, sub in (schema.get("properties") or {}).items():
+        out |= {prefix + key} | schema_paths(sub, prefix + key + ".")
+    return out
+
+
+# Maps the chart fills with free-form Kubernetes content (selectors, resources, labels...).
+FREE_FORM = re.compile(
+    r"(\.resources|\.requests|\.limits|\.nodeSelector|Selector|\.matchExpressions)(\.|$)|^global\.labels\."
+)
+
+
+def test_values_and_schema_declare_the_same_keys() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    in_values = {p for p in leaves(values) if not FREE_FORM.search(p)}
+    in_schema = {p for p in schema_paths(schema) if not FREE_FORM.search(p)}
+    assert in_values - in_schema == set(), "values.yaml keys the schema does not declare"
+    assert in_schema - in_values == set(), "schema keys values.yaml does not set"
+
+
+# Keys whose contents are plain Kubernetes fields (resources, selectors): the comment above the
+# key itself documents them.
+KUBERNETES_BLOCKS = {"resources", "nodeSelector", "namespaceSelector", "objectSelector", "tolerations"}
+
+
+def test_every_value_has_a_comment_above_it() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    stack: list[tuple[int, str]] = []  # (indent, key) of the keys enclosing the current line
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
+        if not m:
+            continue
+        indent, key = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inside_kubernetes_block = any(k in KUBERNETES_BLOCKS for _, k in stack)
+        stack.append((indent, key))
+        if inside_kubernetes_block:
+            continue
+        prev = lines[i - 1].strip() if i else ""
+        # a key is documented by the comment right above it, or is a group whose keys each are
+        if not prev.startswith("#") and not _is_group(lines, i, indent):
+            undocumented.append(key)
+    assert undocumented == []
+
+
+def _is_group(lines: list[str], i: int, indent: int) -> bool:
+    """A key with nothing after the colon whose own keys are deeper (each of them commented)."""
+    if lines[i].rstrip().endswith(":") and i + 1 < len(lines):
+        nxt = lines[i + 1]
+        return len(nxt) - len(nxt.lstrip()) > indent
+    return False
+
+
+BAD_VALUES = [
+    # (helm arguments, what the message must name, the fix it must give)
+    (
+        ["--set", "devicePlugin.deviceMemoryScaling=2"],
+        "devicePlugin.deviceMemoryScaling=2",
+        "set devicePlugin.virtualMemory.enabled=true",
+    ),
+    (
+        ["--set", "scheduler.replicas=3,scheduler.leaderElection.enabled=false"],
+        "scheduler.replicas=3 with scheduler.leaderElection.enabled=false",
+        "set scheduler.leaderElection.enabled=true",
+    ),
+    (
+        ["--set", "devicePlugin.monitor.service.nodePort=31993"],
+        "scheduler.metrics.service.nodePort and devicePlugin.monitor.service.nodePort are both 31993",
+        "change one of them",
+    ),
+    (
+        ["--set", "scheduler.metrics.service.type=ClusterIP"],
+        "scheduler.metrics.service.nodePort=31993 only applies to type NodePort",
+        "scheduler.metrics.service.nodePort=null",
+    ),
+    (
+        ["--set", "scheduler.kubeScheduler.imageTag=v1.34.1"],
+        "scheduler.kubeScheduler.imageTag=v1.34.1 is newer than the cluster (v1.33.0)",
+        "leave it empty to follow the cluster",
+    ),
+    (
+        [
+            "--set",
+            "scheduler.kubeScheduler.podMaxBackoffSeconds=1,scheduler.kubeScheduler.podInitialBackoffSeconds=5",
+        ],
+        "scheduler.kubeScheduler.podMaxBackoffSeconds=1 is below",
+        "make podMaxBackoffSeconds >= podInitialBackoffSeconds",
+    ),
+    (
+        ["--set", "scheduler.metrics.port=8443"],
+        "scheduler.extender.port and scheduler.metrics.port are both 8443",
+        "give scheduler.extender.port another port",
+    ),
+    (
+        ["--set", "devicePlugin.nodeOverrides[0].name=n1,devicePlugin.nodeOverrides[1].name=n1"],
+        "devicePlugin.nodeOverrides[1].name=n1 repeats an earlier entry",
+        "merge the two entries for n1",
+    ),
+    (
+        [
+            "--set",
+            "devicePlugin.nodeOverrides[0].name=big,devicePlugin.nodeOverrides[0].deviceMemoryScaling=3",
+        ],
+        "devicePlugin.nodeOverrides[0] (node big) has deviceMemoryScaling=3",
+        "add virtualMemory: true to that entry",
+    ),
+    (
+        ["--set", "scheduler.metrics.service.enabled=false,devicePlugin.monitor.service.enabled=false"],
+        "monitoring.serviceMonitor.enabled=true",
+        "set monitoring.serviceMonitor.enabled=false",
+    ),
+    # mistyped: wrong key, wrong type, out of range, not one of the choices
+    (["--set", "devicePlugin.deviceSplitcount=5"], "/devicePlugin", "'deviceSplitcount' not allowed"),
+    (
+        ["--set-string", "devicePlugin.deviceSplitCount=five"],
+        "/devicePlugin/deviceSplitCount",
+        "want integer",
+    ),
+    (["--set", "devicePlugin.deviceSplitCount=0"], "/devicePlugin/deviceSplitCount", "minimum"),
+    (["--set", "scheduler.extender.nodePolicy=fastest"], "/scheduler/extender/nodePolicy", "binpack"),
+    (["--set", "webhook.failurePolicy=fail"], "/webhook/failurePolicy", "Ignore"),
+]
+
+
+@pytest.mark.parametrize(("args", "names", "fix"), BAD_VALUES, ids=lambda v: str(v)[:60])
+def test_bad_values_fail_with_the_value_and_the_fix_named(args: list[str], names: str, fix: str) -> None:
+    result = template(*args)
+    assert result.returncode != 0, f"helm accepted {args}"
+    assert names in result.stderr
+    assert fix in result.stderr
+
+
+def test_sound_values_render_no_validation_output() -> None:
+    result = template("--show-only", "templates/validation.yaml")
+    # helm reports a template that renders nothing as "could not find template" for --show-only
+    assert "could not find template" in result.stderr
+
+
+def _rbac(objs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """ServiceAccount name -> every rule bound to it (Roles and ClusterRoles of this chart)."""
+    roles = {
+        (o["kind"], o["metadata"]["name"]): o.get("rules", []) for o in objs if o["kind"].endswith("Role")
+    }
+    out: dict[str, list[dict[str, Any]]] = {}
+    for b in (o for o in objs if o["kind"].endswith("RoleBinding")):
+        for s in b["subjects"]:
+            out.setdefault(s["name"], []).extend(roles.get((b["roleRef"]["kind"], b["roleRef"]["name"]), []))
+    return out
+
+
+def test_each_component_runs_as_its_own_service_account() -> None:
+    result = template()
+    assert result.returncode == 0, result.stderr
+    objs = [o for o in yaml.safe_load_all(result.stdout) if o]
+    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
+    assert accounts == {"vgpu-scheduler", "vgpu-extender", "vgpu-device-plugin"}
+    deploy = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    ds = next(o for o in objs if o["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert deploy["serviceAccountName"] == "vgpu-scheduler"
+    assert ds["serviceAccountName"] == "vgpu-device-plugin"
+    # the extender container swaps the pod's token for its own account's
+    extender = next(c for c in deploy["containers"] if c["name"] == "extender")
+    token_mount = next(
+        m
+        for m in extender["volumeMounts"]
+        if m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    )
+    volume = next(v for v in deploy["volumes"] if v["name"] == token_mount["name"])
+    secret = next(
+        o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == volume["secret"]["secretName"]
+    )
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "vgpu-extender"
+
+
+def test_no_component_may_read_secrets_or_use_wildcards() -> None:
+    result = template()
+    objs = [o for o in yaml.safe_load_all(result.stdout) if o]
+    rules = _rbac(objs)
+    assert set(rules) >= {"vgpu-extender", "vgpu-device-plugin", "vgpu-scheduler"}
+    for account, account_rules in rules.items():
+        for rule in account_rules:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], (account, rule)
+            assert "secrets" not in rule["resources"], (account, rule)
+    plugin = {
+        (r, v) for rule in rules["vgpu-device-plugin"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    assert ("pods/binding", "create") not in plugin and ("nodes", "list") not in plugin
+    scheduler_bindings = [
+        o["roleRef"]["name"]
+        for o in objs
+        if o["kind"] == "ClusterRoleBinding" and o["subjects"][0]["name"] == "vgpu-scheduler"
+    ]
+    assert sorted(scheduler_bindings) == ["system:kube-scheduler", "system:volume-scheduler"]
