@@ -1,0 +1,317 @@
+"""The device plugin and the kubelet stand-in, in this process, against the sandbox's real API server.
+
+Each test gets a Node of its own (KWOK-managed, tainted so the schedulers leave it alone) with
+the plugin on a real unix socket and the kubelet stand-in as its peer. Pods are created already
+bound to it with the allocation annotation the extender would write (contract 3); the stand-in
+then admits them as kubelet does and the tests read what each container would start with.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    DEVICES_ANNOTATION,
+    PHASE_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    decode_devices,
+    encode_allocation,
+    lease_name,
+)
+from vgpu.kube import NodeAgentClient
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.daemon import Daemon
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.paths import HostPaths
+from vgpu.sandbox.cluster import Sandbox
+from vgpu.sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION, Kubelet
+
+NAMESPACE = "kube-system"
+SPLIT = 4
+TEST_NS = "vgpu-plugin-it"
+
+
+def _wait(predicate: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def gpus_yaml(node: str, unhealthy: tuple[int, ...] = ()) -> str:
+    return yaml.safe_dump(
+        {
+            "gpus": [
+                {"uuid": f"GPU-{node}-{i}", "memoryMiB": 24000, "healthy": i not in unhealthy, "numa": 0}
+                for i in range(4)
+            ]
+        }
+    )
+
+
+@dataclass
+class Agent:
+    name: str
+    root: Path
+    gpus: Path
+    sandbox: Sandbox
+    daemon: Daemon
+    kubelet: Kubelet
+    client: NodeAgentClient
+
+    def uuid(self, i: int) -> str:
+        return f"GPU-{self.name}-{i}"
+
+    def node(self) -> dict[str, Any]:
+        return json.loads(self.sandbox.kubectl("get", "node", self.name, "-o", "json").stdout)
+
+    def create_pod(
+        self,
+        name: str,
+        containers: dict[str, list[tuple[int, int, int]]],
+        init: tuple[str, ...] = (),
+        annotation: str | None = None,
+    ) -> None:
+        alloc = Allocation(
+            self.name,
+            tuple(
+                ContainerAllocation(c, tuple(DeviceAllocation(self.uuid(i), m, k) for i, m, k in devs))
+                for c, devs in containers.items()
+                if devs
+            ),
+        )
+
+        def spec(c: str) -> dict[str, Any]:
+            n = len(containers.get(c) or [])
+            limits = {"nvidia.com/gpu": str(n)} if n else {}
+            return {"name": c, "image": "cuda:fake", "resources": {"limits": limits}}
+
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": TEST_NS,
+                "annotations": {
+                    ALLOCATION_ANNOTATION: annotation if annotation is not None else encode_allocation(alloc),
+                    PHASE_ANNOTATION: "bound",
+                },
+            },
+            "spec": {
+                "nodeName": self.name,
+                "tolerations": [{"key": "vgpu-test", "operator": "Exists"}],
+                "initContainers": [spec(c) for c in init],
+                "containers": [spec(c) for c in containers if c not in init],
+            },
+        }
+        self.sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return json.loads(self.sandbox.kubectl("get", "pod", "-n", TEST_NS, name, "-o", "json").stdout)
+
+    def admit(self, expected: int) -> None:
+        """Play one kubelet round once ``expected`` pods are listed on the node."""
+        assert _wait(lambda: len(self.client.list_node_pods(self.name)) >= expected), "pods never showed up"
+        self.kubelet.admit_pending()
+
+    def record(self, pod: str) -> dict[str, Any]:
+        annotations = self.pod(pod)["metadata"]["annotations"]
+        return {
+            "containers": json.loads(annotations.get(RECORD_ANNOTATION, "{}")),
+            "error": annotations.get(ERROR_ANNOTATION),
+        }
+
+    def start_kubelet(self) -> Kubelet:
+        kubelet = Kubelet(self.name, self.root, self.client)
+        kubelet.start()
+        self.kubelet = kubelet
+        return kubelet
+
+    def advertised(self, kubelet: Kubelet | None = None) -> dict[str, str]:
+        plugin = (kubelet or self.kubelet).plugins.get("nvidia.com/gpu")
+        return dict(plugin.devices) if plugin else {}
+
+
+@pytest.fixture(scope="module")
+def namespace(sandbox: Sandbox) -> Iterator[str]:
+    sandbox.kubectl("create", "namespace", TEST_NS)
+    try:
+        yield TEST_NS
+    finally:
+        sandbox.kubectl("delete", "namespace", TEST_NS, "--wait=false", check=False)
+
+
+@pytest.fixture
+def agent(sandbox: Sandbox, namespace: str, tmp_path: Path) -> Iterator[Agent]:
+    name = f"dp-it-{secrets.token_hex(3)}"
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"}, "labels": {"type": "kwok"}},
+        "spec": {"taints": [{"key": "vgpu-test", "value": "plugin", "effect": "NoSchedule"}]},
+    }
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(node))
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(gpus_yaml(name))
+    client = NodeAgentClient(str(sandbox.kubeconfig))
+    kubelet = Kubelet(name, tmp_path, client)
+    kubelet.start()
+    daemon = Daemon(
+        name,
+        NAMESPACE,
+        HostPaths(tmp_path),
+        NodeConfig(split=SPLIT),
+        FakeDiscovery(gpus, poll_s=0.05),
+        client,
+        None,
+    )
+    daemon.server.watch_interval_s = 0.1
+    daemon.start()
+    a = Agent(name, tmp_path, gpus, sandbox, daemon, kubelet, client)
+    try:
+        assert kubelet.wait_for(lambda k: len(a.advertised(k)) == 4 * SPLIT, 20)
+        yield a
+    finally:
+        daemon.stop()
+        a.kubelet.stop()
+        sandbox.kubectl(
+            "delete",
+            "pods",
+            "-n",
+            TEST_NS,
+            f"--field-selector=spec.nodeName={name}",
+            "--grace-period=0",
+            "--force",
+            check=False,
+        )
+        sandbox.kubectl("delete", "node", name, "--wait=false", check=False)
+        sandbox.kubectl("delete", "lease", "-n", NAMESPACE, lease_name(name), check=False)
+        client.close()
+
+
+def test_the_node_gets_its_inventory_lease_and_device_count(agent: Agent) -> None:
+    def reported() -> dict[str, Any] | None:
+        node = agent.node()
+        ann = node["metadata"].get("annotations") or {}
+        ok = DEVICES_ANNOTATION in ann and node["status"].get("allocatable", {}).get("nvidia.com/gpu") == "16"
+        return node if ok else None
+
+    node = _wait(reported)
+    assert node is not None
+    inv = decode_devices(node["metadata"]["annotations"][DEVICES_ANNOTATION])
+    assert [(d.uuid, d.memory_mib, d.split) for d in inv.devices] == [
+        (agent.uuid(i), 24000, SPLIT) for i in range(4)
+    ]
+    lease = agent.client.get_lease(NAMESPACE, lease_name(agent.name))
+    assert lease is not None and lease["spec"]["holderIdentity"] == f"vgpu-device-plugin/{agent.name}"
+
+
+def test_a_single_container_pod_starts_with_the_scheduled_limits(agent: Agent) -> None:
+    agent.create_pod("single", {"main": [(2, 6000, 40)]})
+    agent.admit(1)
+    record = agent.record("single")
+    assert record["error"] is None
+    envs = record["containers"]["main"]["envs"]
+    uid = agent.pod("single")["metadata"]["uid"]
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == agent.uuid(2)
+    assert (envs["CUDA_DEVICE_MEMORY_LIMIT_0"], envs["CUDA_DEVICE_SM_LIMIT_0"]) == ("6000m", "40")
+    assert envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == f"/var/lib/vgpu/containers/{uid}_main/vgpu.region"
+    assert (agent.root / f"var/lib/vgpu/containers/{uid}_main").is_dir()
+    assert agent.pod("single")["metadata"]["annotations"][PHASE_ANNOTATION] == "allocated"
+
+
+def test_init_and_app_containers_each_get_their_own_share(agent: Agent) -> None:
+    agent.create_pod(
+        "multi",
+        {
+            "prep": [(0, 1000, 10)],
+            "train": [(1, 8000, 60), (3, 8000, 60)],
+            "sidecar": [],
+            "eval": [(0, 2000, 0)],
+        },
+        init=("prep",),
+    )
+    agent.admit(1)
+    record = agent.record("multi")
+    assert record["error"] is None
+    got = {c: v["envs"] for c, v in record["containers"].items()}
+    assert set(got) == {"prep", "train", "eval"}  # the sidecar asks for no vGPU
+    assert got["prep"]["NVIDIA_VISIBLE_DEVICES"] == agent.uuid(0)
+    assert got["prep"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+    assert got["train"]["NVIDIA_VISIBLE_DEVICES"] == f"{agent.uuid(1)},{agent.uuid(3)}"
+    assert got["train"]["CUDA_DEVICE_MEMORY_LIMIT_1"] == "8000m"
+    assert got["eval"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "2000m"
+    assert agent.pod("multi")["metadata"]["annotations"][PHASE_ANNOTATION] == "allocated"
+
+
+def test_several_pods_waiting_at_once_each_get_their_own_limits(agent: Agent) -> None:
+    wanted = {f"wait-{k}": (k % 4, 1000 + 100 * k, 5 * k) for k in range(6)}
+    for name, (card, mem, cores) in wanted.items():
+        agent.create_pod(name, {"main": [(card, mem, cores)]})
+    agent.admit(len(wanted))
+    for name, (card, mem, cores) in wanted.items():
+        envs = agent.record(name)["containers"]["main"]["envs"]
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == agent.uuid(card), name
+        assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{mem}m", name
+        assert envs["CUDA_DEVICE_SM_LIMIT_0"] == str(cores), name
+
+
+def test_a_malformed_allocation_is_refused_and_disturbs_nothing_else(agent: Agent) -> None:
+    agent.create_pod("broken", {"main": [(0, 1, 0)]}, annotation='{"version": 1, "node": ')
+    agent.admit(1)
+    record = agent.record("broken")
+    assert "FAILED_PRECONDITION" in record["error"]
+    assert "not valid JSON" in record["error"] and "vgpu.openaios.io/allocation" in record["error"]
+    assert agent.pod("broken")["metadata"]["annotations"][PHASE_ANNOTATION] == "bound"
+    agent.create_pod("fine", {"main": [(1, 500, 0)]})
+    agent.admit(2)
+    assert agent.record("fine")["containers"]["main"]["envs"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "500m"
+
+
+def test_after_a_kubelet_restart_pods_are_allocated_again(agent: Agent) -> None:
+    before = agent.daemon.server.registrations
+    agent.kubelet.stop()
+    kubelet = agent.start_kubelet()
+    assert kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
+    assert agent.daemon.server.registrations == before + 1
+    threading.Thread(target=kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
+    agent.create_pod("after-restart", {"main": [(3, 700, 0)]})
+    assert _wait(lambda: agent.record("after-restart")["containers"].get("main"))
+    assert agent.record("after-restart")["containers"]["main"]["envs"][
+        "NVIDIA_VISIBLE_DEVICES"
+    ] == agent.uuid(3)
+
+
+def test_a_card_turning_unhealthy_leaves_allocatable_and_the_inventory(agent: Agent) -> None:
+    assert _wait(lambda: agent.node()["status"].get("allocatable", {}).get("nvidia.com/gpu") == "16")
+    agent.gpus.write_text(gpus_yaml(agent.name, unhealthy=(1,)))
+
+    def updated() -> bool:
+        node = agent.node()
+        inv = decode_devices(node["metadata"]["annotations"][DEVICES_ANNOTATION])
+        return (
+            node["status"]["allocatable"].get("nvidia.com/gpu") == str(3 * SPLIT)
+            and node["status"]["capacity"].get("nvidia.com/gpu") == str(4 * SPLIT)
+            and [d.healthy for d in inv.devices] == [True, False, True, True]
+        )
+
+    assert _wait(updated)
+    agent.create_pod("on-sick-card", {"main": [(1, 100, 0)]})
+    agent.admit(1)
+    assert "unhealthy" in agent.record("on-sick-card")["error"]
+    assert agent.pod("on-sick-card")["metadata"]["annotations"][PHASE_ANNOTATION] == "failed"

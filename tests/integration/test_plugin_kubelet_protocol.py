@@ -1,0 +1,213 @@
+"""The plugin on a real unix socket against a kubelet-protocol peer (the sandbox's kubelet stand-in).
+
+The peer serves Registration, follows ListAndWatch and calls GetPreferredAllocation and Allocate
+exactly as kubelet does. Pods come from an in-memory list here; test_plugin_apiserver.py runs
+the same path against a real API server.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    DEVICES_ANNOTATION,
+    PHASE_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    decode_devices,
+    encode_allocation,
+)
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.daemon import Daemon
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.paths import HostPaths
+from vgpu.sandbox.kubelet import Kubelet
+
+NODE = "node-a"
+SPLIT = 3
+
+
+def gpus_yaml(unhealthy: tuple[int, ...] = ()) -> str:
+    return yaml.safe_dump(
+        {
+            "gpus": [
+                {"uuid": f"GPU-{i}", "memoryMiB": 16000, "numa": i // 2, "healthy": i not in unhealthy}
+                for i in range(4)
+            ]
+        }
+    )
+
+
+class MemoryAPI:
+    """The API server calls the node side makes, kept in memory."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict[str, Any]] = []
+        self.node_ann: dict[str, str] = {}
+        self.leases: dict[str, int] = {}
+
+    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
+        return list(self.pods)
+
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        for p in self.pods:
+            if p["metadata"]["name"] == name:
+                p["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v is not None})
+
+    def node_annotations(self, node: str) -> dict[str, str]:
+        return dict(self.node_ann)
+
+    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
+        self.node_ann.update({k: v for k, v in annotations.items() if v is not None})
+
+    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
+        self.leases[name] = self.leases.get(name, 0) + 1
+
+    def bind(self, name: str, containers: dict[str, list[tuple[str, int, int]]], created: str) -> str:
+        alloc = Allocation(
+            NODE,
+            tuple(
+                ContainerAllocation(c, tuple(DeviceAllocation(u, m, k) for u, m, k in d))
+                for c, d in containers.items()
+            ),
+        )
+        self.pods.append(
+            {
+                "metadata": {
+                    "name": name,
+                    "namespace": "default",
+                    "uid": f"uid-{name}",
+                    "creationTimestamp": created,
+                    "annotations": {
+                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
+                        PHASE_ANNOTATION: "bound",
+                    },
+                },
+                "spec": {
+                    "nodeName": NODE,
+                    "containers": [
+                        {"name": c, "resources": {"limits": {"nvidia.com/gpu": str(len(d))}}}
+                        for c, d in containers.items()
+                    ],
+                },
+            }
+        )
+        return f"uid-{name}"
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[Daemon, Kubelet, MemoryAPI, Path]]:
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(gpus_yaml())
+    api = MemoryAPI()
+    kubelet = Kubelet(NODE, tmp_path, None)
+    kubelet.start()
+    daemon = Daemon(
+        NODE,
+        "kube-system",
+        HostPaths(tmp_path),
+        NodeConfig(split=SPLIT),
+        FakeDiscovery(gpus, poll_s=0.05),
+        api,  # type: ignore[arg-type]
+        None,
+        ("127.0.0.1", 0),
+    )
+    daemon.server.watch_interval_s = 0.1
+    daemon.start()
+    try:
+        yield daemon, kubelet, api, gpus
+    finally:
+        daemon.stop()
+        kubelet.stop()
+
+
+def advertised(k: Kubelet) -> dict[str, str]:
+    plugin = k.plugins.get("nvidia.com/gpu")
+    return dict(plugin.devices) if plugin else {}
+
+
+def test_the_plugin_registers_and_advertises_split_ids_per_card(node: Any) -> None:
+    daemon, kubelet, _, _ = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    plugin = kubelet.plugins["nvidia.com/gpu"]
+    assert plugin.socket == daemon.paths.plugin_socket
+    assert plugin.options.get_preferred_allocation_available
+    assert set(advertised(kubelet)) == {f"GPU-{i}::{n}" for i in range(4) for n in range(SPLIT)}
+    assert set(advertised(kubelet).values()) == {"Healthy"}
+
+
+def test_a_card_turning_unhealthy_is_streamed_and_published(node: Any) -> None:
+    daemon, kubelet, api, gpus = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    gpus.write_text(gpus_yaml(unhealthy=(2,)))
+    assert kubelet.wait_for(
+        lambda k: (
+            [i for i, h in advertised(k).items() if h == "Unhealthy"] == [f"GPU-2::{n}" for n in range(SPLIT)]
+        ),
+        10,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        inv = decode_devices(api.node_ann.get(DEVICES_ANNOTATION, '{"version":1,"devices":[]}'))
+        if [d.healthy for d in inv.devices] == [True, True, False, True]:
+            break
+        time.sleep(0.05)
+    assert [d.healthy for d in inv.devices] == [True, True, False, True]
+    assert api.leases["vgpu-node-a"] >= 1
+
+
+def test_after_a_kubelet_restart_the_plugin_registers_again(node: Any, tmp_path: Path) -> None:
+    daemon, kubelet, _, _ = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    before = daemon.server.registrations
+    kubelet.stop()
+    again = Kubelet(NODE, tmp_path, None)
+    again.start()  # removes the plugin's socket and recreates kubelet.sock, as kubelet does
+    try:
+        assert again.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+        assert daemon.server.registrations == before + 1
+        assert daemon.paths.plugin_socket.is_socket()
+    finally:
+        again.stop()
+
+
+def test_allocate_over_the_socket_returns_the_scheduled_limits(node: Any) -> None:
+    _, kubelet, api, _ = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    uid = api.bind("p", {"main": [("GPU-1", 4000, 25)]}, "2026-01-01T00:00:00Z")
+    response = kubelet.allocate_container(uid, "nvidia.com/gpu", 1)
+    assert response.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-1"
+    assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "4000m"
+    assert response.envs["CUDA_DEVICE_SM_LIMIT_0"] == "25"
+    assert api.pods[0]["metadata"]["annotations"][PHASE_ANNOTATION] == "allocated"
+
+
+def test_allocate_with_no_waiting_pod_is_a_clear_grpc_error(node: Any) -> None:
+    _, kubelet, _, _ = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    with pytest.raises(grpc.RpcError) as info:
+        kubelet.allocate_container("uid-x", "nvidia.com/gpu", 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no pod bound to node node-a" in (info.value.details() or "")
+
+
+def test_the_monitor_serves_per_card_metrics(node: Any) -> None:
+    daemon, _, _, _ = node
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{daemon.monitor_port}/metrics", timeout=10).read().decode()
+    )
+    assert (
+        'vgpu_card_memory_total_bytes{index="0",model="Fake GPU",node="node-a",uuid="GPU-0"} 1.6777216e+10'
+        in body
+    )
+    assert 'vgpu_card_healthy{index="3",model="Fake GPU",node="node-a",uuid="GPU-3"} 1.0' in body

@@ -1,0 +1,129 @@
+"""The node monitor reports per-card totals and, from the hook's region files, per-container usage."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vgpu import region
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
+from vgpu.plugin.monitor import NodeCollector, make_registry
+from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+
+MIB = 1 << 20
+
+
+class Cards:
+    def __init__(self) -> None:
+        self.list = [Card("GPU-a", 0, "H200", 1000), Card("GPU-b", 1, "H200", 1000)]
+
+    def cards(self) -> list[Card]:
+        return self.list
+
+    def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        return []
+
+    def usage(self, uuid: str) -> CardUsage | None:
+        return CardUsage(250, 1000, 40) if uuid == "GPU-a" else None
+
+    def close(self) -> None:
+        pass
+
+
+def write_region(path: Path, devices: list[tuple[str, int, int]], procs: list[tuple[int, list[int]]]) -> None:
+    """A region file as the hook lays it out (offsets from vgpu.region), then limits set through it."""
+    h, s = region.HEADER_LAYOUT.offsets, region.SLOT_LAYOUT.offsets
+    buf = bytearray(region.REGION_SIZE)
+    struct.pack_into("<Q", buf, h["magic"], region.MAGIC)
+    for name, value in (
+        ("version", region.LAYOUT_VERSION),
+        ("header_size", region.HEADER_LAYOUT.size),
+        ("slot_size", region.SLOT_LAYOUT.size),
+        ("max_devices", region.MAX_DEVICES),
+        ("max_procs", region.MAX_PROCS),
+        ("num_devices", len(devices)),
+    ):
+        struct.pack_into("<I", buf, h[name], value)
+    for i, (uuid, _, _) in enumerate(devices):
+        raw = uuid.encode()
+        buf[h["uuid"] + i * region.UUID_BYTES : h["uuid"] + i * region.UUID_BYTES + len(raw)] = raw
+    for k, (pid, used) in enumerate(procs):
+        base = region.HEADER_LAYOUT.size + k * region.SLOT_LAYOUT.size
+        struct.pack_into("<iI", buf, base + s["pid"], pid, 1)
+        for i, u in enumerate(used):
+            struct.pack_into("<Q", buf, base + s["used"] + 8 * i, u)
+    for i in range(len(devices)):
+        struct.pack_into("<Q", buf, h["used"] + 8 * i, sum(p[1][i] for p in procs))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(buf))
+    with region.Region(path, writable=True) as r:
+        for i, (_, limit, sm) in enumerate(devices):
+            r.set_limit(i, limit)
+            r.set_sm_limit(i, sm)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(tmp_path: Path, pods: list[dict[str, Any]] | None = None) -> Samples:
+    paths = HostPaths(tmp_path)
+    discovery = Cards()
+    state = DeviceState(discovery.cards(), NodeConfig(split=4))
+    state.set_health("GPU-b", False)
+    collector = NodeCollector("n1", state, discovery, paths, list_pods=(lambda node: pods) if pods else None)
+    text = generate_latest(make_registry(collector)).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
+
+
+def test_per_card_totals_and_health_are_reported(tmp_path: Path) -> None:
+    got = scrape(tmp_path)
+    a = {"index": "0", "model": "H200", "node": "n1", "uuid": "GPU-a"}
+    b = {"index": "1", "model": "H200", "node": "n1", "uuid": "GPU-b"}
+    assert got[key("vgpu_card_memory_total_bytes", **a)] == 1000 * MIB
+    assert got[key("vgpu_card_memory_used_bytes", **a)] == 250 * MIB
+    assert got[key("vgpu_card_utilization_ratio", **a)] == 0.4
+    assert got[key("vgpu_card_healthy", **a)] == 1.0
+    assert got[key("vgpu_card_healthy", **b)] == 0.0
+    assert got[key("vgpu_card_split", **b)] == 4.0
+    assert key("vgpu_card_memory_total_bytes", **b) not in got  # NVML could not read it: no made-up value
+
+
+def test_container_usage_and_limits_come_from_the_region_files(tmp_path: Path) -> None:
+    folder = HostPaths(tmp_path).container_dir("uid-1", "train")
+    write_region(
+        folder / REGION_FILE_NAME,
+        [("GPU-a", 3000 * MIB, 30), ("GPU-b", 0, 0)],
+        [(101, [100 * MIB, 0]), (102, [50 * MIB, 7 * MIB])],
+    )
+    pods = [{"metadata": {"uid": "uid-1", "namespace": "ml", "name": "job"}}]
+    got = scrape(tmp_path, pods)
+    c = {"container": "train", "namespace": "ml", "node": "n1", "pod": "job", "pod_uid": "uid-1"}
+    assert got[key("vgpu_container_memory_used_bytes", uuid="GPU-a", **c)] == 150 * MIB
+    assert got[key("vgpu_container_memory_limit_bytes", uuid="GPU-a", **c)] == 3000 * MIB
+    assert got[key("vgpu_container_sm_limit_ratio", uuid="GPU-a", **c)] == 0.3
+    assert got[key("vgpu_container_memory_used_bytes", uuid="GPU-b", **c)] == 7 * MIB
+    assert got[key("vgpu_container_memory_limit_bytes", uuid="GPU-b", **c)] == 0
+    assert got[key("vgpu_container_processes", **c)] == 2
+
+
+def test_a_file_that_is_not_a_region_is_skipped_not_fatal(tmp_path: Path) -> None:
+    bad = HostPaths(tmp_path).container_dir("uid-2", "c") / REGION_FILE_NAME
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"\0" * region.REGION_SIZE)
+    got = scrape(tmp_path)
+    assert not any(dict(labels).get("pod_uid") == "uid-2" for _, labels in got)
+    assert any(name == "vgpu_card_healthy" for name, _ in got)

@@ -1,0 +1,102 @@
+"""The parts of one node's plugin wired together: discovery, health, server, reporter, monitor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, make_server
+
+from vgpu.plugin.allocate import Allocator, PodSource
+from vgpu.plugin.config import NodeConfig, load_node_config
+from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen
+from vgpu.plugin.paths import HookInstall, HostPaths
+from vgpu.plugin.report import NodeAPI, NodeReporter
+from vgpu.plugin.server import PluginServer
+
+log = logging.getLogger(__name__)
+
+
+class NodeClient(PodSource, NodeAPI, Protocol):
+    """Everything the node side asks of the API server (vgpu.kube.NodeAgentClient)."""
+
+
+@dataclass
+class Daemon:
+    node: str
+    namespace: str
+    paths: HostPaths
+    config: NodeConfig
+    discovery: Discovery
+    client: NodeClient
+    hook: HookInstall | None
+    monitor_listen: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.state = DeviceState(self.discovery.cards(), self.config)
+        self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook)
+        self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
+        self.reporter = NodeReporter(self.node, self.namespace, self.state, self.client)
+        self.collector = NodeCollector(
+            self.node, self.state, self.discovery, self.paths, list_pods=self.client.list_node_pods
+        )
+        self._stop = threading.Event()
+        self._health: threading.Thread | None = None
+        self._http: WSGIServer | None = None
+        self.monitor_port: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Daemon:
+        """Validate every setting first: a bad one stops the plugin before anything starts."""
+        from vgpu.kube import NodeAgentClient
+        from vgpu.plugin.cli import hook_install, open_discovery
+
+        config = load_node_config(args.config, args.node)
+        listen = parse_listen(args.monitor_listen, "--monitor-listen")
+        paths = HostPaths(args.root)
+        discovery = open_discovery(args)
+        hook = hook_install(args, paths)
+        client = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None)
+        return cls(args.node, args.namespace, paths, config, discovery, client, hook, listen)
+
+    def start(self) -> None:
+        self.paths.containers_dir.mkdir(parents=True, exist_ok=True)
+        self.reporter.start()
+        self.server.start()
+        self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
+        self._health.start()
+        if self.monitor_listen is not None:
+            host, port = self.monitor_listen
+            app = make_wsgi_app(make_registry(self.collector))
+            self._http = make_server(host, port, app, ThreadingWSGIServer)
+            self.monitor_port = self._http.server_port
+            threading.Thread(target=self._http.serve_forever, name="dp-metrics", daemon=True).start()
+            log.info("node monitor on http://%s:%d/metrics", host, self.monitor_port)
+
+    def _watch_health(self) -> None:
+        while not self._stop.is_set():
+            for event in self.discovery.wait_health_events(1.0):
+                if self.state.set_health(event.uuid, event.healthy):
+                    log.warning(
+                        "card %s is now %s: %s",
+                        event.uuid,
+                        "healthy" if event.healthy else "unhealthy",
+                        event.reason,
+                    )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+        self.server.stop()
+        self.reporter.stop()
+        if self._health is not None:
+            self._health.join(5)
+        self.discovery.close()
