@@ -1,0 +1,72 @@
+"""``vgpu monitor``: the node monitor alone (``/metrics``), for nodes where the plugin runs elsewhere.
+
+The device plugin already serves the same metrics on ``--monitor-listen``; this command is for
+reading a node's regions without registering with kubelet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from vgpu.errors import ConfigError, KubeError
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node", required=True, help="this node's name")
+    parser.add_argument(
+        "--kubeconfig", type=Path, help="for pod names in labels; in-cluster config without it"
+    )
+    parser.add_argument("--no-kube", action="store_true", help="do not ask the API server for pod names")
+    parser.add_argument("--root", type=Path, default=Path("/"), help="prefix of every host path")
+    parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
+    parser.add_argument("--config", type=Path, help="node config YAML (split, scaling...)")
+    parser.add_argument("--listen", default="0.0.0.0:9394", help="HOST:PORT of /metrics")
+    parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, make_server
+
+    from vgpu.plugin.cli import open_discovery
+    from vgpu.plugin.config import load_node_config
+    from vgpu.plugin.devices import DeviceState
+    from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen
+    from vgpu.plugin.paths import HostPaths
+
+    try:
+        config = load_node_config(args.config, args.node)
+        host, port = parse_listen(args.listen, "--listen")
+        discovery = open_discovery(args)
+        list_pods = None
+        if not args.no_kube:
+            from vgpu.kube import NodeAgentClient
+
+            list_pods = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None).list_node_pods
+    except (ConfigError, KubeError) as err:
+        print(f"vgpu monitor: {err}", file=sys.stderr)
+        return 2
+    state = DeviceState(discovery.cards(), config)
+    collector = NodeCollector(args.node, state, discovery, HostPaths(args.root), list_pods=list_pods)
+
+    def health() -> None:
+        while True:
+            for event in discovery.wait_health_events(1.0):
+                state.set_health(event.uuid, event.healthy)
+
+    threading.Thread(target=health, daemon=True).start()
+    server = make_server(host, port, make_wsgi_app(make_registry(collector)), ThreadingWSGIServer)
+    logging.getLogger("vgpu.monitor").info("node monitor on http://%s:%d/metrics", host, server.server_port)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
