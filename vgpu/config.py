@@ -50,6 +50,7 @@ class SchedulerConfig:
     workers: int = 8
     # the active-replica Lease of the extender, and how long a plugin Lease may go unrenewed
     leader_lease: str = "vgpu-scheduler-extender"
+    identity: str = ""  # who holds the Lease; empty: the host name (the pod's name in a cluster)
     lease_duration_s: int = 15
     plugin_lease_grace_s: int = 5
 

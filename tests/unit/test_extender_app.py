@@ -1,0 +1,219 @@
+"""The extender's HTTP shape (Flask test client): kube-scheduler's JSON, the webhook, 400s naming the problem.
+
+Binding needs the API server; it is covered by the e2e tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+
+from vgpu import annotations as ann
+from vgpu.config import SchedulerConfig
+from vgpu.extender.app import create_app
+from vgpu.extender.state import SchedulerState
+
+CFG = SchedulerConfig()
+NOW = 1_000_000.0
+
+
+def inventory(n: int, mem: int = 10000, model: str = "NVIDIA H200") -> str:
+    return ann.encode_devices(
+        ann.NodeInventory(tuple(ann.Device(f"GPU-{n}-{i}", i, model, mem, 100, 4) for i in range(2)))
+    )
+
+
+def node(name: str, raw: str | None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "annotations": {} if raw is None else {ann.DEVICES_ANNOTATION: raw}}}
+
+
+def lease(node_name: str, age_s: float) -> dict[str, Any]:
+    import datetime as dt
+
+    t = dt.datetime.fromtimestamp(NOW - age_s, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {"metadata": {"name": f"vgpu-{node_name}"}, "spec": {"renewTime": t, "leaseDurationSeconds": 10}}
+
+
+def gpu_pod(uid: str = "u1", **limits: Any) -> dict[str, Any]:
+    res = {"nvidia.com/" + k.replace("_", "-"): v for k, v in limits.items()}
+    return {
+        "metadata": {"name": "p", "namespace": "default", "uid": uid},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": res}}]},
+    }
+
+
+@pytest.fixture
+def state() -> SchedulerState:
+    st = SchedulerState(CFG, clock=lambda: NOW)
+    st.replace_nodes(
+        [node("a", inventory(0)), node("b", inventory(1)), node("bad", "{not json"), node("plain", None)]
+    )
+    st.replace_leases([lease("a", 1), lease("b", 1), lease("bad", 1), lease("plain", 1)])
+    st.synced.set()
+    st.leader.set()
+    return st
+
+
+@pytest.fixture
+def client(state: SchedulerState) -> FlaskClient:
+    return create_app(CFG, state).test_client()
+
+
+def test_filter_answers_in_kube_schedulers_field_names(client: FlaskClient) -> None:
+    r = client.post("/filter", json={"Pod": gpu_pod(gpumem=3000), "NodeNames": ["a", "b"]})
+    assert r.status_code == 200
+    body = r.get_json()
+    assert set(body) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert body["NodeNames"] == ["a", "b"] and body["Error"] == ""
+
+
+def test_filter_rejects_a_node_that_is_full_with_the_shortage_named(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    state.ledger.commit("other", "a", {"GPU-0-0": ann_usage(9000), "GPU-0-1": ann_usage(9000)})
+    body = client.post("/filter", json={"Pod": gpu_pod(gpumem=3000), "NodeNames": ["a", "b"]}).get_json()
+    assert body["NodeNames"] == ["b"]
+    assert "insufficient memory" in body["FailedNodes"]["a"]
+
+
+def ann_usage(mem: int) -> Any:
+    from vgpu.ledger import vgpu_usage
+
+    return vgpu_usage(mem, 0)
+
+
+def test_a_node_with_a_malformed_inventory_is_skipped_and_counted_while_others_schedule(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    from vgpu.extender import metrics
+
+    body = client.post(
+        "/filter", json={"Pod": gpu_pod(gpumem=1), "NodeNames": ["bad", "a", "plain"]}
+    ).get_json()
+    assert body["NodeNames"] == ["a"]
+    assert "malformed inventory" in body["FailedAndUnresolvableNodes"]["bad"]
+    assert "missing" in body["FailedAndUnresolvableNodes"]["plain"]
+    assert state.inventory_errors == 1
+    assert metrics.INVENTORY_ERRORS.labels("bad")._value.get() >= 1
+
+
+def test_a_node_whose_plugin_lease_expired_gets_nothing_new(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    state.apply_lease(lease("b", 60))
+    body = client.post("/filter", json={"Pod": gpu_pod(gpumem=1), "NodeNames": ["a", "b"]}).get_json()
+    assert body["NodeNames"] == ["a"] and "expired" in body["FailedAndUnresolvableNodes"]["b"]
+
+
+def test_a_pod_without_vgpu_passes_every_node(client: FlaskClient) -> None:
+    pod = {"metadata": {"name": "x", "uid": "x"}, "spec": {"containers": [{"name": "c"}]}}
+    body = client.post("/filter", json={"Pod": pod, "NodeNames": ["a", "bad"]}).get_json()
+    assert body["NodeNames"] == ["a", "bad"]
+
+
+def test_prioritize_returns_a_host_priority_list_favouring_the_fuller_node_under_binpack(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    state.ledger.commit("other", "b", {"GPU-1-0": ann_usage(5000)})
+    r = client.post("/prioritize", json={"Pod": gpu_pod(gpumem=1000), "NodeNames": ["a", "b"]})
+    assert r.status_code == 200
+    assert r.get_json() == [{"Host": "a", "Score": 0}, {"Host": "b", "Score": 10}]
+    spread = gpu_pod(gpumem=1000)
+    spread["metadata"]["annotations"] = {"vgpu.openaios.io/node-policy": "spread"}
+    assert client.post("/prioritize", json={"Pod": spread, "NodeNames": ["a", "b"]}).get_json() == [
+        {"Host": "a", "Score": 10},
+        {"Host": "b", "Score": 0},
+    ]
+
+
+def test_keys_match_case_insensitively_like_gos_decoder(client: FlaskClient) -> None:
+    body = client.post("/filter", json={"pod": gpu_pod(gpumem=1), "nodenames": ["a"]}).get_json()
+    assert body["NodeNames"] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("route", "payload", "words"),
+    [
+        ("/filter", b"{nope", "not valid JSON"),
+        ("/filter", b"", "empty body"),
+        ("/filter", b"[]", "JSON object"),
+        ("/filter", json.dumps({"NodeNames": ["a"]}).encode(), "Pod"),
+        ("/filter", json.dumps({"Pod": gpu_pod(), "NodeNames": "a"}).encode(), "NodeNames"),
+        ("/filter", json.dumps({"Pod": {"metadata": {}}, "NodeNames": []}).encode(), "Pod.spec"),
+        ("/prioritize", json.dumps({"Pod": gpu_pod()}).encode(), "NodeNames"),
+        ("/prioritize", b"\xff\xfe", "not valid JSON"),
+        ("/bind", json.dumps({"PodName": "p", "PodNamespace": "d", "Node": "a"}).encode(), "PodUID"),
+        (
+            "/bind",
+            json.dumps({"PodName": 3, "PodNamespace": "d", "PodUID": "u", "Node": "a"}).encode(),
+            "PodName",
+        ),
+        ("/webhook/mutate", json.dumps({"request": {"uid": "1"}}).encode(), "request.object"),
+        ("/webhook/validate", b"7", "AdmissionReview"),
+    ],
+)
+def test_malformed_input_to_any_route_is_a_400_naming_the_problem(
+    client: FlaskClient, route: str, payload: bytes, words: str
+) -> None:
+    r = client.post(route, data=payload, content_type="application/json")
+    assert r.status_code == 400
+    assert words in r.get_json()["Error"]
+
+
+def test_an_impossible_pod_that_bypassed_admission_fits_nowhere_with_the_field_named(
+    client: FlaskClient,
+) -> None:
+    body = client.post("/filter", json={"Pod": gpu_pod(gpucores=150), "NodeNames": ["a"]}).get_json()
+    assert body["NodeNames"] == [] and "gpucores" in body["FailedAndUnresolvableNodes"]["a"]
+
+
+def test_verbs_answer_an_error_until_the_state_is_loaded_and_the_lease_held(state: SchedulerState) -> None:
+    state.leader.clear()
+    client = create_app(CFG, state).test_client()
+    body = client.post("/filter", json={"Pod": gpu_pod(gpumem=1), "NodeNames": ["a"]}).get_json()
+    assert "standby" in body["Error"]
+    assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+
+
+def review(pod: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "r-1", "operation": operation, "object": pod},
+    }
+
+
+def test_the_mutating_webhook_routes_vgpu_pods_to_the_vgpu_scheduler(client: FlaskClient) -> None:
+    body = client.post("/webhook/mutate", json=review(gpu_pod(gpu=1))).get_json()
+    assert body["apiVersion"] == "admission.k8s.io/v1" and body["kind"] == "AdmissionReview"
+    resp = body["response"]
+    assert resp["uid"] == "r-1" and resp["allowed"] and resp["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(resp["patch"]))
+    assert patch == [{"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"}]
+
+
+def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(client: FlaskClient) -> None:
+    plain = {"metadata": {"name": "x"}, "spec": {"containers": [{"name": "c"}]}}
+    assert "patch" not in client.post("/webhook/mutate", json=review(plain)).get_json()["response"]
+    chosen = gpu_pod(gpu=1)
+    chosen["spec"]["schedulerName"] = "my-scheduler"
+    assert "patch" not in client.post("/webhook/mutate", json=review(chosen)).get_json()["response"]
+
+
+def test_the_validating_webhook_denies_impossible_requests_naming_the_field(client: FlaskClient) -> None:
+    resp = client.post(
+        "/webhook/validate", json=review(gpu_pod(gpumem=1000, gpumem_percentage=10))
+    ).get_json()
+    assert not resp["response"]["allowed"]
+    assert "nvidia.com/gpumem-percentage" in resp["response"]["status"]["message"]
+    too_big = client.post("/webhook/validate", json=review(gpu_pod(gpumem=20000))).get_json()["response"]
+    assert not too_big["allowed"] and "largest card" in too_big["status"]["message"]
+    too_many = client.post("/webhook/validate", json=review(gpu_pod(gpu=3, gpumem=1))).get_json()["response"]
+    assert not too_many["allowed"] and "spec.containers[0]" in too_many["status"]["message"]
+    assert client.post("/webhook/validate", json=review(gpu_pod(gpumem=100))).get_json()["response"][
+        "allowed"
+    ]

@@ -1,0 +1,200 @@
+"""The Flask app: kube-scheduler extender verbs, the admission webhook, health.
+
+The JSON of the verbs is kube-scheduler's (``k8s.io/kube-scheduler/extender/v1``, Go field names
+without tags, so capitalised): ``ExtenderArgs`` {Pod, Nodes, NodeNames} in, ``ExtenderFilterResult``
+{Nodes, NodeNames, FailedNodes, FailedAndUnresolvableNodes, Error}, ``HostPriorityList``
+[{Host, Score}], ``ExtenderBindingArgs`` {PodName, PodNamespace, PodUID, Node} and
+``ExtenderBindingResult`` {Error}. Like Go's decoder, keys match case-insensitively. Malformed
+JSON or fields get HTTP 400 with ``Error`` naming the problem. The views only translate: the
+work happens in :class:`vgpu.extender.state.SchedulerState`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response, request
+
+from vgpu.config import SchedulerConfig
+from vgpu.extender import metrics, webhook
+from vgpu.extender.state import NotReady, SchedulerState
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+MAX_BODY = 64 * 1024 * 1024
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _json(status: int, body: Any) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status=status, mimetype="application/json")
+
+
+def _field(obj: Obj, name: str) -> Any:
+    """Go's encoding/json matches keys case-insensitively; so do we (exact match first)."""
+    if name in obj:
+        return obj[name]
+    low = name.lower()
+    for k, v in obj.items():
+        if isinstance(k, str) and k.lower() == low:
+            return v
+    return None
+
+
+def _body() -> Any:
+    raw = request.get_data(cache=False)
+    if not raw:
+        raise BadRequest("empty body; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except ValueError as err:
+        raise BadRequest(f"body is not valid JSON: {err}") from err
+
+
+def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
+    """(pod, node names, the Nodes items when sent instead of NodeNames)."""
+    if not isinstance(body, dict):
+        raise BadRequest("ExtenderArgs must be a JSON object")
+    pod = _field(body, "Pod")
+    if not isinstance(pod, dict):
+        raise BadRequest("ExtenderArgs.Pod is missing or not an object")
+    for part in ("metadata", "spec"):
+        if not isinstance(pod.get(part), dict):
+            raise BadRequest(f"ExtenderArgs.Pod.{part} is missing or not an object")
+    names = _field(body, "NodeNames")
+    nodes = _field(body, "Nodes")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
+        return pod, names, None
+    if nodes is not None:
+        items = nodes.get("items") if isinstance(nodes, dict) else None
+        if not isinstance(items, list) or not all(
+            isinstance(n, dict) and isinstance((n.get("metadata") or {}).get("name"), str) for n in items
+        ):
+            raise BadRequest("ExtenderArgs.Nodes must be a NodeList whose items have metadata.name")
+        return pod, [n["metadata"]["name"] for n in items], items
+    raise BadRequest("ExtenderArgs needs NodeNames (nodeCacheCapable: true) or Nodes")
+
+
+def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> Flask:
+    """The app; ``state`` defaults to an empty one (its owner feeds it, see vgpu.extender.server)."""
+    app = Flask("vgpu.extender")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    st = state if state is not None else SchedulerState(config)
+    app.extensions["vgpu_state"] = st
+
+    def verb(
+        name: str, error_shape: Callable[[str], Any]
+    ) -> Callable[[Callable[[], Response]], Callable[[], Response]]:
+        def wrap(fn: Callable[[], Response]) -> Callable[[], Response]:
+            def view() -> Response:
+                start = time.perf_counter()
+                try:
+                    return fn()
+                except BadRequest as err:
+                    metrics.BAD_REQUESTS.labels(name).inc()
+                    log.info("%s: bad request: %s", name, err)
+                    return _json(400, error_shape(str(err)))
+                finally:
+                    metrics.VERB_SECONDS.labels(name).observe(time.perf_counter() - start)
+
+            view.__name__ = f"view_{name}"
+            return view
+
+        return wrap
+
+    @verb("filter", lambda e: {"NodeNames": None, "FailedNodes": {}, "Error": e})
+    def filter_() -> Response:
+        pod, names, items = _extender_args(_body())
+        result = st.filter(pod, names)
+        out: Obj = {
+            "Nodes": None,
+            "NodeNames": result.nodes,
+            "FailedNodes": result.failed,
+            "FailedAndUnresolvableNodes": result.unresolvable,
+            "Error": result.error,
+        }
+        if items is not None:  # answered in the shape we were asked in
+            keep = set(result.nodes)
+            out["Nodes"] = {"items": [n for n in items if n["metadata"]["name"] in keep]}
+            out["NodeNames"] = None
+        return _json(200, out)
+
+    @verb("prioritize", lambda e: {"Error": e})
+    def prioritize() -> Response:
+        pod, names, _ = _extender_args(_body())
+        try:
+            scores = st.prioritize(pod, names)
+        except NotReady as err:
+            return _json(503, {"Error": str(err)})
+        return _json(200, [{"Host": n, "Score": scores[n]} for n in names])
+
+    @verb("bind", lambda e: {"Error": e})
+    def bind() -> Response:
+        body = _body()
+        if not isinstance(body, dict):
+            raise BadRequest("ExtenderBindingArgs must be a JSON object")
+        args = {}
+        for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+            value = _field(body, key)
+            if not isinstance(value, str) or not value:
+                raise BadRequest(f"ExtenderBindingArgs.{key} is missing or not a non-empty string")
+            args[key] = value
+        start = time.perf_counter()
+        error, result = st.bind(args["PodNamespace"], args["PodName"], args["PodUID"], args["Node"])
+        metrics.BINDS.labels(result).inc()
+        if error:
+            log.info(
+                "bind %s/%s -> %s failed in %.0f ms: %s",
+                args["PodNamespace"],
+                args["PodName"],
+                args["Node"],
+                (time.perf_counter() - start) * 1000,
+                error,
+            )
+        return _json(200, {"Error": error})
+
+    @verb("mutate", lambda e: {"Error": e})
+    def mutate() -> Response:
+        try:
+            return _json(200, webhook.mutate(_body(), config))
+        except webhook.ReviewError as err:
+            raise BadRequest(str(err)) from err
+
+    @verb("validate", lambda e: {"Error": e})
+    def validate() -> Response:
+        try:
+            return _json(200, webhook.validate(_body(), config, st.largest_card()))
+        except webhook.ReviewError as err:
+            raise BadRequest(str(err)) from err
+
+    app.add_url_rule("/filter", view_func=filter_, methods=["POST"])
+    app.add_url_rule("/prioritize", view_func=prioritize, methods=["POST"])
+    app.add_url_rule("/bind", view_func=bind, methods=["POST"])
+    app.add_url_rule("/webhook/mutate", view_func=mutate, methods=["POST"])
+    app.add_url_rule("/webhook/validate", view_func=validate, methods=["POST"])
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        return Response("ok\n", mimetype="text/plain")
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        if not st.synced.is_set():
+            return Response("loading cluster state\n", status=503, mimetype="text/plain")
+        if not st.leader.is_set():
+            return Response("standby: another replica holds the Lease\n", status=503, mimetype="text/plain")
+        return Response("ok\n", mimetype="text/plain")
+
+    @app.errorhandler(413)
+    def too_large(_: Exception) -> Response:
+        return _json(413, {"Error": f"body larger than {MAX_BODY} bytes"})
+
+    return app

@@ -1,0 +1,93 @@
+"""``vgpu extender``: the kube-scheduler extender and admission webhook over HTTPS.
+
+    vgpu extender --kubeconfig PATH --listen HOST:PORT --cert-file PEM --key-file PEM
+                  --metrics-listen HOST:PORT --namespace NS --scheduler-name vgpu-scheduler
+                  [--workers N] [--node-policy binpack|spread] [--gpu-policy binpack|spread]
+                  [--default-mem MIB] [--default-cores PCT] [--config FILE]
+
+Without --kubeconfig: the in-cluster service account. Settings: flag > ``VGPU_*`` environment >
+--config file > defaults (see vgpu.config). ``--workers`` is the number of threads of the single
+worker process that holds the ledger (see vgpu.extender.server for why not processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+from vgpu.config import POLICIES, load_config
+from vgpu.errors import ConfigError
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    parser.add_argument("--listen", help="HOST:PORT for the HTTPS verbs and webhook (default 0.0.0.0:9443)")
+    parser.add_argument("--cert-file", help="PEM certificate for HTTPS")
+    parser.add_argument("--key-file", help="PEM private key for HTTPS")
+    parser.add_argument("--metrics-listen", help="HOST:PORT for plain-HTTP /metrics (default 0.0.0.0:9395)")
+    parser.add_argument("--namespace", help="namespace of the Leases (default kube-system)")
+    parser.add_argument("--scheduler-name", help="schedulerName pods are routed to (default vgpu-scheduler)")
+    parser.add_argument("--workers", type=int, help="threads answering calls (default 8)")
+    parser.add_argument("--node-policy", choices=POLICIES, help="cluster default (default binpack)")
+    parser.add_argument("--gpu-policy", choices=POLICIES, help="cluster default (default spread)")
+    parser.add_argument(
+        "--default-mem", type=int, help="MiB per vGPU when only nvidia.com/gpu is given (0 = card)"
+    )
+    parser.add_argument(
+        "--default-cores", type=int, help="percent of a card per vGPU when not given (0 = no cap)"
+    )
+    parser.add_argument("--identity", help="holder name for the Lease (default: host name)")
+    parser.add_argument("--config", help="YAML/JSON settings file (keys: defaultMem, nodePolicy, ...)")
+    parser.add_argument("--insecure-http", action="store_true", help="serve plain HTTP (tests only)")
+
+
+FLAGS = (
+    "kubeconfig",
+    "listen",
+    "cert_file",
+    "key_file",
+    "metrics_listen",
+    "namespace",
+    "scheduler_name",
+    "workers",
+    "node_policy",
+    "gpu_policy",
+    "default_mem",
+    "default_cores",
+    "identity",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config({k: getattr(args, k) for k in FLAGS}, file=args.config)
+    except ConfigError as err:
+        print(f"vgpu extender: {err}", file=sys.stderr)
+        return 2
+    if not args.insecure_http and not (config.cert_file and config.key_file):
+        print(
+            "vgpu extender: --cert-file and --key-file are required: kube-scheduler calls the extender over "
+            "HTTPS with a verified CA (use --insecure-http only in tests)",
+            file=sys.stderr,
+        )
+        return 2
+    for flag, path in (("--cert-file", config.cert_file), ("--key-file", config.key_file)):
+        if path and not os.path.isfile(path):
+            print(f"vgpu extender: {flag} {path}: no such file", file=sys.stderr)
+            return 2
+    # multiprocess metrics: the directory must be known before prometheus_client makes a metric
+    own_dir = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if own_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vgpu-extender-metrics-")
+    try:
+        from vgpu.extender import server
+
+        return server.run(config)
+    finally:
+        if own_dir:
+            shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

@@ -1,0 +1,83 @@
+"""Scheduler-side metrics (contract 6): names start with ``vgpu_``, base units.
+
+Under gunicorn these live in Prometheus multiprocess mode: the CLI sets ``PROMETHEUS_MULTIPROC_DIR``
+before this module is first imported, the worker writes, and the master serves the aggregate on
+``--metrics-listen``. Without that variable (the Flask test client) they are ordinary metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+MiB = 1024 * 1024
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+VERB_SECONDS = Histogram(
+    "vgpu_scheduler_verb_duration_seconds",
+    "Time to answer a kube-scheduler extender call, by verb (filter, prioritize, bind).",
+    ["verb"],
+    buckets=_LATENCY,
+)
+BINDS = Counter(
+    "vgpu_scheduler_binds",
+    "Bind calls by result: ok, conflict (lost a race or no room any more; kube-scheduler retries), error.",
+    ["result"],
+)
+BAD_REQUESTS = Counter(
+    "vgpu_scheduler_bad_requests",
+    "Calls rejected with HTTP 400 because their JSON or fields were malformed, by route.",
+    ["route"],
+)
+INVENTORY_ERRORS = Counter(
+    "vgpu_scheduler_inventory_errors",
+    "Node inventory annotations that did not decode; the node is skipped until it is fixed.",
+    ["node"],
+)
+NODES_SKIPPED = Gauge(
+    "vgpu_scheduler_nodes_skipped",
+    "Nodes currently skipped: malformed inventory annotation, or device-plugin Lease expired.",
+    ["reason"],
+    multiprocess_mode="livemostrecent",
+)
+LEADER = Gauge(
+    "vgpu_scheduler_leader",
+    "1 while this replica holds the extender Lease and serves scheduling calls.",
+    multiprocess_mode="livemax",
+)
+_CARD = ["node", "uuid"]
+CARD_MEMORY_CAPACITY = Gauge(
+    "vgpu_card_memory_capacity_bytes",
+    "Device memory a card offers (after scaling).",
+    _CARD,
+    multiprocess_mode="livemostrecent",
+)
+CARD_MEMORY_ALLOCATED = Gauge(
+    "vgpu_card_memory_allocated_bytes",
+    "Device memory committed to pods on a card.",
+    _CARD,
+    multiprocess_mode="livemostrecent",
+)
+CARD_CORES_ALLOCATED = Gauge(
+    "vgpu_card_cores_allocated_ratio",
+    "Share of a card's compute committed to pods (1 = one whole card).",
+    _CARD,
+    multiprocess_mode="livemostrecent",
+)
+CARD_VGPUS_CAPACITY = Gauge(
+    "vgpu_card_vgpus_capacity", "vGPUs a card may carry (split).", _CARD, multiprocess_mode="livemostrecent"
+)
+CARD_VGPUS_ALLOCATED = Gauge(
+    "vgpu_card_vgpus_allocated", "vGPUs committed on a card.", _CARD, multiprocess_mode="livemostrecent"
+)
+NODE_MEMORY_CAPACITY = Gauge(
+    "vgpu_node_memory_capacity_bytes",
+    "Device memory of a node's cards together.",
+    ["node"],
+    multiprocess_mode="livemostrecent",
+)
+NODE_MEMORY_ALLOCATED = Gauge(
+    "vgpu_node_memory_allocated_bytes",
+    "Device memory committed on a node's cards together.",
+    ["node"],
+    multiprocess_mode="livemostrecent",
+)

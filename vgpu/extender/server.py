@@ -1,0 +1,114 @@
+"""Running the extender: gunicorn over HTTPS, one worker process with threads.
+
+Why one worker: the ledger is the extender's memory of what it committed, and ``bind`` must
+re-check and reserve against *all* earlier binds. Several gunicorn worker processes would each
+hold their own ledger and could hand the same capacity to two pods. So there is one worker
+process holding the one ledger (and the watches and the Lease), with ``--workers N`` threads
+(gunicorn's ``gthread`` worker) answering calls concurrently; the state's lock serialises what
+must be serialised. Scaling out is by replicas, of which the Lease lets one serve at a time.
+
+Metrics: Prometheus multiprocess mode. The master serves ``/metrics`` on ``--metrics-listen``
+from the files the worker writes in ``PROMETHEUS_MULTIPROC_DIR``, so the endpoint survives a
+worker restart; ``child_exit`` marks a dead worker's gauges gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from vgpu.config import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def split_hostport(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{flag} must be HOST:PORT, got {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def build_worker_app(config: SchedulerConfig) -> Any:
+    """In the worker: the state, its feeds from the API server, and the Flask app over it."""
+    from vgpu.extender.app import create_app
+    from vgpu.extender.state import SchedulerState
+    from vgpu.extender.sync import Syncer
+    from vgpu.kube import Kube
+
+    kube = Kube(config.kubeconfig)
+    state = SchedulerState(config, kube)
+    syncer = Syncer(state, kube, config.identity or socket.gethostname())
+    syncer.start()
+    app = create_app(config, state)
+    app.extensions["vgpu_syncer"] = syncer
+    return app
+
+
+class ExtenderServer(BaseApplication):  # type: ignore[misc]
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config_ = config
+        super().__init__()
+
+    def load_config(self) -> None:
+        cfg = self.config_
+        settings: dict[str, Any] = {
+            "bind": [cfg.listen],
+            "workers": 1,
+            "worker_class": "gthread",
+            "threads": cfg.workers,
+            "timeout": 120,
+            "graceful_timeout": 10,
+            "keepalive": 30,
+            "accesslog": None,
+            "loglevel": "info",
+            "when_ready": _when_ready(cfg),
+            "child_exit": _child_exit,
+            "worker_exit": _worker_exit,
+            "proc_name": "vgpu-extender",
+        }
+        if cfg.cert_file and cfg.key_file:
+            settings["certfile"] = cfg.cert_file
+            settings["keyfile"] = cfg.key_file
+        for key, value in settings.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        return build_worker_app(self.config_)
+
+
+def _when_ready(cfg: SchedulerConfig) -> Any:
+    def hook(server: Any) -> None:
+        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        host, port = split_hostport(cfg.metrics_listen, "--metrics-listen")
+        start_http_server(port, addr=host, registry=registry)
+        server.log.info("metrics on http://%s:%d/metrics", host, port)
+
+    return hook
+
+
+def _child_exit(server: Any, worker: Any) -> None:
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def _worker_exit(server: Any, worker: Any) -> None:
+    app = getattr(worker, "wsgi", None)
+    syncer = getattr(app, "extensions", {}).get("vgpu_syncer") if app is not None else None
+    if syncer is not None:
+        syncer.close()  # hand the Lease over at once instead of letting it expire
+
+
+def run(config: SchedulerConfig) -> int:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        raise RuntimeError("PROMETHEUS_MULTIPROC_DIR must be set before the server starts (the CLI does it)")
+    ExtenderServer(config).run()
+    return 0

@@ -1,0 +1,428 @@
+"""The extender's state and the three scheduling verbs, free of HTTP.
+
+One :class:`SchedulerState` per process holds the ledger, every node's inventory and every
+device plugin's Lease deadline, all behind one lock. It is fed by :mod:`vgpu.extender.sync`
+(list, then watch) and asked by the Flask views. ``bind`` re-checks the chosen node under the
+lock and reserves the plan in the ledger before anything is written, so two binds can never be
+given the same capacity; the reservation is dropped again if writing the annotation or creating
+the Binding fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vgpu import annotations as ann
+from vgpu.config import SchedulerConfig
+from vgpu.errors import AnnotationError, ConflictError, KubeError, RequestError
+from vgpu.fit import Plan, Rejection, fit_node
+from vgpu.ledger import Ledger, footprint
+from vgpu.policy import node_scores
+from vgpu.requests import PodRequest, parse_pod
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+TERMINAL = ("Succeeded", "Failed")
+
+
+class KubeAPI(Protocol):
+    """What the state needs from the API server (satisfied by :class:`vgpu.kube.Kube`)."""
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None: ...
+
+    def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
+    ) -> Obj: ...
+
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+
+
+@dataclass
+class NodeEntry:
+    inventory: ann.NodeInventory | None = None
+    error: str | None = None  # why the inventory is unusable
+    raw: str | None = None  # the annotation text it was decoded from
+
+
+@dataclass
+class FilterResult:
+    nodes: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+
+def _rv(obj: Mapping[str, Any]) -> int:
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _phases(request: PodRequest) -> list[list[str]]:
+    return [[c.name for c in phase] for phase in request.phases()]
+
+
+class SchedulerState:
+    def __init__(self, config: SchedulerConfig, kube: KubeAPI | None = None, clock: Any = time.time) -> None:
+        self.config = config
+        self.kube = kube
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.ledger = Ledger()
+        self.nodes: dict[str, NodeEntry] = {}
+        self.lease_expiry: dict[str, float] = {}  # node -> when its plugin Lease runs out (epoch s)
+        self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
+        self.binding: set[str] = set()  # uids with a bind in flight
+        self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
+        self.synced = threading.Event()
+        self.leader = threading.Event()
+        self.inventory_errors = 0
+
+    # -- feeding: nodes ------------------------------------------------------------------------
+    def apply_node(self, node: Obj) -> None:
+        meta = node.get("metadata") or {}
+        name = meta.get("name")
+        if not name:
+            return
+        raw = (meta.get("annotations") or {}).get(ann.DEVICES_ANNOTATION)
+        with self.lock:
+            old = self.nodes.get(name)
+            if old is not None and old.raw == raw:
+                return
+            if raw is None:
+                self.nodes[name] = NodeEntry(
+                    error=f"no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
+                )
+                return
+            try:
+                self.nodes[name] = NodeEntry(inventory=ann.decode_devices(raw), raw=raw)
+            except AnnotationError as err:
+                self.nodes[name] = NodeEntry(error=f"malformed inventory, node skipped: {err}", raw=raw)
+                self.inventory_errors += 1
+                log.warning("node %s: %s; skipping it until the annotation is fixed", name, err)
+                from vgpu.extender import metrics
+
+                metrics.INVENTORY_ERRORS.labels(name).inc()
+
+    def forget_node(self, name: str) -> None:
+        with self.lock:
+            self.nodes.pop(name, None)
+
+    def replace_nodes(self, nodes: Iterable[Obj]) -> None:
+        names = set()
+        for n in nodes:
+            self.apply_node(n)
+            names.add((n.get("metadata") or {}).get("name"))
+        with self.lock:
+            for name in list(self.nodes):
+                if name not in names:
+                    del self.nodes[name]
+
+    # -- feeding: device plugin Leases ---------------------------------------------------------
+    def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
+        from vgpu.kube import parse_time
+
+        name = (lease.get("metadata") or {}).get("name") or ""
+        if not name.startswith(ann.LEASE_PREFIX) or name == self.config.leader_lease:
+            return
+        node = name[len(ann.LEASE_PREFIX) :]
+        with self.lock:
+            if deleted:
+                self.lease_expiry.pop(node, None)
+                return
+            spec = lease.get("spec") or {}
+            renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
+            duration = spec.get("leaseDurationSeconds") or 0
+            if renewed is None or not isinstance(duration, int):
+                self.lease_expiry[node] = 0.0
+            else:
+                self.lease_expiry[node] = renewed.timestamp() + duration + self.config.plugin_lease_grace_s
+
+    def replace_leases(self, leases: Iterable[Obj]) -> None:
+        with self.lock:
+            self.lease_expiry.clear()
+        for lease in leases:
+            self.apply_lease(lease)
+
+    # -- feeding: pods -------------------------------------------------------------------------
+    def apply_pod(self, pod: Obj, deleted: bool = False) -> None:
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid")
+        if not uid:
+            return
+        rv = _rv(pod)
+        with self.lock:
+            if deleted:
+                self.ledger.release(uid)
+                self.pod_rv.pop(uid, None)
+                self.recent_pods.pop(uid, None)
+                return
+            if rv and rv < self.pod_rv.get(uid, 0):
+                return  # older than what the ledger already reflects (e.g. our own bind's patch)
+            self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
+            if (pod.get("status") or {}).get("phase") in TERMINAL:
+                self.ledger.release(uid)  # finished pods hold nothing, as for any Kubernetes resource
+                return
+            raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
+            if raw is None:
+                if uid not in self.binding:
+                    self.ledger.release(uid)
+                return
+            try:
+                allocation = ann.decode_allocation(raw)
+            except AnnotationError as err:
+                log.warning(
+                    "pod %s/%s: %s; its capacity is not counted", meta.get("namespace"), meta.get("name"), err
+                )
+                return
+            try:
+                phases: list[list[str]] | None = _phases(parse_pod(pod, self.config))
+            except RequestError:
+                phases = None  # count every container at once: never less than the truth
+            self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
+
+    def replace_pods(self, pods: Iterable[Obj]) -> None:
+        """A fresh list: forget pods it no longer has (except binds in flight), apply the rest."""
+        pods = list(pods)
+        seen = {(p.get("metadata") or {}).get("uid") for p in pods}
+        with self.lock:
+            for uid in list(self.ledger.pods()):
+                if uid not in seen and uid not in self.binding:
+                    self.ledger.release(uid)
+                    self.pod_rv.pop(uid, None)
+            for p in pods:
+                self.apply_pod(p)
+
+    # -- asking ----------------------------------------------------------------------------------
+    def node_problem(self, name: str, now: float) -> str | None:
+        """Why ``name`` gets nothing new, or None. Caller holds the lock."""
+        entry = self.nodes.get(name)
+        if entry is None:
+            return "node unknown to the vGPU extender (not yet seen, or deleted)"
+        if entry.inventory is None:
+            return entry.error or "no vGPU inventory"
+        expiry = self.lease_expiry.get(name)
+        lease = f"{self.config.namespace}/{ann.lease_name(name)}"
+        if expiry is None:
+            return f"device plugin not running: Lease {lease} not found"
+        if expiry < now:
+            return f"device plugin not running: Lease {lease} expired"
+        return None
+
+    def _check_ready(self) -> str | None:
+        if not self.synced.is_set():
+            return "vGPU extender is still loading cluster state; retry"
+        if not self.leader.is_set():
+            return "this vGPU extender replica is on standby (not the Lease holder); retry"
+        return None
+
+    def filter(self, pod: Obj, node_names: list[str]) -> FilterResult:
+        problem = self._check_ready()
+        if problem:
+            return FilterResult(error=problem)
+        try:
+            request = parse_pod(pod, self.config)
+        except RequestError as err:  # an impossible pod (admission was bypassed): fits nowhere
+            return FilterResult(unresolvable=dict.fromkeys(node_names, str(err)))
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not request.wants_vgpu:
+            return FilterResult(nodes=list(node_names))
+        result = FilterResult()
+        now = self.clock()
+        with self.lock:
+            if uid:
+                self.recent_pods[uid] = pod
+                if len(self.recent_pods) > 4096:
+                    self.recent_pods.pop(next(iter(self.recent_pods)))
+            for name in node_names:
+                problem = self.node_problem(name, now)
+                if problem is not None:
+                    result.unresolvable[name] = problem
+                    continue
+                entry = self.nodes[name]
+                assert entry.inventory is not None
+                outcome = fit_node(
+                    name,
+                    entry.inventory,
+                    self.ledger.usage(name, excluding=uid),
+                    request,
+                    self.config.gpu_policy,
+                )
+                if isinstance(outcome, Plan):
+                    result.nodes.append(name)
+                elif outcome.unresolvable:
+                    result.unresolvable[name] = outcome.reason
+                else:
+                    result.failed[name] = outcome.reason
+        return result
+
+    def prioritize(self, pod: Obj, node_names: list[str]) -> dict[str, int]:
+        problem = self._check_ready()
+        if problem:
+            raise NotReady(problem)
+        try:
+            request = parse_pod(pod, self.config)
+        except RequestError:
+            return dict.fromkeys(node_names, 0)
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not request.wants_vgpu:
+            return dict.fromkeys(node_names, 0)
+        util: dict[str, float] = {}
+        now = self.clock()
+        with self.lock:
+            for name in node_names:
+                entry = self.nodes.get(name)
+                if entry is None or entry.inventory is None or self.node_problem(name, now):
+                    continue
+                outcome = fit_node(
+                    name,
+                    entry.inventory,
+                    self.ledger.usage(name, excluding=uid),
+                    request,
+                    self.config.gpu_policy,
+                )
+                if isinstance(outcome, Plan):
+                    util[name] = outcome.utilization
+        scores = node_scores(util, request.node_policy or self.config.node_policy)
+        return {name: scores.get(name, 0) for name in node_names}
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> tuple[str, str]:
+        """Bind the pod: ("", "ok"), or (error text for ExtenderBindingResult, "conflict" | "error").
+
+        "conflict" means the node has no room any more (a lost race): kube-scheduler tries again.
+        """
+        error, kind = self._bind(namespace, name, uid, node)
+        return error, ("ok" if not error else kind)
+
+    def _bind(self, namespace: str, name: str, uid: str, node: str) -> tuple[str, str]:
+        problem = self._check_ready()
+        if problem:
+            return problem, "error"
+        assert self.kube is not None, "bind needs the API server"
+        pod = self.recent_pods.get(uid)
+        if pod is None:
+            try:
+                pod = self.kube.get_pod(namespace, name)
+            except KubeError as err:
+                return str(err), "error"
+            if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
+                return f"pod {namespace}/{name} (uid {uid}) no longer exists", "error"
+        try:
+            request = parse_pod(pod, self.config)
+        except RequestError as err:
+            return str(err), "error"
+        if not request.wants_vgpu:
+            return self._create_binding(namespace, name, uid, node), "error"
+        # reserve under the lock: re-check against the ledger as it is now
+        with self.lock:
+            problem = self.node_problem(node, self.clock())
+            if problem is not None:
+                return f"node {node}: {problem}", "conflict"
+            if uid in self.binding:
+                return f"pod {namespace}/{name} is already being bound", "conflict"
+            inventory = self.nodes[node].inventory
+            assert inventory is not None
+            outcome = fit_node(
+                node, inventory, self.ledger.usage(node, excluding=uid), request, self.config.gpu_policy
+            )
+            if isinstance(outcome, Rejection):
+                return f"node {node} has no room any more: {outcome.reason}", "conflict"
+            self.binding.add(uid)
+            self.ledger.commit(uid, node, outcome.footprint)
+        try:
+            annotations = {
+                ann.ALLOCATION_ANNOTATION: ann.encode_allocation(outcome.allocation),
+                ann.PHASE_ANNOTATION: ann.PHASE_BOUND,
+                ann.REASON_ANNOTATION: None,
+            }
+            try:
+                patched = self.kube.patch_pod_annotations(namespace, name, annotations, uid=uid)
+            except KubeError as err:
+                self._undo(uid)
+                return str(err), "error"
+            with self.lock:
+                self.pod_rv[uid] = max(self.pod_rv.get(uid, 0), _rv(patched))
+            error = self._create_binding(namespace, name, uid, node)
+            if error:
+                self._undo(uid)
+                try:  # best effort: leave no stale allocation on a pod that stays Pending
+                    cleared = self.kube.patch_pod_annotations(
+                        namespace, name, dict.fromkeys(annotations), uid=uid
+                    )
+                    with self.lock:
+                        self.pod_rv[uid] = max(self.pod_rv.get(uid, 0), _rv(cleared))
+                except KubeError as err:
+                    log.warning(
+                        "pod %s/%s: could not clear the allocation after a failed bind: %s",
+                        namespace,
+                        name,
+                        err,
+                    )
+            return error, "error"
+        finally:
+            with self.lock:
+                self.binding.discard(uid)
+
+    def _undo(self, uid: str) -> None:
+        with self.lock:
+            self.ledger.release(uid)
+
+    def _create_binding(self, namespace: str, name: str, uid: str, node: str) -> str:
+        assert self.kube is not None
+        try:
+            self.kube.bind_pod(namespace, name, uid, node)
+        except ConflictError as err:
+            # already bound (a retry after our own earlier success, e.g. across a restart)?
+            try:
+                pod = self.kube.get_pod(namespace, name)
+            except KubeError:
+                pod = None
+            if pod is not None and (pod.get("spec") or {}).get("nodeName") == node:
+                return ""
+            return str(err)
+        except KubeError as err:
+            return str(err)
+        return ""
+
+    # -- for the webhook and metrics -------------------------------------------------------------
+    def largest_card(self) -> tuple[int, int] | None:
+        """(most memory on one card, most usable cards on one node) over known nodes, or None."""
+        with self.lock:
+            invs = [
+                e.inventory for e in self.nodes.values() if e.inventory is not None and e.inventory.devices
+            ]
+        if not invs:
+            return None
+        mem = max(d.memory_mib for inv in invs for d in inv.devices)
+        cards = max(len(inv.devices) for inv in invs)
+        return mem, cards
+
+    def snapshot(self) -> list[tuple[str, ann.NodeInventory, dict[str, Any]]]:
+        with self.lock:
+            return [
+                (name, e.inventory, self.ledger.usage(name))
+                for name, e in self.nodes.items()
+                if e.inventory is not None
+            ]
+
+    def skipped(self) -> dict[str, int]:
+        now = self.clock()
+        with self.lock:
+            malformed = sum(1 for e in self.nodes.values() if e.inventory is None and e.raw is not None)
+            expired = sum(
+                1
+                for n, e in self.nodes.items()
+                if e.inventory is not None and self.node_problem(n, now) is not None
+            )
+        return {"malformed_inventory": malformed, "plugin_lease_expired": expired}
+
+
+class NotReady(Exception):
+    """The replica cannot answer now (loading, or on standby)."""

@@ -1,0 +1,104 @@
+"""The admission webhook (AdmissionReview v1) for pods, free of HTTP.
+
+* mutate: a pod that asks for vGPU resources and names no scheduler (or ``default-scheduler``)
+  is routed to ours by a JSONPatch on ``/spec/schedulerName``.
+* validate: a pod whose vGPU request can never be satisfied is denied with a message naming the
+  field: the static rules of contract 1 (see :mod:`vgpu.requests`), and, once nodes are known,
+  more memory per vGPU than the largest card or more vGPUs in a container than any node's cards.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from vgpu.config import SchedulerConfig
+from vgpu.errors import RequestError
+from vgpu.requests import asks_for_vgpu, parse_pod
+
+Obj = dict[str, Any]
+
+
+class ReviewError(ValueError):
+    """The AdmissionReview itself is malformed (the view answers HTTP 400)."""
+
+
+def _request(review: Any) -> tuple[Obj, Obj]:
+    if not isinstance(review, dict):
+        raise ReviewError("body must be an AdmissionReview JSON object")
+    req = review.get("request")
+    if not isinstance(req, dict):
+        raise ReviewError("AdmissionReview.request is missing or not an object")
+    if not isinstance(req.get("uid"), str) or not req["uid"]:
+        raise ReviewError("AdmissionReview.request.uid is missing")
+    obj = req.get("object")
+    if not isinstance(obj, dict):
+        raise ReviewError("AdmissionReview.request.object is missing or not an object")
+    return req, obj
+
+
+def _response(review: Obj, req: Obj, allowed: bool, message: str = "", patch: list[Obj] | None = None) -> Obj:
+    resp: Obj = {"uid": req["uid"], "allowed": allowed}
+    if not allowed:
+        resp["status"] = {"code": 422, "reason": "Invalid", "message": message}
+    if patch:
+        resp["patchType"] = "JSONPatch"
+        resp["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {
+        "apiVersion": review.get("apiVersion") or "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": resp,
+    }
+
+
+def mutate(review: Any, config: SchedulerConfig) -> Obj:
+    req, pod = _request(review)
+    spec = pod.get("spec")
+    if not isinstance(spec, dict) or not asks_for_vgpu(pod):
+        return _response(review, req, True)
+    current = spec.get("schedulerName")
+    if current not in (None, "", "default-scheduler"):
+        return _response(review, req, True)  # the user chose a scheduler on purpose
+    op = "replace" if "schedulerName" in spec else "add"
+    patch = [{"op": op, "path": "/spec/schedulerName", "value": config.scheduler_name}]
+    return _response(review, req, True, patch=patch)
+
+
+def validate(review: Any, config: SchedulerConfig, largest: tuple[int, int] | None = None) -> Obj:
+    """``largest``: (most MiB on one card, most cards on one node) in the cluster, when known."""
+    req, pod = _request(review)
+    if req.get("operation") not in (None, "CREATE") or not asks_for_vgpu(pod):
+        return _response(review, req, True)
+    try:
+        problem = impossible(pod, config, largest)
+    except RequestError as err:
+        problem = str(err)
+    if problem:
+        return _response(review, req, False, f"vGPU request can never be satisfied: {problem}")
+    return _response(review, req, True)
+
+
+def impossible(
+    pod: Mapping[str, Any], config: SchedulerConfig, largest: tuple[int, int] | None
+) -> str | None:
+    request = parse_pod(pod, config)  # raises RequestError for the static rules
+    if largest is None:
+        return None
+    max_mem, max_cards = largest
+    for i, c in enumerate(request.containers):
+        kind = "initContainers" if c.init else "containers"
+        index = i if c.init else i - sum(1 for x in request.containers if x.init)
+        where = f"pod: spec.{kind}[{index}].resources.limits"
+        if c.memory_mib is not None and c.memory_mib > max_mem:
+            return (
+                f"{where}[nvidia.com/gpumem]: {c.memory_mib} MiB is more than the largest card has "
+                f"({max_mem} MiB); ask for at most {max_mem}"
+            )
+        if c.count > max_cards:
+            return (
+                f"{where}[nvidia.com/gpu]: {c.count} vGPUs must each be on a different card, but no node "
+                f"has more than {max_cards} cards"
+            )
+    return None
