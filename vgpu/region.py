@@ -147,6 +147,8 @@ def c_header() -> str:
                 f'"{cname}.{field.name} moved: regenerate from vgpu/region.py");'
             )
         lines.append(f'_Static_assert(sizeof(struct {cname}) == {layout.size}, "{cname} size changed");')
+        names = " ".join(f"X({field.name})" for field in fields)
+        lines.append(f"#define {cname.upper()}_FIELDS(X) {names}")
         lines.append("")
     lines.append(f"#define VGPU_REGION_SIZE {REGION_SIZE}u")
     lines.append("#endif")

@@ -40,6 +40,7 @@ _Static_assert(offsetof(struct vgpu_region_header, sm_limit) == 256, "vgpu_regio
 _Static_assert(offsetof(struct vgpu_region_header, used) == 320, "vgpu_region_header.used moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_header, uuid) == 448, "vgpu_region_header.uuid moved: regenerate from vgpu/region.py");
 _Static_assert(sizeof(struct vgpu_region_header) == 1472, "vgpu_region_header size changed");
+#define VGPU_REGION_HEADER_FIELDS(X) X(magic) X(version) X(header_size) X(slot_size) X(max_devices) X(max_procs) X(num_devices) X(seq) X(lock) X(limit) X(sm_limit) X(used) X(uuid)
 
 struct vgpu_region_slot {
     int32_t pid; /* 0 = free slot */
@@ -52,6 +53,7 @@ _Static_assert(offsetof(struct vgpu_region_slot, active) == 4, "vgpu_region_slot
 _Static_assert(offsetof(struct vgpu_region_slot, start_time) == 8, "vgpu_region_slot.start_time moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_slot, used) == 16, "vgpu_region_slot.used moved: regenerate from vgpu/region.py");
 _Static_assert(sizeof(struct vgpu_region_slot) == 144, "vgpu_region_slot size changed");
+#define VGPU_REGION_SLOT_FIELDS(X) X(pid) X(active) X(start_time) X(used)
 
 #define VGPU_REGION_SIZE 38336u
 #endif

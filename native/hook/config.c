@@ -1,0 +1,96 @@
+/* Contract 4's environment: CUDA_DEVICE_MEMORY_LIMIT[_i], CUDA_DEVICE_SM_LIMIT[_i],
+ * CUDA_DEVICE_MEMORY_SHARED_CACHE, NVIDIA_VISIBLE_DEVICES; plus VGPU_CONTEXT_RESERVE. */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hook.h"
+
+int vgpu_parse_size(const char *text, uint64_t *out) {
+    char *end = NULL;
+    if (!text || !isdigit((unsigned char)*text)) return -1;
+    unsigned long long v = strtoull(text, &end, 10);
+    uint64_t scale = 1;
+    switch (*end) {
+    case 'k': case 'K': scale = 1ULL << 10; end++; break;
+    case 'm': case 'M': scale = 1ULL << 20; end++; break;
+    case 'g': case 'G': scale = 1ULL << 30; end++; break;
+    default: break;
+    }
+    if (*end == 'i' || *end == 'b' || *end == 'B') end++; /* tolerate 4Gi, 4gb */
+    if (*end != '\0') return -1;
+    *out = (uint64_t)v * scale;
+    return 0;
+}
+
+static void limit_from(const char *name, uint64_t *slot) {
+    const char *v = getenv(name);
+    if (!v || !*v) return;
+    if (vgpu_parse_size(v, slot) != 0) {
+        VGPU_LOG(VGPU_LOG_ERROR,
+                 "%s='%s' is not a size (bytes, or a number with k, m or g, e.g. 4096m); "
+                 "refusing device memory on that device until it is fixed", name, v);
+        *slot = 1;
+    }
+}
+
+static void sm_from(const char *name, uint32_t *slot) {
+    const char *v = getenv(name);
+    if (!v || !*v) return;
+    char *end = NULL;
+    unsigned long p = strtoul(v, &end, 10);
+    if (*end != '\0' || p > 100) {
+        VGPU_LOG(VGPU_LOG_ERROR, "%s='%s' is not a percent 0..100; ignoring it", name, v);
+        return;
+    }
+    *slot = (uint32_t)p;
+}
+
+void vgpu_config_load(struct vgpu_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    char name[64];
+    uint64_t all = 0;
+    uint32_t all_sm = 0;
+    limit_from("CUDA_DEVICE_MEMORY_LIMIT", &all);
+    sm_from("CUDA_DEVICE_SM_LIMIT", &all_sm);
+    uint32_t highest = 0;
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
+        cfg->limit[i] = all;
+        cfg->sm_limit[i] = all_sm;
+        snprintf(name, sizeof name, "CUDA_DEVICE_MEMORY_LIMIT_%d", i);
+        if (getenv(name)) highest = (uint32_t)i + 1;
+        limit_from(name, &cfg->limit[i]);
+        snprintf(name, sizeof name, "CUDA_DEVICE_SM_LIMIT_%d", i);
+        sm_from(name, &cfg->sm_limit[i]);
+        if (cfg->limit[i]) cfg->enabled = 1;
+    }
+    /* NVIDIA_VISIBLE_DEVICES: UUIDs map devices by identity; anything else by ordinal. */
+    const char *vis = getenv("NVIDIA_VISIBLE_DEVICES");
+    uint32_t listed = 0;
+    if (vis && strcmp(vis, "all") != 0 && strcmp(vis, "none") != 0 && strcmp(vis, "void") != 0) {
+        const char *p = vis;
+        while (*p && listed < VGPU_MAX_DEVICES) {
+            size_t len = strcspn(p, ",");
+            if (len > 0) {
+                if (len > 4 && (strncmp(p, "GPU-", 4) == 0 || strncmp(p, "MIG-", 4) == 0) && len < VGPU_UUID_BYTES)
+                    memcpy(cfg->uuid[listed], p, len);
+                listed++;
+            }
+            p += len;
+            if (*p == ',') p++;
+        }
+    }
+    cfg->num_devices = listed > highest ? listed : highest;
+    if (cfg->num_devices == 0) cfg->num_devices = 1;
+    const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    if (path && *path) {
+        cfg->region_path = path;
+        cfg->enabled = 1;
+    }
+    const char *reserve = getenv("VGPU_CONTEXT_RESERVE");
+    if (reserve && *reserve && vgpu_parse_size(reserve, &cfg->context_reserve) != 0) {
+        VGPU_LOG(VGPU_LOG_ERROR, "VGPU_CONTEXT_RESERVE='%s' is not a size; charging no context reserve", reserve);
+        cfg->context_reserve = 0;
+    }
+}

@@ -1,0 +1,72 @@
+/* libvgpu internals shared by its files; nothing here is exported. */
+#ifndef VGPU_HOOK_H
+#define VGPU_HOOK_H
+#include <stdint.h>
+#include "api.h"
+#include "region_layout.h"
+
+#define HIDDEN __attribute__((visibility("hidden")))
+
+/* typed pointers to the real driver functions, resolved once */
+#define CU_HOOK(name, params, args, base, version, ptds) extern HIDDEN __typeof__(&name) real_##name;
+#define CU_CALL(name, params, args, base, version, ptds) extern HIDDEN __typeof__(&name) real_##name;
+#define NVML_HOOK(name, params, args) extern HIDDEN __typeof__(&name) real_##name;
+#define NVML_CALL(name, params, args) extern HIDDEN __typeof__(&name) real_##name;
+#include "api.def"
+
+HIDDEN void vgpu_cuda_ready(void);
+HIDDEN void vgpu_nvml_ready(void);
+
+/* forward to the real function; a symbol the driver lacks is an error code, never a NULL call */
+#define CU_REAL(name, args) \
+    (vgpu_cuda_ready(), real_##name ? real_##name args : CUDA_ERROR_NOT_FOUND)
+#define NVML_REAL(name, args) \
+    (vgpu_nvml_ready(), real_##name ? real_##name args : NVML_ERROR_FUNCTION_NOT_FOUND)
+
+/* re-entry guard: set while libvgpu itself calls into the driver */
+extern HIDDEN __thread int vgpu_in_hook __attribute__((tls_model("initial-exec")));
+
+/* log.c */
+enum { VGPU_LOG_OFF, VGPU_LOG_ERROR, VGPU_LOG_WARN, VGPU_LOG_INFO, VGPU_LOG_DEBUG };
+extern HIDDEN int vgpu_log_level;
+HIDDEN void vgpu_log_init(void);
+HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define VGPU_LOG(level, ...) \
+    do { if (__builtin_expect(vgpu_log_level >= (level), 0)) vgpu_log(level, __VA_ARGS__); } while (0)
+
+/* config.c: contract 4's environment */
+struct vgpu_config {
+    int enabled;                 /* any limit or a region path given */
+    const char *region_path;     /* CUDA_DEVICE_MEMORY_SHARED_CACHE, or NULL */
+    uint32_t num_devices;
+    uint64_t limit[VGPU_MAX_DEVICES];
+    uint32_t sm_limit[VGPU_MAX_DEVICES];
+    char uuid[VGPU_MAX_DEVICES][VGPU_UUID_BYTES];
+    uint64_t context_reserve;    /* VGPU_CONTEXT_RESERVE: charged once per device per process */
+};
+HIDDEN int vgpu_parse_size(const char *text, uint64_t *out);
+HIDDEN void vgpu_config_load(struct vgpu_config *cfg);
+
+/* region.c: the shared region of contract 5 */
+HIDDEN int vgpu_enabled(void);               /* attaches on first use; 0 = pass everything through */
+HIDDEN int vgpu_charge(int idx, uint64_t bytes, int force); /* 0 = granted, -1 = over the limit */
+HIDDEN void vgpu_uncharge(int idx, uint64_t bytes);
+HIDDEN uint64_t vgpu_limit(int idx);
+HIDDEN uint64_t vgpu_used(int idx);
+HIDDEN const char *vgpu_uuid(int idx);      /* "" when the region holds none */
+HIDDEN uint64_t vgpu_context_reserve(void);
+HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
+
+/* track.c: what this process allocated, so frees can be uncharged */
+enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4 };
+HIDDEN void vgpu_track_add(int kind, uint64_t key, uint64_t size, int idx);
+HIDDEN int vgpu_track_take(int kind, uint64_t key, uint64_t *size, int *idx); /* 1 = found and removed */
+HIDDEN void vgpu_track_reset(void);
+
+/* devmap.c: CUDA ordinals and NVML handles to region device indexes */
+HIDDEN int vgpu_index_of_cu(CUdevice dev);
+HIDDEN int vgpu_index_current(void);
+HIDDEN int vgpu_index_of_nvml(nvmlDevice_t dev);
+HIDDEN void vgpu_format_uuid(const unsigned char bytes[16], char out[VGPU_UUID_BYTES]);
+
+#endif

@@ -1,0 +1,198 @@
+/* Policy: every way device memory is taken is charged against the device's limit before the
+ * driver is asked, and uncharged when the driver gives it back. Over the limit the call returns
+ * CUDA_ERROR_OUT_OF_MEMORY and the driver is never asked. Frees of anything libvgpu did not
+ * see go to the driver untouched. */
+#include <string.h>
+
+#include "hook.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define ACTIVE() (__builtin_expect(!vgpu_in_hook, 1) && vgpu_enabled())
+
+#define GUARDED(name, args) \
+    ({ vgpu_in_hook++; CUresult r_ = CU_REAL(name, args); vgpu_in_hook--; r_; })
+
+/* charge, allocate, keep or roll back */
+#define ALLOC(name, args, idx_expr, bytes_expr, kind, key_expr)            \
+    do {                                                                   \
+        if (!ACTIVE()) return CU_REAL(name, args);                         \
+        int idx_ = (idx_expr);                                             \
+        uint64_t bytes_ = (bytes_expr);                                    \
+        if (vgpu_charge(idx_, bytes_, 0) != 0) return CUDA_ERROR_OUT_OF_MEMORY; \
+        CUresult rc_ = GUARDED(name, args);                                \
+        if (rc_ == CUDA_SUCCESS) vgpu_track_add(kind, (uint64_t)(key_expr), bytes_, idx_); \
+        else vgpu_uncharge(idx_, bytes_);                                  \
+        return rc_;                                                        \
+    } while (0)
+
+/* take out of the table, free, put back if the driver refused */
+#define FREE(name, args, kind, key_expr)                                   \
+    do {                                                                   \
+        if (!ACTIVE()) return CU_REAL(name, args);                         \
+        uint64_t size_ = 0;                                                \
+        int idx_ = 0;                                                      \
+        int mine_ = vgpu_track_take(kind, (uint64_t)(key_expr), &size_, &idx_); \
+        CUresult rc_ = GUARDED(name, args);                                \
+        if (mine_ && rc_ == CUDA_SUCCESS) vgpu_uncharge(idx_, size_);       \
+        else if (mine_) vgpu_track_add(kind, (uint64_t)(key_expr), size_, idx_); \
+        return rc_;                                                        \
+    } while (0)
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    ALLOC(cuMemAlloc_v2, (dptr, bytesize), vgpu_index_current(), bytesize, VGPU_KIND_PTR, *dptr);
+}
+
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    ALLOC(cuMemAllocManaged, (dptr, bytesize, flags), vgpu_index_current(), bytesize, VGPU_KIND_PTR, *dptr);
+}
+
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    ALLOC(cuMemAllocAsync, (dptr, bytesize, hStream), vgpu_index_current(), bytesize, VGPU_KIND_PTR, *dptr);
+}
+
+EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    ALLOC(cuMemAllocAsync_ptsz, (dptr, bytesize, hStream), vgpu_index_current(), bytesize, VGPU_KIND_PTR, *dptr);
+}
+
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
+    ALLOC(cuMemAllocFromPoolAsync, (dptr, bytesize, pool, hStream), vgpu_index_current(), bytesize, VGPU_KIND_PTR,
+          *dptr);
+}
+
+EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                             CUstream hStream) {
+    ALLOC(cuMemAllocFromPoolAsync_ptsz, (dptr, bytesize, pool, hStream), vgpu_index_current(), bytesize,
+          VGPU_KIND_PTR, *dptr);
+}
+
+/* The pitch is the driver's choice: charge a 512-byte-aligned guess, then settle on the truth. */
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                   unsigned int ElementSizeBytes) {
+    if (!ACTIVE()) return CU_REAL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
+    int idx = vgpu_index_current();
+    uint64_t guess = (uint64_t)((WidthInBytes + 511) & ~(size_t)511) * Height;
+    if (vgpu_charge(idx, guess, 0) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = GUARDED(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
+    if (rc != CUDA_SUCCESS) {
+        vgpu_uncharge(idx, guess);
+        return rc;
+    }
+    uint64_t real = (uint64_t)*pPitch * Height;
+    if (real > guess) vgpu_charge(idx, real - guess, 1);
+    else if (real < guess) vgpu_uncharge(idx, guess - real);
+    vgpu_track_add(VGPU_KIND_PTR, *dptr, real, idx);
+    return rc;
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) { FREE(cuMemFree_v2, (dptr), VGPU_KIND_PTR, dptr); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    FREE(cuMemFreeAsync, (dptr, hStream), VGPU_KIND_PTR, dptr);
+}
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
+    FREE(cuMemFreeAsync_ptsz, (dptr, hStream), VGPU_KIND_PTR, dptr);
+}
+
+/* VMM: physical memory is taken by cuMemCreate and given back by cuMemRelease; mapping and
+ * reserving address space take none. */
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                            unsigned long long flags) {
+    if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CU_REAL(cuMemCreate, (handle, size, prop, flags));
+    ALLOC(cuMemCreate, (handle, size, prop, flags), vgpu_index_of_cu(prop->location.id), size, VGPU_KIND_HANDLE,
+          *handle);
+}
+
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    FREE(cuMemRelease, (handle), VGPU_KIND_HANDLE, handle);
+}
+
+/* Arrays: the driver pads them; the element count times the element size is a floor. */
+static uint64_t element_bytes(CUarray_format format, unsigned int channels) {
+    uint64_t b;
+    switch (format) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: b = 1; break;
+    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16: case CU_AD_FORMAT_HALF: b = 2; break;
+    default: b = 4; break;
+    }
+    return b * (channels ? channels : 1);
+}
+
+static uint64_t dim(size_t v) { return v ? (uint64_t)v : 1; }
+
+static uint64_t array3d_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
+    if (!d) return 0;
+    uint64_t total = 0, w = dim(d->Width), h = dim(d->Height), z = dim(d->Depth);
+    for (unsigned int l = 0; l < (levels ? levels : 1); l++) {
+        total += w * h * z * element_bytes(d->Format, d->NumChannels);
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : 1;
+        z = z > 1 ? z / 2 : 1;
+    }
+    return total;
+}
+
+EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    ALLOC(cuArrayCreate_v2, (pHandle, d), vgpu_index_current(),
+          d ? dim(d->Width) * dim(d->Height) * element_bytes(d->Format, d->NumChannels) : 0, VGPU_KIND_ARRAY,
+          (uintptr_t)*pHandle);
+}
+
+EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    ALLOC(cuArray3DCreate_v2, (pHandle, d), vgpu_index_current(), array3d_bytes(d, 1), VGPU_KIND_ARRAY,
+          (uintptr_t)*pHandle);
+}
+
+EXPORT CUresult cuArrayDestroy(CUarray hArray) { FREE(cuArrayDestroy, (hArray), VGPU_KIND_ARRAY, (uintptr_t)hArray); }
+
+EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                       unsigned int numMipmapLevels) {
+    ALLOC(cuMipmappedArrayCreate, (pHandle, d, numMipmapLevels), vgpu_index_current(),
+          array3d_bytes(d, numMipmapLevels), VGPU_KIND_MIPMAP, (uintptr_t)*pHandle);
+}
+
+EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray h) {
+    FREE(cuMipmappedArrayDestroy, (h), VGPU_KIND_MIPMAP, (uintptr_t)h);
+}
+
+/* The context's own footprint: VGPU_CONTEXT_RESERVE, charged once per device per process. */
+static int context_charged[VGPU_MAX_DEVICES];
+
+static void charge_context(CUdevice dev) {
+    int idx = vgpu_index_of_cu(dev);
+    uint64_t reserve = vgpu_context_reserve();
+    if (idx < 0 || !reserve || __atomic_exchange_n(&context_charged[idx], 1, __ATOMIC_ACQ_REL)) return;
+    vgpu_charge(idx, reserve, 1);
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CUresult rc = CU_REAL(cuDevicePrimaryCtxRetain, (pctx, dev));
+    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
+    return rc;
+}
+
+EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CUresult rc = CU_REAL(cuCtxCreate_v2, (pctx, flags, dev));
+    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
+    return rc;
+}
+
+/* What the process sees: the vGPU, total = its limit, free = what is left of it. */
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
+    CUresult rc = CU_REAL(cuMemGetInfo_v2, (free_bytes, total_bytes));
+    if (rc != CUDA_SUCCESS || !ACTIVE()) return rc;
+    int idx = vgpu_index_current();
+    uint64_t limit = vgpu_limit(idx);
+    if (!limit) return rc;
+    uint64_t used = vgpu_used(idx);
+    uint64_t left = used < limit ? limit - used : 0;
+    if (free_bytes && left < *free_bytes) *free_bytes = (size_t)left;
+    if (total_bytes && limit < *total_bytes) *total_bytes = (size_t)limit;
+    return rc;
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    CUresult rc = CU_REAL(cuDeviceTotalMem_v2, (bytes, dev));
+    if (rc != CUDA_SUCCESS || !bytes || !ACTIVE()) return rc;
+    uint64_t limit = vgpu_limit(vgpu_index_of_cu(dev));
+    if (limit && limit < *bytes) *bytes = (size_t)limit;
+    return rc;
+}

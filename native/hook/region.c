@@ -1,0 +1,346 @@
+/* The shared region of contract 5: one file per container, a process-shared robust mutex,
+ * per-device limits and usage, one slot per process, dead processes reaped. The layout comes
+ * from region_layout.h, generated from vgpu/region.py. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "hook.h"
+
+_Static_assert(sizeof(pthread_mutex_t) <= VGPU_LOCK_BYTES, "the region's lock field cannot hold a pthread mutex");
+
+static struct {
+    int enabled;
+    int exiting;
+    int slot; /* this process's slot, -1 until its first charge */
+    struct vgpu_region_header *h;
+    struct vgpu_region_slot *slots;
+    uint64_t context_reserve;
+} R = {.slot = -1};
+
+static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
+
+static pthread_mutex_t *mtx(void) { return (pthread_mutex_t *)(void *)R.h->lock; }
+
+/* Reads /proc/PID/stat: the process state letter and its start time (clock ticks since boot). */
+static int proc_stat(pid_t pid, char *state, uint64_t *start) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+    if (!p || p[1] != ' ') return -1;
+    *state = p[2];
+    /* after ") " come fields 3..; starttime is field 22 */
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    *start = p ? strtoull(p + 1, NULL, 10) : 0;
+    return 0;
+}
+
+static uint64_t proc_start(pid_t pid) {
+    char state;
+    uint64_t start = 0;
+    return proc_stat(pid, &state, &start) == 0 ? start : 0;
+}
+
+static int alive(const struct vgpu_region_slot *s) {
+    if (kill(s->pid, 0) == -1 && errno == ESRCH) return 0;
+    char state;
+    uint64_t start = 0;
+    if (proc_stat(s->pid, &state, &start) != 0) return 1; /* cannot tell: keep it */
+    if (state == 'Z' || state == 'X') return 0;           /* dead, not yet waited for */
+    if (s->start_time && start && start != s->start_time) return 0; /* the pid was reused */
+    return 1;
+}
+
+static void seq_begin(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_ACQ_REL); }
+static void seq_end(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_RELEASE); }
+
+static void drop_slot_locked(int k) {
+    struct vgpu_region_slot *s = &R.slots[k];
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
+        uint64_t u = s->used[i];
+        R.h->used[i] = R.h->used[i] > u ? R.h->used[i] - u : 0;
+    }
+    memset(s, 0, sizeof *s);
+}
+
+/* Frees the slots of processes that died without cleaning up (SIGKILL, OOM killer). */
+static int reap_locked(void) {
+    int reaped = 0;
+    seq_begin();
+    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
+        struct vgpu_region_slot *s = &R.slots[k];
+        if (!s->active || k == R.slot) continue;
+        if (!alive(s)) {
+            VGPU_LOG(VGPU_LOG_INFO, "reaping process %d, which died holding %llu bytes on device 0",
+                     s->pid, (unsigned long long)s->used[0]);
+            drop_slot_locked(k);
+            reaped++;
+        }
+    }
+    seq_end();
+    return reaped;
+}
+
+/* After a holder died mid-update: reap, then recompute the totals from the slots. */
+static void repair_locked(void) {
+    VGPU_LOG(VGPU_LOG_INFO, "a process died holding the region lock; recovering");
+    reap_locked();
+    uint64_t sum[VGPU_MAX_DEVICES] = {0};
+    for (int k = 0; k < VGPU_MAX_PROCS; k++)
+        if (R.slots[k].active)
+            for (int i = 0; i < VGPU_MAX_DEVICES; i++) sum[i] += R.slots[k].used[i];
+    memcpy(R.h->used, sum, sizeof sum);
+    if (R.h->seq & 1) R.h->seq++;
+}
+
+static int lock(void) {
+    int rc = pthread_mutex_lock(mtx());
+    if (rc == EOWNERDEAD) {
+        repair_locked();
+        pthread_mutex_consistent(mtx());
+        return 0;
+    }
+    if (rc != 0) {
+        static int told;
+        if (!told++) VGPU_LOG(VGPU_LOG_ERROR, "region lock unusable (%s); counting without it", strerror(rc));
+        return -1;
+    }
+    return 0;
+}
+
+static void unlock(int locked) {
+    if (locked == 0) pthread_mutex_unlock(mtx());
+}
+
+static int my_slot_locked(void) {
+    if (R.slot >= 0 || R.exiting) return R.slot;
+    pid_t pid = getpid();
+    uint64_t start = proc_start(pid);
+    int free_slot = -1;
+    for (int pass = 0; pass < 2 && free_slot < 0; pass++) {
+        for (int k = 0; k < VGPU_MAX_PROCS; k++) {
+            struct vgpu_region_slot *s = &R.slots[k];
+            if (s->active && s->pid == pid) drop_slot_locked(k); /* an earlier process with our pid */
+            if (!s->active && free_slot < 0) free_slot = k;
+        }
+        if (free_slot < 0) reap_locked();
+    }
+    if (free_slot < 0) {
+        VGPU_LOG(VGPU_LOG_WARN, "all %d process slots of the region are taken; this process's usage "
+                 "counts against the limit but is not listed per process", VGPU_MAX_PROCS);
+        return -1;
+    }
+    struct vgpu_region_slot *s = &R.slots[free_slot];
+    memset(s, 0, sizeof *s);
+    s->pid = pid;
+    s->start_time = start;
+    s->active = 1;
+    R.slot = free_slot;
+    return free_slot;
+}
+
+static void init_header(struct vgpu_region_header *h, const struct vgpu_config *cfg) {
+    h->version = VGPU_REGION_VERSION;
+    h->header_size = sizeof(struct vgpu_region_header);
+    h->slot_size = sizeof(struct vgpu_region_slot);
+    h->max_devices = VGPU_MAX_DEVICES;
+    h->max_procs = VGPU_MAX_PROCS;
+    h->num_devices = cfg->num_devices;
+    memcpy(h->limit, cfg->limit, sizeof h->limit);
+    memcpy(h->sm_limit, cfg->sm_limit, sizeof h->sm_limit);
+    memcpy(h->uuid, cfg->uuid, sizeof h->uuid);
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init((pthread_mutex_t *)(void *)h->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
+    __atomic_store_n(&h->magic, VGPU_REGION_MAGIC, __ATOMIC_RELEASE);
+}
+
+static const char *check_header(const struct vgpu_region_header *h, char *why, size_t len) {
+    if (h->magic != VGPU_REGION_MAGIC)
+        snprintf(why, len, "is not a vgpu region (magic 0x%016llx, expected 0x%016llx)",
+                 (unsigned long long)h->magic, (unsigned long long)VGPU_REGION_MAGIC);
+    else if (h->version != VGPU_REGION_VERSION)
+        snprintf(why, len, "has region layout version %u, this hook speaks %u", h->version, VGPU_REGION_VERSION);
+    else if (h->header_size != sizeof *h || h->slot_size != sizeof(struct vgpu_region_slot) ||
+             h->max_devices != VGPU_MAX_DEVICES || h->max_procs != VGPU_MAX_PROCS)
+        snprintf(why, len, "has a header that does not match layout version %u", VGPU_REGION_VERSION);
+    else
+        return NULL;
+    return why;
+}
+
+static void *map_file(const struct vgpu_config *cfg) {
+    const char *path = cfg->region_path;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        VGPU_LOG(VGPU_LOG_WARN, "cannot open region file %s (%s); this process enforces its limits alone",
+                 path, strerror(errno));
+        return NULL;
+    }
+    void *map = NULL;
+    char why[256];
+    const char *bad = NULL;
+    struct stat st;
+    flock(fd, LOCK_EX); /* one creator; others wait until the header is whole */
+    if (fstat(fd, &st) != 0) {
+        bad = "cannot be examined";
+    } else if (st.st_size == 0) {
+        if (fchmod(fd, 0666) != 0 || ftruncate(fd, VGPU_REGION_SIZE) != 0) {
+            bad = "cannot be sized";
+        } else {
+            map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (map == MAP_FAILED) map = NULL, bad = "cannot be mapped";
+            else init_header(map, cfg);
+        }
+    } else if (st.st_size < (off_t)VGPU_REGION_SIZE) {
+        snprintf(why, sizeof why, "holds %lld bytes, fewer than a layout-%u region (%u)", (long long)st.st_size,
+                 VGPU_REGION_VERSION, VGPU_REGION_SIZE);
+        bad = why;
+    } else {
+        map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED) map = NULL, bad = "cannot be mapped";
+        else if ((bad = check_header(map, why, sizeof why)) != NULL) munmap(map, VGPU_REGION_SIZE), map = NULL;
+    }
+    flock(fd, LOCK_UN);
+    close(fd);
+    if (bad)
+        VGPU_LOG(VGPU_LOG_ERROR, "region file %s %s; this process enforces its own limits alone. "
+                 "Remove the file and restart the container to share limits again", path, bad);
+    return map;
+}
+
+static void at_exit(void) __attribute__((destructor));
+static void at_exit(void) {
+    if (!R.enabled || R.exiting) return;
+    int locked = lock();
+    if (R.slot >= 0) {
+        seq_begin();
+        drop_slot_locked(R.slot);
+        seq_end();
+    }
+    R.slot = -1;
+    R.exiting = 1;
+    unlock(locked);
+}
+
+static void child_after_fork(void) {
+    R.slot = -1;
+    vgpu_track_reset();
+}
+
+static void attach(void) {
+    vgpu_log_init();
+    struct vgpu_config cfg;
+    vgpu_config_load(&cfg);
+    if (!cfg.enabled) return;
+    R.context_reserve = cfg.context_reserve;
+    void *map = cfg.region_path ? map_file(&cfg) : NULL;
+    if (!map) { /* no region file: this process alone (and its forks) share the limits */
+        map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (map == MAP_FAILED) {
+            VGPU_LOG(VGPU_LOG_ERROR, "cannot map a private region (%s); limits are NOT enforced", strerror(errno));
+            return;
+        }
+        init_header(map, &cfg);
+    }
+    R.h = map;
+    R.slots = (struct vgpu_region_slot *)((char *)map + sizeof(struct vgpu_region_header));
+    pthread_atfork(NULL, NULL, child_after_fork);
+    R.enabled = 1;
+    VGPU_LOG(VGPU_LOG_INFO, "region %s attached; device 0 limit %llu bytes", cfg.region_path ? cfg.region_path : "(private)",
+             (unsigned long long)R.h->limit[0]);
+}
+
+int vgpu_enabled(void) {
+    pthread_once(&attach_once, attach);
+    return R.enabled && !R.exiting;
+}
+
+int vgpu_charge(int idx, uint64_t bytes, int force) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
+    int locked = lock();
+    int k = my_slot_locked();
+    uint64_t limit = __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
+    if (!force && limit) {
+        int over = bytes > limit || R.h->used[idx] > limit - bytes;
+        if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;
+        if (over) {
+            unlock(locked);
+            VGPU_LOG(VGPU_LOG_DEBUG, "refused %llu bytes on device %d: %llu of %llu in use", (unsigned long long)bytes,
+                     idx, (unsigned long long)R.h->used[idx], (unsigned long long)limit);
+            return -1;
+        }
+    }
+    seq_begin();
+    R.h->used[idx] += bytes;
+    if (k >= 0) R.slots[k].used[idx] += bytes;
+    seq_end();
+    unlock(locked);
+    return 0;
+}
+
+void vgpu_uncharge(int idx, uint64_t bytes) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return;
+    int locked = lock();
+    seq_begin();
+    R.h->used[idx] = R.h->used[idx] > bytes ? R.h->used[idx] - bytes : 0;
+    if (R.slot >= 0) {
+        uint64_t *u = &R.slots[R.slot].used[idx];
+        *u = *u > bytes ? *u - bytes : 0;
+    }
+    seq_end();
+    unlock(locked);
+}
+
+uint64_t vgpu_limit(int idx) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
+    return __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
+}
+
+uint64_t vgpu_used(int idx) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
+    return __atomic_load_n(&R.h->used[idx], __ATOMIC_RELAXED);
+}
+
+const char *vgpu_uuid(int idx) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return "";
+    return R.h->uuid[idx];
+}
+
+uint64_t vgpu_context_reserve(void) { return vgpu_enabled() ? R.context_reserve : 0; }
+
+int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
+    int n = 0;
+    int locked = lock();
+    reap_locked();
+    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
+        const struct vgpu_region_slot *s = &R.slots[k];
+        if (!s->active || s->used[idx] == 0) continue;
+        if (n < max) {
+            pids[n] = (unsigned int)s->pid;
+            used[n] = s->used[idx];
+        }
+        n++;
+    }
+    unlock(locked);
+    return n;
+}

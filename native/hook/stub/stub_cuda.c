@@ -1,0 +1,300 @@
+/* A stand-in libcuda.so.1 for machines without a GPU, built from api.def. It behaves like the
+ * driver where libvgpu and its tests can tell: cuInit first, a current context for allocations,
+ * a fixed amount of memory per device and CUDA_ERROR_OUT_OF_MEMORY past it, frees of unknown
+ * pointers refused, and cuGetProcAddress answering (name, version, flags) with the variant the
+ * driver would (the _v2 of a name for version >= 3020, the _ptsz one for flag 2).
+ *
+ * STUB_CUDA_DEVICES (1), STUB_CUDA_MEMORY_MIB (8192): the fake devices.
+ * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
+ * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
+ * stub's own table never resolves to a preloaded library's functions. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../api.h"
+
+#define STUB_EXPORT __attribute__((visibility("default")))
+#define MAX_DEV 8
+
+#define CU_HOOK(name, params, args, base, version, ptds)                                         \
+    __attribute__((visibility("hidden"))) CUresult impl_##name params;                           \
+    extern __typeof__(impl_##name) name __attribute__((alias("impl_" #name), visibility("default"))); \
+    static CUresult tramp_##name params { return impl_##name args; }
+#define CU_CALL CU_HOOK
+#include "../api.def"
+
+static const struct proc {
+    const char *name, *base;
+    int version, ptds;
+    void *impl, *tramp;
+} procs[] = {
+#define CU_HOOK(name, params, args, base, version, ptds) {#name, base, version, ptds, (void *)impl_##name, (void *)tramp_##name},
+#define CU_CALL CU_HOOK
+#include "../api.def"
+};
+#define NPROCS (sizeof(procs) / sizeof(procs[0]))
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int initialized, ndev = 1;
+static unsigned long long dev_mem = 8192ULL << 20, dev_used[MAX_DEV];
+static struct CUctx_st { int dev; } ctxs[MAX_DEV];
+static __thread CUcontext current;
+
+enum { K_PTR = 1, K_HANDLE, K_ARRAY, K_MIPMAP };
+static struct alloc { unsigned long long key, size; int dev, kind; } *allocs;
+static size_t nallocs, capallocs;
+static unsigned long long next_addr = 0x7f0000000000ULL, next_handle = 1;
+
+static CUresult take(int dev, unsigned long long size, int kind, unsigned long long *key) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (dev_used[dev] + size > dev_mem) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (nallocs == capallocs) {
+        capallocs = capallocs ? capallocs * 2 : 256;
+        allocs = realloc(allocs, capallocs * sizeof *allocs);
+    }
+    if (kind == K_HANDLE) *key = next_handle++;
+    else {
+        *key = next_addr;
+        next_addr += ((size + (2u << 20) - 1) & ~((2ULL << 20) - 1)) + (2u << 20);
+    }
+    allocs[nallocs++] = (struct alloc){*key, size, dev, kind};
+    dev_used[dev] += size;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+static CUresult give(unsigned long long key, int kind) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].key == key && allocs[i].kind == kind) {
+            dev_used[allocs[i].dev] -= allocs[i].size;
+            allocs[i] = allocs[--nallocs];
+            pthread_mutex_unlock(&mu);
+            return CUDA_SUCCESS;
+        }
+    pthread_mutex_unlock(&mu);
+    return kind == K_PTR ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+}
+
+static int current_dev(void) { return current ? current->dev : -1; }
+
+static CUresult alloc_current(CUdeviceptr *dptr, size_t size) {
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    return take(current_dev(), size, K_PTR, dptr);
+}
+
+CUresult impl_cuInit(unsigned int flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    const char *d = getenv("STUB_CUDA_DEVICES"), *m = getenv("STUB_CUDA_MEMORY_MIB");
+    if (d) ndev = atoi(d) > 0 && atoi(d) <= MAX_DEV ? atoi(d) : 1;
+    if (m) dev_mem = strtoull(m, NULL, 10) << 20;
+    for (int i = 0; i < MAX_DEV; i++) ctxs[i].dev = i;
+    initialized = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDeviceGetCount(int *count) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    *count = ndev;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    memset(uuid->bytes, 0x10 + dev, sizeof uuid->bytes);
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = dev_mem;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *pctx = &ctxs[dev];
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    return dev >= 0 && dev < ndev ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+CUresult impl_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    (void)flags;
+    CUresult rc = impl_cuDevicePrimaryCtxRetain(pctx, dev);
+    if (rc == CUDA_SUCCESS) current = *pctx;
+    return rc;
+}
+
+CUresult impl_cuCtxSetCurrent(CUcontext ctx) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuCtxGetDevice(CUdevice *device) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    *device = current->dev;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    *free_bytes = dev_mem - dev_used[current->dev];
+    *total = dev_mem;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) { return alloc_current(dptr, bytesize); }
+CUresult impl_cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    (void)flags;
+    return alloc_current(dptr, bytesize);
+}
+CUresult impl_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream s) {
+    (void)s;
+    return alloc_current(dptr, bytesize);
+}
+CUresult impl_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream s) {
+    return impl_cuMemAllocAsync(dptr, bytesize, s);
+}
+CUresult impl_cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = (CUmemoryPool)(uintptr_t)(0x1000 + dev);
+    return CUDA_SUCCESS;
+}
+CUresult impl_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream s) {
+    (void)s;
+    uintptr_t p = (uintptr_t)pool;
+    if (p < 0x1000 || p >= 0x1000 + (uintptr_t)ndev) return CUDA_ERROR_INVALID_VALUE;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    return take((int)(p - 0x1000), bytesize, K_PTR, dptr);
+}
+CUresult impl_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream s) {
+    return impl_cuMemAllocFromPoolAsync(dptr, bytesize, pool, s);
+}
+CUresult impl_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t width, size_t height, unsigned int elem) {
+    if (elem != 4 && elem != 8 && elem != 16) return CUDA_ERROR_INVALID_VALUE;
+    size_t pitch = (width + 511) & ~(size_t)511;
+    CUresult rc = alloc_current(dptr, pitch * height);
+    if (rc == CUDA_SUCCESS) *pPitch = pitch;
+    return rc;
+}
+CUresult impl_cuMemFree_v2(CUdeviceptr dptr) { return give(dptr, K_PTR); }
+CUresult impl_cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
+    (void)s;
+    return give(dptr, K_PTR);
+}
+CUresult impl_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) { return impl_cuMemFreeAsync(dptr, s); }
+
+CUresult impl_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                          unsigned long long flags) {
+    if (!handle || !prop || flags != 0 || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || size % (2u << 20) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return take(prop->location.id, size, K_HANDLE, handle);
+}
+CUresult impl_cuMemRelease(CUmemGenericAllocationHandle handle) { return give(handle, K_HANDLE); }
+
+static size_t elem(CUarray_format f, unsigned int ch) {
+    size_t b = (f == CU_AD_FORMAT_UNSIGNED_INT8 || f == CU_AD_FORMAT_SIGNED_INT8) ? 1
+               : (f == CU_AD_FORMAT_UNSIGNED_INT16 || f == CU_AD_FORMAT_SIGNED_INT16 || f == CU_AD_FORMAT_HALF) ? 2
+                                                                                                                 : 4;
+    return b * ch;
+}
+static size_t one(size_t v) { return v ? v : 1; }
+
+CUresult impl_cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (!pHandle || !d || !d->Width || !d->NumChannels) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    unsigned long long key;
+    CUresult rc = take(current_dev(), d->Width * one(d->Height) * elem(d->Format, d->NumChannels), K_ARRAY, &key);
+    if (rc == CUDA_SUCCESS) *pHandle = (CUarray)(uintptr_t)key;
+    return rc;
+}
+
+static size_t size3d(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
+    size_t total = 0, w = one(d->Width), h = one(d->Height), z = one(d->Depth);
+    for (unsigned int l = 0; l < levels; l++) {
+        total += w * h * z * elem(d->Format, d->NumChannels);
+        w = w > 1 ? w / 2 : 1, h = h > 1 ? h / 2 : 1, z = z > 1 ? z / 2 : 1;
+    }
+    return total;
+}
+
+CUresult impl_cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!pHandle || !d || !d->Width || !d->NumChannels) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    unsigned long long key;
+    CUresult rc = take(current_dev(), size3d(d, 1), K_ARRAY, &key);
+    if (rc == CUDA_SUCCESS) *pHandle = (CUarray)(uintptr_t)key;
+    return rc;
+}
+CUresult impl_cuArrayDestroy(CUarray a) { return give((uintptr_t)a, K_ARRAY); }
+
+CUresult impl_cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels) {
+    if (!pHandle || !d || !d->Width || !d->NumChannels || !levels) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    unsigned long long key;
+    CUresult rc = take(current_dev(), size3d(d, levels), K_MIPMAP, &key);
+    if (rc == CUDA_SUCCESS) *pHandle = (CUmipmappedArray)(uintptr_t)key;
+    return rc;
+}
+CUresult impl_cuMipmappedArrayDestroy(CUmipmappedArray a) { return give((uintptr_t)a, K_MIPMAP); }
+
+CUresult impl_cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                  CUdriverProcAddressQueryResult *status) {
+    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    const struct proc *best = NULL;
+    int base_seen = 0;
+    int want_ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    for (size_t i = 0; i < NPROCS; i++) {
+        const struct proc *p = &procs[i];
+        if (strcmp(p->base, symbol) != 0) continue;
+        base_seen = 1;
+        if (p->version > version || (p->ptds && !want_ptds)) continue;
+        if (!best || p->version > best->version || (p->ptds && !best->ptds)) best = p;
+    }
+    *pfn = NULL;
+    if (!best) {
+        if (status) *status = base_seen ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    const char *tramp = getenv("STUB_CUDA_PROC_TRAMPOLINES");
+    *pfn = tramp && *tramp == '1' ? best->tramp : best->impl;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags) {
+    return impl_cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+/* For the tests: memory taken behind libvgpu's back, and what the fake device holds. */
+STUB_EXPORT CUresult stubAllocUntracked(CUdeviceptr *dptr, size_t size) { return alloc_current(dptr, size); }
+STUB_EXPORT unsigned long long stubDeviceUsed(int dev) { return dev >= 0 && dev < MAX_DEV ? dev_used[dev] : 0; }

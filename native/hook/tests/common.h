@@ -1,0 +1,77 @@
+/* Shared by the test programs: find driver entry points the way real programs do.
+ *   link     call the symbols the program was linked against (a program built with -lcuda)
+ *   dlsym    dlopen("libcuda.so.1") and dlsym each versioned name (PyTorch's ~240 symbols)
+ *   procaddr dlsym cuGetProcAddress_v2, ask it for cuGetProcAddress, then ask that for each base
+ *            name with a CUDA version (the CUDA runtime); procaddr_ptds adds flag 2. */
+#ifndef VGPU_TEST_COMMON_H
+#define VGPU_TEST_COMMON_H
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "api.h"
+
+enum mode { M_LINK, M_DLSYM, M_PROCADDR, M_PROCADDR_PTDS };
+static enum mode mode;
+static void *cuda_handle;
+static __typeof__(&cuGetProcAddress_v2) gpa;
+
+static inline void die(const char *what, int rc) {
+    printf("fatal=%s rc=%d\n", what, rc);
+    fflush(stdout);
+    exit(3);
+}
+
+static inline void *resolve(const char *versioned, void *linked, const char *base) {
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SUCCESS;
+    switch (mode) {
+    case M_LINK: return linked;
+    case M_DLSYM:
+        p = dlsym(cuda_handle, versioned);
+        if (!p) die(versioned, -1);
+        return p;
+    default: {
+        CUresult rc = gpa(base, &p, 12080, mode == M_PROCADDR_PTDS ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0, &st);
+        if (rc != CUDA_SUCCESS || !p) die(base, rc);
+        return p;
+    }
+    }
+}
+#define R(name, base) ((__typeof__(&name))resolve(#name, (void *)&name, base))
+
+static inline void setup(const char *mode_name) {
+    if (strcmp(mode_name, "link") == 0) mode = M_LINK;
+    else if (strcmp(mode_name, "dlsym") == 0) mode = M_DLSYM;
+    else if (strcmp(mode_name, "procaddr") == 0) mode = M_PROCADDR;
+    else if (strcmp(mode_name, "procaddr_ptds") == 0) mode = M_PROCADDR_PTDS;
+    else die("unknown mode", 0);
+    cuda_handle = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!cuda_handle) die("dlopen libcuda.so.1", 0);
+    __typeof__(&cuGetProcAddress_v2) first = (__typeof__(first))dlsym(cuda_handle, "cuGetProcAddress_v2");
+    if (!first) die("dlsym cuGetProcAddress_v2", 0);
+    void *p = NULL;
+    CUresult rc = first("cuGetProcAddress", &p, 12080, 0, NULL);
+    if (rc != CUDA_SUCCESS || !p) die("cuGetProcAddress(cuGetProcAddress)", rc);
+    gpa = (__typeof__(gpa))p;
+}
+
+static inline CUdevice open_device(int ordinal) {
+    CUresult rc = R(cuInit, "cuInit")(0);
+    if (rc) die("cuInit", rc);
+    CUdevice dev;
+    if ((rc = R(cuDeviceGet, "cuDeviceGet")(&dev, ordinal))) die("cuDeviceGet", rc);
+    CUcontext ctx;
+    if ((rc = R(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")(&ctx, dev))) die("cuDevicePrimaryCtxRetain", rc);
+    if ((rc = R(cuCtxSetCurrent, "cuCtxSetCurrent")(ctx))) die("cuCtxSetCurrent", rc);
+    return dev;
+}
+
+static inline unsigned long long driver_used(int dev) {
+    unsigned long long (*used)(int) = (unsigned long long (*)(int))dlsym(cuda_handle, "stubDeviceUsed");
+    return used ? used(dev) : 0;
+}
+#endif

@@ -1,0 +1,101 @@
+"""Builds native/hook and runs its C test programs under libvgpu over the stub driver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOK_DIR = ROOT / "native" / "hook"
+BUILD = HOOK_DIR / "build"
+STUB_MIB = 8192
+
+
+@dataclass(frozen=True)
+class Built:
+    lib: Path
+    stub_dir: Path
+    tests: Path
+
+    def prog(self, name: str) -> str:
+        return str(self.tests / name)
+
+
+def build() -> Built:
+    subprocess.run(["make", "-s", "-C", str(HOOK_DIR)], check=True, capture_output=True, timeout=300)
+    return Built(BUILD / "libvgpu.so", BUILD / "stub", BUILD / "tests")
+
+
+def env(built: Built, hook: bool = True, **extra: str) -> dict[str, str]:
+    out = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LD_LIBRARY_PATH": str(built.stub_dir),
+        "STUB_CUDA_MEMORY_MIB": str(STUB_MIB),
+    }
+    if hook:
+        out["LD_PRELOAD"] = str(built.lib)
+    out.update(extra)
+    return out
+
+
+@dataclass
+class Result:
+    values: dict[str, str]
+    lines: list[str]
+    stderr: str
+    returncode: int
+
+    def int(self, key: str) -> int:
+        return int(self.values[key])
+
+
+def parse(stdout: str) -> tuple[dict[str, str], list[str]]:
+    values: dict[str, str] = {}
+    lines = stdout.splitlines()
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key] = value
+    return values, lines
+
+
+def run(built: Built, prog: str, *args: str, environ: dict[str, str], timeout: float = 30) -> Result:
+    proc = subprocess.run(
+        [built.prog(prog), *args], env=environ, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    values, lines = parse(proc.stdout)
+    return Result(values, lines, proc.stderr, proc.returncode)
+
+
+class Holder:
+    """A process holding device memory (and optionally the region lock) until released."""
+
+    def __init__(self, built: Built, mib: int, environ: dict[str, str], lock: bool = False) -> None:
+        args = [built.prog("t_hold"), str(mib)] + (["lock"] if lock else [])
+        self.proc = subprocess.Popen(
+            args,
+            env=environ,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.held = self.proc.stdout.readline().strip()
+        self.locked = self.proc.stdout.readline().strip() if lock else ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+    def kill(self, wait: bool = True) -> None:
+        self.proc.kill()
+        if wait:
+            self.proc.wait(timeout=10)
