@@ -343,3 +343,9 @@ def test_kube_scheduler_refuses_a_broken_configuration_so_the_check_above_can_fa
     )
     assert result.returncode != 0
     assert "nodeCachecapable" in result.stderr
+
+
+def test_a_scaling_given_as_text_by_helm_set_reaches_the_plugin_as_a_number() -> None:
+    objs = render("--set", "devicePlugin.deviceMemoryScaling=1.25,devicePlugin.virtualMemory.enabled=true")
+    cfg = node_config(objs, "gpu-node-1")
+    assert cfg.device_memory_scaling == 1.25 and cfg.oversubscribe is True

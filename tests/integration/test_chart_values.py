@@ -154,6 +154,11 @@ BAD_VALUES = [
         "monitoring.serviceMonitor.enabled=true",
         "set monitoring.serviceMonitor.enabled=false",
     ),
+    (
+        ["--set", "devicePlugin.deviceCoreScaling=0.0"],
+        "devicePlugin.deviceCoreScaling=0.0 is out of range",
+        "use a number above 0 and at most 100",
+    ),
     # mistyped: wrong key, wrong type, out of range, not one of the choices
     (["--set", "devicePlugin.deviceSplitcount=5"], "/devicePlugin", "'deviceSplitcount' not allowed"),
     (
