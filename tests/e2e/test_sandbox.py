@@ -59,29 +59,34 @@ def test_kube_scheduler_binds_a_pod_asking_for_one_gpu_to_a_simulated_node(sandb
         sandbox.kubectl("delete", "pod", "one-gpu", "--wait=false", check=False)
 
 
-def test_a_pod_asking_for_more_gpus_than_any_node_has_stays_pending(sandbox: Sandbox) -> None:
+def test_a_pod_asking_for_more_cpu_than_any_simulated_node_has_stays_pending(sandbox: Sandbox) -> None:
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "too-many-gpus", "namespace": "default"},
+        "metadata": {"name": "too-much-cpu", "namespace": "default"},
         "spec": {
             "containers": [
-                {"name": "main", "image": "cuda:fake", "resources": {"limits": {"nvidia.com/gpu": "1000"}}}
+                {
+                    "name": "main",
+                    "image": "cuda:fake",
+                    "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1000"}},
+                }
             ]
         },
     }
     sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
     try:
 
-        def unschedulable() -> bool:
-            got = json.loads(sandbox.kubectl("get", "pod", "too-many-gpus", "-o", "json").stdout)
-            return any(
-                c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
-                for c in got["status"].get("conditions", [])
-            )
+        def unschedulable() -> str | None:
+            got = json.loads(sandbox.kubectl("get", "pod", "too-much-cpu", "-o", "json").stdout)
+            for c in got["status"].get("conditions", []):
+                if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
+                    return str(c.get("message", ""))
+            return None
 
-        assert _wait(unschedulable, timeout=60)
-        got = json.loads(sandbox.kubectl("get", "pod", "too-many-gpus", "-o", "json").stdout)
+        message = _wait(unschedulable, timeout=60)
+        assert message and "cpu" in message, message
+        got = json.loads(sandbox.kubectl("get", "pod", "too-much-cpu", "-o", "json").stdout)
         assert not got["spec"].get("nodeName")
     finally:
-        sandbox.kubectl("delete", "pod", "too-many-gpus", "--wait=false", check=False)
+        sandbox.kubectl("delete", "pod", "too-much-cpu", "--wait=false", check=False)
