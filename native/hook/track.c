@@ -1,6 +1,6 @@
 /* What this process allocated through libvgpu (pointer, VMM handle or array -> size and
  * device), so that a free uncharges exactly what was charged and a free of anything else
- * passes through untouched. Open addressing, grown at 50% load. */
+ * passes through untouched. Open addressing; live plus deleted slots stay under half the table. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +16,7 @@ struct slot {
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct slot *slots;
-static size_t cap, used_slots;
+static size_t cap, used_slots, deleted;
 
 static size_t hash(int kind, uint64_t key) {
     uint64_t x = key ^ ((uint64_t)kind << 56);
@@ -32,8 +32,9 @@ static void put(struct slot *tab, size_t n, int kind, uint64_t key, uint64_t siz
     tab[i] = (struct slot){key, size, idx, (uint8_t)kind};
 }
 
-static int grow(void) {
-    size_t n = cap ? cap * 2 : 1024;
+/* Rebuilds the table without its deleted slots, twice as large when it is half full of live ones. */
+static int rebuild(void) {
+    size_t n = cap ? ((used_slots + 1) * 4 > cap ? cap * 2 : cap) : 1024;
     struct slot *tab = calloc(n, sizeof *tab);
     if (!tab) return -1;
     for (size_t i = 0; i < cap; i++)
@@ -42,12 +43,13 @@ static int grow(void) {
     free(slots);
     slots = tab;
     cap = n;
+    deleted = 0;
     return 0;
 }
 
 void vgpu_track_add(int kind, uint64_t key, uint64_t size, int idx) {
     pthread_mutex_lock(&mu);
-    if ((used_slots + 1) * 2 > cap && grow() != 0) {
+    if ((used_slots + deleted + 1) * 2 > cap && rebuild() != 0) {
         pthread_mutex_unlock(&mu);
         return;
     }
@@ -66,7 +68,8 @@ int vgpu_track_take(int kind, uint64_t key, uint64_t *size, int *idx) {
                 *size = slots[i].size;
                 *idx = slots[i].idx;
                 slots[i].kind = 0xff;
-                used_slots--; /* deleted slots still cost probes; grow() sweeps them */
+                used_slots--;
+                deleted++; /* still costs probes until rebuild() sweeps it */
                 found = 1;
                 break;
             }
@@ -81,4 +84,5 @@ void vgpu_track_reset(void) {
     pthread_mutex_init(&mu, NULL);
     if (slots) memset(slots, 0, cap * sizeof *slots);
     used_slots = 0;
+    deleted = 0;
 }

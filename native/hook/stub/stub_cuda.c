@@ -295,6 +295,33 @@ CUresult impl_cuGetProcAddress(const char *symbol, void **pfn, int version, cuui
     return impl_cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
 }
 
+/* Kernels: a module is any image, a function any name; launches need a current context. */
+static struct CUmod_st { int unused; } the_module;
+static struct CUfunc_st { int unused; } the_function;
+CUresult impl_cuModuleLoadData(CUmodule *module, const void *image) {
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    *module = &the_module;
+    return CUDA_SUCCESS;
+}
+CUresult impl_cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+    if (!f || m != &the_module || !name) return CUDA_ERROR_INVALID_VALUE;
+    *f = &the_function;
+    return CUDA_SUCCESS;
+}
+CUresult impl_cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                             unsigned int by, unsigned int bz, unsigned int shared, CUstream s, void **params,
+                             void **extra) {
+    (void)shared, (void)s, (void)params, (void)extra;
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    if (f != &the_function || !gx || !gy || !gz || !bx || !by || !bz) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+CUresult impl_cuCtxSynchronize(void) {
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    return CUDA_SUCCESS;
+}
+
 /* For the tests: memory taken behind libvgpu's back, and what the fake device holds. */
 STUB_EXPORT CUresult stubAllocUntracked(CUdeviceptr *dptr, size_t size) { return alloc_current(dptr, size); }
 STUB_EXPORT unsigned long long stubDeviceUsed(int dev) { return dev >= 0 && dev < MAX_DEV ? dev_used[dev] : 0; }

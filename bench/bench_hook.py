@@ -1,0 +1,92 @@
+"""libvgpu's cost on the two hot paths: an empty-kernel launch and a 1 MiB cuMemAlloc+cuMemFree.
+
+Runs native/hook's b_hook (driver API, linked like any CUDA program) three ways: without the
+hook, preloaded with no limit, and preloaded with a 4 GiB limit and a region file. Configurations
+are interleaved over several rounds and the median per call is printed with the overhead against
+the run without the hook. Targets (issue 5): launch <= 1%, alloc/free <= 10%.
+
+On a machine without a GPU it runs over the stub driver and says so: those figures are the
+hook's own bookkeeping against a driver that does nothing, an upper bound on its relative cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = ROOT / "native" / "hook"
+BUILD = HOOK / "build"
+
+
+def has_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    return smi is not None and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def run_once(env: dict[str, str], launches: int, allocs: int) -> tuple[float, float]:
+    out = subprocess.run(
+        [str(BUILD / "b_hook"), str(launches), str(allocs), "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout
+    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    if "error" in values:
+        raise SystemExit(f"b_hook failed: {values['error']}")
+    return float(values["launch_us"]), float(values["alloc_free_us"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--launches", type=int, default=100000)
+    parser.add_argument("--allocs", type=int, default=20000)
+    args = parser.parse_args()
+    subprocess.run(["make", "-s", "-C", str(HOOK)], check=True)
+    gpu = has_gpu()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_DEVICE_", "LD_PRELOAD"))}
+    if not gpu:
+        base["LD_LIBRARY_PATH"] = str(BUILD / "stub")
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = {
+            "no hook": base,
+            "hook, no limit": base | {"LD_PRELOAD": str(BUILD / "libvgpu.so")},
+            "hook, 4 GiB limit": base
+            | {
+                "LD_PRELOAD": str(BUILD / "libvgpu.so"),
+                "CUDA_DEVICE_MEMORY_LIMIT": "4g",
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(Path(tmp) / "region"),
+            },
+        }
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+        for _ in range(args.rounds):
+            for name, env in configs.items():
+                results[name].append(run_once(env, args.launches, args.allocs))
+    where = (
+        "GPU" if gpu else "stub driver (no GPU): the hook's bookkeeping against a driver that does nothing"
+    )
+    print(f"bench_hook on {where}; {args.rounds} rounds x 3 repeats, medians")
+    print(f"{'configuration':<20} {'launch us':>10} {'overhead':>9} {'alloc+free us':>14} {'overhead':>9}")
+    ref_launch = statistics.median(r[0] for r in results["no hook"])
+    ref_alloc = statistics.median(r[1] for r in results["no hook"])
+    for name, runs in results.items():
+        launch = statistics.median(r[0] for r in runs)
+        alloc = statistics.median(r[1] for r in runs)
+        print(
+            f"{name:<20} {launch:>10.3f} {100 * (launch / ref_launch - 1):>8.2f}% "
+            f"{alloc:>14.3f} {100 * (alloc / ref_alloc - 1):>8.2f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
