@@ -22,3 +22,20 @@ def test_a_new_build_lands_beside_the_old_one_which_stays_intact(tmp_path: Path)
     assert second.library.read_bytes() == b"build 2"
     assert second.library.parent.parent == paths.lib_dir
     assert second.preload.read_text() == "/usr/local/vgpu/libvgpu.so\n"
+
+
+def test_region_folders_of_pods_gone_from_the_node_are_swept_once_old(tmp_path: Path) -> None:
+    import os
+
+    from vgpu.plugin.paths import sweep_container_dirs
+
+    paths = HostPaths(tmp_path)
+    for name in ("live_main", "gone_main", "gone_side", "fresh_main"):
+        (paths.containers_dir / name).mkdir(parents=True)
+        (paths.containers_dir / name / "vgpu.region").write_bytes(b"x")
+    for name in ("live_main", "gone_main", "gone_side"):
+        os.utime(paths.containers_dir / name, (1000.0, 1000.0))
+    os.utime(paths.containers_dir / "fresh_main", (1990.0, 1990.0))
+    removed = sweep_container_dirs(paths, {"live"}, min_age_s=300, now=2000.0)
+    assert sorted(p.name for p in removed) == ["gone_main", "gone_side"]
+    assert sorted(p.name for p in paths.containers_dir.iterdir()) == ["fresh_main", "live_main"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
@@ -12,12 +13,13 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, make_server
 
+from vgpu.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen
-from vgpu.plugin.paths import HookInstall, HostPaths
+from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
 
@@ -51,6 +53,8 @@ class Daemon:
         self._health: threading.Thread | None = None
         self._http: WSGIServer | None = None
         self.monitor_port: int | None = None
+        self.sweep_s = 60.0
+        self.sweep_min_age_s = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Daemon:
@@ -72,6 +76,7 @@ class Daemon:
         self.server.start()
         self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
         self._health.start()
+        threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
         if self.monitor_listen is not None:
             host, port = self.monitor_listen
             app = make_wsgi_app(make_registry(self.collector))
@@ -90,6 +95,17 @@ class Daemon:
                         "healthy" if event.healthy else "unhealthy",
                         event.reason,
                     )
+
+    def _sweep(self) -> None:
+        """Every ``sweep_s``, remove the region folders of pods that left the node."""
+        while not self._stop.wait(self.sweep_s):
+            try:
+                live = {str(p["metadata"].get("uid")) for p in self.client.list_node_pods(self.node)}
+            except KubeError as err:
+                log.warning("not sweeping container folders: cannot list the node's pods (%s)", err)
+                continue
+            for folder in sweep_container_dirs(self.paths, live, self.sweep_min_age_s, time.time()):
+                log.info("removed %s: its pod is gone", folder)
 
     def stop(self) -> None:
         self._stop.set()

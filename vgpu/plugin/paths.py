@@ -81,3 +81,32 @@ def install_hook(source: Path, paths: HostPaths) -> HookInstall:
         tmp.write_text(CONTAINER_HOOK_PATH + "\n")
         os.replace(tmp, preload)
     return HookInstall(version, library, preload)
+
+
+def sweep_container_dirs(
+    paths: HostPaths, live_pod_uids: set[str], min_age_s: float, now: float
+) -> list[Path]:
+    """Remove the folders of containers whose pod is gone from the node; returns what was removed.
+
+    A folder younger than ``min_age_s`` stays even without a pod: Allocate creates it before the
+    pod's status settles, and a listing may lag behind.
+    """
+    import shutil
+
+    removed: list[Path] = []
+    try:
+        folders = list(paths.containers_dir.iterdir())
+    except OSError:
+        return removed
+    for folder in folders:
+        pod_uid = folder.name.partition("_")[0]
+        if pod_uid in live_pod_uids or not folder.is_dir():
+            continue
+        try:
+            if now - folder.stat().st_mtime < min_age_s:
+                continue
+            shutil.rmtree(folder)
+            removed.append(folder)
+        except OSError:
+            continue
+    return removed
