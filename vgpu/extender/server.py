@@ -71,6 +71,8 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
             "worker_exit": _worker_exit,
             "proc_name": "vgpu-extender",
         }
+        if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 24: one shared path per user
+            settings["control_socket_disable"] = True
         if cfg.cert_file and cfg.key_file:
             settings["certfile"] = cfg.cert_file
             settings["keyfile"] = cfg.key_file

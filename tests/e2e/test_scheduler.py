@@ -1,0 +1,465 @@
+"""The scheduler end to end: the real kube-scheduler calling the extender over verified TLS.
+
+One test goes through the sandbox's own ``vgpu-scheduler`` and webhook, onto nodes with a device
+plugin. The others run a second extender + kube-scheduler pair of their own (scheduler name
+``vgpu-e2e``, its own Lease), so that one test can kill and restart the extender, on Nodes they
+create (KWOK runs their pods; a fresh plugin Lease and an inventory annotation stand in for the
+device plugin), tainted so nothing else lands there. Everything created is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from vgpu import annotations as ann
+from vgpu.kube import now_micro
+from vgpu.sandbox import controlplane
+from vgpu.sandbox.cluster import Sandbox
+from vgpu.sandbox.pki import CertificateAuthority
+
+pytestmark = pytest.mark.e2e
+
+SCHEDULER = "vgpu-e2e"
+NAMESPACE = "vgpu-sched-e2e"
+TAINT = "vgpu.openaios.io/e2e"
+GROUP = "vgpu.openaios.io/e2e-group"
+MANAGED = (
+    "nvidia.com/gpu",
+    "nvidia.com/gpumem",
+    "nvidia.com/gpumem-percentage",
+    "nvidia.com/gpucores",
+    "nvidia.com/priority",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnScheduler:
+    """An extender and a kube-scheduler for ``vgpu-e2e``, started and stopped by the tests."""
+
+    def __init__(self, sandbox: Sandbox, folder: Path) -> None:
+        self.sandbox = sandbox
+        self.folder = folder
+        ca = CertificateAuthority(folder / "pki")
+        self.ca_path = ca.cert_path
+        pair = ca.issue("extender", ["127.0.0.1"])
+        self.port, self.metrics_port = _free_port(), _free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.argv = [
+            sys.executable, "-m", "vgpu.cli", "extender",
+            f"--kubeconfig={sandbox.kubeconfig}", f"--listen=127.0.0.1:{self.port}",
+            f"--cert-file={pair.cert}", f"--key-file={pair.key}",
+            f"--metrics-listen=127.0.0.1:{self.metrics_port}",
+            "--namespace=kube-system", f"--scheduler-name={SCHEDULER}", "--identity=e2e",
+        ]  # fmt: skip
+        config = folder / "kube-scheduler.json"
+        config.write_text(
+            controlplane.scheduler_config(
+                sandbox.kubeconfig,
+                scheduler_name=SCHEDULER,
+                extender_url=self.url,
+                extender_ca_b64=base64.b64encode(ca.pem).decode(),
+                managed_resources=MANAGED,
+            )
+        )
+        self.scheduler_argv = controlplane.scheduler_argv(sandbox.bin("kube-scheduler"), config)
+        self.extender: subprocess.Popen[bytes] | None = None
+        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def _spawn(
+        self, argv: list[str], name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = (self.folder / f"{name}.log").open("ab")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def start_extender(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        env["VGPU_LEADER_LEASE"] = "vgpu-e2e-extender"
+        self.starts += 1
+        self.extender = self._spawn(self.argv, "extender", env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                r = requests.get(self.url + "/readyz", verify=str(self.ca_path), timeout=2)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if self.extender.poll() is not None:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"extender not ready:\n{(self.folder / 'extender.log').read_text()[-3000:]}")
+
+    def kill_extender(self) -> None:
+        assert self.extender is not None
+        os.killpg(self.extender.pid, signal.SIGKILL)
+        self.extender.wait(timeout=30)
+
+    def start(self) -> None:
+        self.start_extender()
+        self.scheduler = self._spawn(self.scheduler_argv, "kube-scheduler")
+
+    def stop(self) -> None:
+        for proc in (self.scheduler, self.extender):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def own(sandbox: Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnScheduler]:
+    sandbox.kubectl("create", "namespace", NAMESPACE, check=False)
+    pair = OwnScheduler(sandbox, tmp_path_factory.mktemp("own-scheduler"))
+    pair.start()
+    try:
+        yield pair
+    finally:
+        pair.stop()
+        sandbox.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+        sandbox.kubectl("delete", "lease", "-n", "kube-system", "vgpu-e2e-extender", check=False)
+
+
+# -- nodes and pods of our own ---------------------------------------------------------------------
+
+
+def card(
+    node: str, i: int, mem: int = 10000, model: str = "NVIDIA A100-SXM4-80GB", split: int = 4
+) -> ann.Device:
+    return ann.Device(f"GPU-{node}-{i}", i, model, mem, 100, split, numa=0)
+
+
+def node_manifest(name: str, group: str, cards: list[ann.Device]) -> dict[str, Any]:
+    inventory = ann.encode_devices(ann.NodeInventory(tuple(cards)))
+    resources = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "pods": "250",
+        "nvidia.com/gpu": str(sum(c.split for c in cards)),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", ann.DEVICES_ANNOTATION: inventory},
+            "labels": {GROUP: group, "kubernetes.io/hostname": name, "type": "kwok"},
+        },
+        "spec": {"taints": [{"key": TAINT, "value": "only", "effect": "NoSchedule"}]},
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def lease_manifest(node: str, renewed: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": ann.lease_name(node), "namespace": "kube-system"},
+        "spec": {
+            "holderIdentity": f"e2e-{node}",
+            "leaseDurationSeconds": 3600,
+            "renewTime": renewed or now_micro(),
+        },
+    }
+
+
+def apply_list(sandbox: Sandbox, items: list[dict[str, Any]]) -> None:
+    sandbox.kubectl(
+        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+    )
+
+
+@pytest.fixture
+def make_nodes(sandbox: Sandbox, own: OwnScheduler) -> Iterator[Callable[..., tuple[str, list[str]]]]:
+    groups: list[tuple[str, list[str]]] = []
+
+    def make(count: int, cards: Callable[[str], list[ann.Device]] | None = None) -> tuple[str, list[str]]:
+        group = "g" + uuid.uuid4().hex[:8]
+        names = [f"e2e-{group}-{i}" for i in range(count)]
+        build = cards or (lambda n: [card(n, 0), card(n, 1)])
+        apply_list(sandbox, [node_manifest(n, group, build(n)) for n in names])
+        apply_list(sandbox, [lease_manifest(n) for n in names])
+        # KWOK must report them Ready before kube-scheduler considers them
+        wait_for(lambda: all(ready(sandbox, n) for n in names), 60, f"nodes {names} Ready")
+        groups.append((group, names))
+        return group, names
+
+    yield make
+    for group, names in groups:
+        sandbox.kubectl(
+            "delete", "pods", "-n", NAMESPACE, "-l", f"{GROUP}={group}", "--wait=false", check=False
+        )
+        sandbox.kubectl("delete", "nodes", *names, "--wait=false", check=False)
+        sandbox.kubectl(
+            "delete", "leases", "-n", "kube-system", *[ann.lease_name(n) for n in names], check=False
+        )
+
+
+def ready(sandbox: Sandbox, node: str) -> bool:
+    out = sandbox.kubectl("get", "node", node, "-o", "json", check=False)
+    if out.returncode != 0:
+        return False
+    conds = json.loads(out.stdout).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pod_manifest(
+    name: str, group: str, limits: dict[str, Any], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {GROUP: group},
+            "annotations": annotations or {},
+        },
+        "spec": {
+            "schedulerName": SCHEDULER,
+            "nodeSelector": {GROUP: group},
+            "tolerations": [{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.invalid/cuda:none",
+                    "resources": {
+                        "limits": {"nvidia.com/" + k.replace("_", "-"): v for k, v in limits.items()}
+                    },
+                }
+            ],
+        },
+    }
+
+
+def pods(sandbox: Sandbox, group: str) -> dict[str, dict[str, Any]]:
+    out = sandbox.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"{GROUP}={group}", "-o", "json")
+    return {p["metadata"]["name"]: p for p in json.loads(out.stdout)["items"]}
+
+
+def bound(pod: dict[str, Any]) -> bool:
+    return bool(pod["spec"].get("nodeName"))
+
+
+def allocation(pod: dict[str, Any]) -> ann.Allocation:
+    return ann.decode_allocation(pod["metadata"]["annotations"][ann.ALLOCATION_ANNOTATION])
+
+
+def wait_bound(sandbox: Sandbox, group: str, name: str, timeout: float = 60) -> dict[str, Any]:
+    wait_for(lambda: bound(pods(sandbox, group).get(name, {"spec": {}})), timeout, f"pod {name} bound")
+    return pods(sandbox, group)[name]
+
+
+def assert_within_cards(all_pods: dict[str, dict[str, Any]], cards: dict[str, ann.Device]) -> dict[str, int]:
+    """Sum the allocations of bound pods per card; assert none exceeds the card. Returns vGPUs per card."""
+    mem: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for p in all_pods.values():
+        if not bound(p):
+            continue
+        a = allocation(p)
+        assert a.node == p["spec"]["nodeName"], p["metadata"]["name"]
+        for c in a.containers:
+            for d in c.devices:
+                assert d.uuid.startswith(f"GPU-{a.node}-"), (d.uuid, a.node)
+                mem[d.uuid] = mem.get(d.uuid, 0) + d.memory_mib
+                count[d.uuid] = count.get(d.uuid, 0) + 1
+    for uuid_, used in mem.items():
+        assert used <= cards[uuid_].memory_mib, (uuid_, used)
+        assert count[uuid_] <= cards[uuid_].split, (uuid_, count[uuid_])
+    return count
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+
+def test_a_vgpu_pod_without_a_scheduler_name_is_routed_placed_and_allocated_in_the_sandbox(
+    sandbox: Sandbox,
+) -> None:
+    name = "sched-smoke-" + uuid.uuid4().hex[:6]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "2000"}}}
+            ],
+        },
+    }
+    apply_list(sandbox, [pod])
+    try:
+
+        def get() -> dict[str, Any]:
+            return json.loads(sandbox.kubectl("get", "pod", name, "-n", "default", "-o", "json").stdout)
+
+        assert get()["spec"]["schedulerName"] == "vgpu-scheduler"  # the mutating webhook
+        wait_for(lambda: bool(get()["spec"].get("nodeName")), 60, "the sandbox pod bound")
+        p = get()
+        a = allocation(p)
+        assert a.node == p["spec"]["nodeName"]
+        (c,) = a.containers
+        assert c.name == "main" and len(c.devices) == 1 and c.devices[0].memory_mib == 2000
+        node = json.loads(sandbox.kubectl("get", "node", a.node, "-o", "json").stdout)
+        inv = ann.decode_devices(node["metadata"]["annotations"][ann.DEVICES_ANNOTATION])
+        assert c.devices[0].uuid in {d.uuid for d in inv.devices}
+    finally:
+        sandbox.kubectl("delete", "pod", name, "-n", "default", "--wait=false", check=False)
+
+
+def test_an_impossible_request_is_refused_at_admission_naming_the_field(sandbox: Sandbox) -> None:
+    pod = pod_manifest("impossible", "none", {"gpumem": 1000, "gpumem_percentage": 20})
+    pod["metadata"]["namespace"] = "default"
+    r = sandbox.kubectl("create", "-f", "-", input=json.dumps(pod), check=False)
+    assert r.returncode != 0 and "nvidia.com/gpumem-percentage" in r.stderr
+
+
+def test_a_pod_that_fits_is_bound_with_an_allocation_on_a_card_of_its_node(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    group, (node,) = make_nodes(1)
+    apply_list(sandbox, [pod_manifest("fits", group, {"gpumem": 3000, "gpucores": 30})])
+    p = wait_bound(sandbox, group, "fits")
+    a = allocation(p)
+    assert a.node == node == p["spec"]["nodeName"]
+    assert [(c.name, [(d.memory_mib, d.cores) for d in c.devices]) for c in a.containers] == [
+        ("main", [(3000, 30)])
+    ]
+    assert a.containers[0].devices[0].uuid in (f"GPU-{node}-0", f"GPU-{node}-1")
+    assert p["metadata"]["annotations"][ann.PHASE_ANNOTATION] == ann.PHASE_BOUND
+
+
+def test_a_pod_that_cannot_fit_stays_pending_with_the_shortage_in_its_reason(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    group, _ = make_nodes(1)
+    apply_list(sandbox, [pod_manifest("filler", group, {"gpu": 2, "gpumem": 8000})])
+    wait_bound(sandbox, group, "filler")
+    apply_list(sandbox, [pod_manifest("waits", group, {"gpumem": 5000})])
+
+    def reason() -> str:
+        p = pods(sandbox, group)["waits"]
+        conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+        return conds[0].get("message", "") if conds and conds[0]["status"] == "False" else ""
+
+    wait_for(lambda: "insufficient memory" in reason(), 60, "a FailedScheduling reason naming memory")
+    assert not bound(pods(sandbox, group)["waits"])
+    assert "5000 MiB" in reason()
+
+
+@pytest.mark.parametrize("policy", ["binpack", "spread"])
+def test_node_and_gpu_policies_place_as_they_promise(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]], policy: str
+) -> None:
+    group, names = make_nodes(2)
+    annos = {ann.NODE_POLICY_ANNOTATION: policy, ann.GPU_POLICY_ANNOTATION: policy}
+    placed = []
+    for i in range(3):
+        apply_list(sandbox, [pod_manifest(f"p{i}", group, {"gpumem": 1000}, annos)])
+        a = allocation(wait_bound(sandbox, group, f"p{i}"))
+        placed.append((a.node, a.containers[0].devices[0].uuid))
+    nodes_used = {n for n, _ in placed}
+    cards_used = {c for _, c in placed}
+    if policy == "binpack":
+        assert len(nodes_used) == 1 and len(cards_used) == 1, placed
+    else:
+        assert nodes_used == set(names), placed  # the second pod went to the other node
+        assert len(cards_used) == 3, placed  # the third to the emptier card of a used node
+
+
+def test_gpu_type_and_uuid_selection_are_honoured(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    def mixed(n: str) -> list[ann.Device]:
+        return [card(n, 0, model="NVIDIA A100-SXM4-80GB"), card(n, 1, model="Tesla T4"), card(n, 2)]
+
+    group, (node,) = make_nodes(1, mixed)
+    apply_list(
+        sandbox,
+        [
+            pod_manifest("t4", group, {"gpumem": 100}, {ann.USE_GPUTYPE_ANNOTATION: "T4"}),
+            pod_manifest(
+                "not0",
+                group,
+                {"gpumem": 100},
+                {
+                    ann.NOUSE_GPUUUID_ANNOTATION: f"GPU-{node}-0,GPU-{node}-1",
+                    ann.GPU_POLICY_ANNOTATION: "binpack",
+                },
+            ),
+            pod_manifest("h100", group, {"gpumem": 100}, {ann.USE_GPUTYPE_ANNOTATION: "H100"}),
+        ],
+    )
+    assert allocation(wait_bound(sandbox, group, "t4")).containers[0].devices[0].uuid == f"GPU-{node}-1"
+    assert allocation(wait_bound(sandbox, group, "not0")).containers[0].devices[0].uuid == f"GPU-{node}-2"
+    time.sleep(3)
+    assert not bound(pods(sandbox, group)["h100"])  # no such card: it waits
+
+
+def test_two_hundred_pods_at_once_on_twenty_nodes_overcommit_nothing(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    group, names = make_nodes(20)
+    cards = {c.uuid: c for n in names for c in (card(n, 0), card(n, 1))}
+    # 40 cards of 10000 MiB hold 3 pods of 3000 MiB each: 120 of the 200 fit
+    apply_list(
+        sandbox, [pod_manifest(f"burst-{i}", group, {"gpumem": 3000, "gpucores": 10}) for i in range(200)]
+    )
+    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 120, 240, "120 pods bound")
+    time.sleep(5)  # let the scheduler keep trying the other 80
+    now = pods(sandbox, group)
+    assert sum(bound(p) for p in now.values()) == 120
+    per_card = assert_within_cards(now, cards)
+    assert sorted(per_card.values()) == [3] * 40
+
+
+def test_killing_the_extender_mid_burst_loses_and_double_books_nothing(
+    sandbox: Sandbox, own: OwnScheduler, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    group, names = make_nodes(10)
+    cards = {c.uuid: c for n in names for c in (card(n, 0), card(n, 1))}
+    # 20 cards x 3 = 60 places for 100 pods
+    apply_list(sandbox, [pod_manifest(f"k-{i}", group, {"gpumem": 3000}) for i in range(100)])
+    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 15, 120, "some pods bound")
+    own.kill_extender()
+    before = {n for n, p in pods(sandbox, group).items() if bound(p)}
+    own.start_extender()
+    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 60, 240, "60 pods bound")
+    time.sleep(5)
+    after = pods(sandbox, group)
+    assert sum(bound(p) for p in after.values()) == 60
+    assert before <= {n for n, p in after.items() if bound(p)}  # nothing bound before the kill was lost
+    assert sorted(assert_within_cards(after, cards).values()) == [3] * 20
