@@ -1,0 +1,96 @@
+"""The whole plugin on real NVML: kubelet sees the real cards and Allocate hands out a real UUID.
+
+Runs with `pytest -m gpu` on a GPU machine; the kubelet peer is the sandbox's stand-in, the
+pods are kept in memory (no API server on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    PHASE_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    encode_allocation,
+)
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.daemon import Daemon
+from vgpu.plugin.nvml import NvmlDiscovery
+from vgpu.plugin.paths import HostPaths
+from vgpu.sandbox.kubelet import Kubelet
+
+pytestmark = pytest.mark.gpu
+
+
+class Pods:
+    def __init__(self) -> None:
+        self.pods: list[dict[str, Any]] = []
+        self.annotations: dict[str, str] = {}
+
+    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
+        return self.pods
+
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        self.pods[0]["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v})
+
+    def node_annotations(self, node: str) -> dict[str, str]:
+        return self.annotations
+
+    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
+        self.annotations.update({k: v for k, v in annotations.items() if v})
+
+    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
+        pass
+
+
+def test_real_cards_are_advertised_and_allocated(tmp_path: Path) -> None:
+    api = Pods()
+    kubelet = Kubelet("gpu-node", tmp_path, None)
+    kubelet.start()
+    nvml = NvmlDiscovery()
+    uuid = nvml.cards()[0].uuid
+    daemon = Daemon(
+        "gpu-node", "kube-system", HostPaths(tmp_path), NodeConfig(split=5), nvml, api, None, ("127.0.0.1", 0)
+    )
+    daemon.start()
+    try:
+        count = len(nvml.cards())
+        assert kubelet.wait_for(lambda k: len(k.plugins["nvidia.com/gpu"].devices) == 5 * count, 20)
+        assert f"{uuid}::4" in kubelet.plugins["nvidia.com/gpu"].devices
+        alloc = Allocation("gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, 4096, 25),)),))
+        api.pods.append(
+            {
+                "metadata": {
+                    "name": "p",
+                    "namespace": "default",
+                    "uid": "u1",
+                    "creationTimestamp": "2026-01-01T00:00:00Z",
+                    "annotations": {
+                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
+                        PHASE_ANNOTATION: "bound",
+                    },
+                },
+                "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+            }
+        )
+        response = kubelet.allocate_container("u1", "nvidia.com/gpu", 1)
+        assert response.envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+        assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "4096m"
+        assert api.pods[0]["metadata"]["annotations"][PHASE_ANNOTATION] == "allocated"
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{daemon.monitor_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        assert f'uuid="{uuid}"' in body and "vgpu_card_memory_used_bytes" in body
+    finally:
+        daemon.stop()
+        kubelet.stop()
