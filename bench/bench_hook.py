@@ -1,9 +1,11 @@
 """libvgpu's cost on the two hot paths: an empty-kernel launch and a 1 MiB cuMemAlloc+cuMemFree.
 
-Runs native/hook's b_hook (driver API, linked like any CUDA program) three ways: without the
-hook, preloaded with no limit, and preloaded with a 4 GiB limit and a region file. Configurations
-are interleaved over several rounds and the median per call is printed with the overhead against
-the run without the hook. Targets (issue 5): launch <= 1%, alloc/free <= 10%.
+Runs native/hook's b_hook (driver API, linked like any CUDA program) four ways: without the
+hook, preloaded with no limit, preloaded with a 4 GiB limit (private region), and with a 4 GiB
+limit and a region file (in a temporary folder and, where it exists, in /dev/shm).
+Configurations are interleaved over several rounds, in a rotating order, and the median per
+call is printed with the overhead against the run without the hook. Targets (issue 5): launch
+<= 1%, alloc/free <= 10%.
 
 On a machine without a GPU it runs over the stub driver and says so: those figures are the
 hook's own bookkeeping against a driver that does nothing, an upper bound on its relative cost.
@@ -60,30 +62,40 @@ def main() -> int:
         configs = {
             "no hook": base,
             "hook, no limit": base | {"LD_PRELOAD": str(BUILD / "libvgpu.so")},
-            "hook, 4 GiB limit": base
+            "hook, 4 GiB, private": base
+            | {"LD_PRELOAD": str(BUILD / "libvgpu.so"), "CUDA_DEVICE_MEMORY_LIMIT": "4g"},
+            "hook, 4 GiB, region": base
             | {
                 "LD_PRELOAD": str(BUILD / "libvgpu.so"),
                 "CUDA_DEVICE_MEMORY_LIMIT": "4g",
                 "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(Path(tmp) / "region"),
             },
         }
+        if Path("/dev/shm").is_dir():
+            configs["hook, 4 GiB, shm region"] = configs["hook, 4 GiB, region"] | {
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"/dev/shm/vgpu-bench-{os.getpid()}"
+            }
+        names = list(configs)
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
-        for _ in range(args.rounds):
-            for name, env in configs.items():
-                results[name].append(run_once(env, args.launches, args.allocs))
+        for r in range(args.rounds):  # rotate the order so no configuration always runs first
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                results[name].append(run_once(configs[name], args.launches, args.allocs))
     where = (
         "GPU" if gpu else "stub driver (no GPU): the hook's bookkeeping against a driver that does nothing"
     )
-    print(f"bench_hook on {where}; {args.rounds} rounds x 3 repeats, medians")
-    print(f"{'configuration':<20} {'launch us':>10} {'overhead':>9} {'alloc+free us':>14} {'overhead':>9}")
+    print(f"bench_hook on {where}; {args.rounds} rounds x 3 repeats, medians (min..max of rounds)")
+    head = f"{'configuration':<22} {'launch us':>10} {'overhead':>9} {'alloc+free us':>14} {'overhead':>9}"
+    print(head + "  spread")
     ref_launch = statistics.median(r[0] for r in results["no hook"])
     ref_alloc = statistics.median(r[1] for r in results["no hook"])
     for name, runs in results.items():
         launch = statistics.median(r[0] for r in runs)
         alloc = statistics.median(r[1] for r in runs)
         print(
-            f"{name:<20} {launch:>10.3f} {100 * (launch / ref_launch - 1):>8.2f}% "
-            f"{alloc:>14.3f} {100 * (alloc / ref_alloc - 1):>8.2f}%"
+            f"{name:<22} {launch:>10.3f} {100 * (launch / ref_launch - 1):>8.2f}% "
+            f"{alloc:>14.3f} {100 * (alloc / ref_alloc - 1):>8.2f}%  "
+            f"launch {min(r[0] for r in runs):.3f}..{max(r[0] for r in runs):.3f}, "
+            f"alloc {min(r[1] for r in runs):.2f}..{max(r[1] for r in runs):.2f}"
         )
     return 0
 

@@ -88,9 +88,13 @@ void vgpu_config_load(struct vgpu_config *cfg) {
         cfg->region_path = path;
         cfg->enabled = 1;
     }
+    /* What a CUDA context itself takes on the card, which no allocation call shows: measured on
+     * an H200 with CUDA 13 at 518 MiB (CuPy), 550 MiB (JAX) and 612 MiB (PyTorch). */
+    cfg->context_reserve = VGPU_DEFAULT_CONTEXT_RESERVE;
     const char *reserve = getenv("VGPU_CONTEXT_RESERVE");
     if (reserve && *reserve && vgpu_parse_size(reserve, &cfg->context_reserve) != 0) {
-        VGPU_LOG(VGPU_LOG_ERROR, "VGPU_CONTEXT_RESERVE='%s' is not a size; charging no context reserve", reserve);
-        cfg->context_reserve = 0;
+        VGPU_LOG(VGPU_LOG_ERROR, "VGPU_CONTEXT_RESERVE='%s' is not a size (e.g. 640m); charging the default %llu MiB",
+                 reserve, (unsigned long long)(VGPU_DEFAULT_CONTEXT_RESERVE >> 20));
+        cfg->context_reserve = VGPU_DEFAULT_CONTEXT_RESERVE;
     }
 }

@@ -35,6 +35,7 @@ HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(prin
     do { if (__builtin_expect(vgpu_log_level >= (level), 0)) vgpu_log(level, __VA_ARGS__); } while (0)
 
 /* config.c: contract 4's environment */
+#define VGPU_DEFAULT_CONTEXT_RESERVE (640ULL << 20)
 struct vgpu_config {
     int enabled;                 /* any limit or a region path given */
     const char *region_path;     /* CUDA_DEVICE_MEMORY_SHARED_CACHE, or NULL */

@@ -33,6 +33,7 @@ def env(built: Built, hook: bool = True, **extra: str) -> dict[str, str]:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "LD_LIBRARY_PATH": str(built.stub_dir),
         "STUB_CUDA_MEMORY_MIB": str(STUB_MIB),
+        "VGPU_CONTEXT_RESERVE": "0",  # the stub's contexts cost nothing; one test sets it
     }
     if hook:
         out["LD_PRELOAD"] = str(built.lib)

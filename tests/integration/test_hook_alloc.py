@@ -94,3 +94,18 @@ def test_a_limit_that_is_not_a_size_is_named_in_the_log_and_nothing_is_handed_ou
     r = run(built, "t_alloc", "procaddr", "alloc", "256", environ=env(built, CUDA_DEVICE_MEMORY_LIMIT="4x"))
     assert "CUDA_DEVICE_MEMORY_LIMIT='4x' is not a size" in r.stderr
     assert r.int("chunks") == 0 and r.int("refused") == OUT_OF_MEMORY
+
+
+def test_each_process_is_charged_its_context_footprint_once_per_device(built: Built) -> None:
+    environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", VGPU_CONTEXT_RESERVE="256m")
+    r = run(built, "t_alloc", "procaddr", "alloc", "256", environ=environ)
+    assert r.int("chunks") == 3  # 256 MiB of the 1 GiB went to the context
+    info = run(built, "t_info", "procaddr", "0", environ=environ)
+    assert info.int("cu_free") == 768 * MIB and info.int("nvml2_used") == 256 * MIB
+
+
+def test_the_default_context_reserve_is_charged_when_none_is_configured(built: Built) -> None:
+    environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    del environ["VGPU_CONTEXT_RESERVE"]
+    info = run(built, "t_info", "procaddr", "0", environ=environ)
+    assert info.int("nvml2_used") == 640 * MIB
