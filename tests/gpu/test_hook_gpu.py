@@ -336,3 +336,31 @@ def test_a_process_context_footprint_is_measured(lib: Path, tmp_path: Path) -> N
     record("context-footprint", bare_torch_context_mib=real_ctx, with_3g_mib=real_with_3g)
     assert real_with_3g >= 3072
     assert shutil.which("nvidia-smi")
+
+
+def test_nvidia_smi_under_the_hook_lists_the_containers_processes_with_their_usage(
+    lib: Path, tmp_path: Path
+) -> None:
+    env = hook_env(lib, tmp_path / "region")
+    child = Child("torch-hold3g", env)
+    try:
+        child.read()
+        child.go()
+        assert child.read()["ok"] is True
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        with Region(tmp_path / "region") as r:
+            accounted = r.snapshot().processes
+    finally:
+        child.go()
+        child.finish()
+    record(
+        "nvidia-smi-apps", apps=apps.strip(), accounted=[(p.pid, p.used_bytes[0] // MIB) for p in accounted]
+    )
+    listed = {int(p): int(u) for p, u in (line.split(", ") for line in apps.splitlines() if line)}
+    assert listed == {p.pid: p.used_bytes[0] // MIB for p in accounted}
