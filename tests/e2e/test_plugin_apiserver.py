@@ -264,7 +264,12 @@ def test_several_pods_waiting_at_once_each_get_their_own_limits(agent: Agent) ->
     for name, (card, mem, cores) in wanted.items():
         agent.create_pod(name, {"main": [(card, mem, cores)]})
     agent.admit(len(wanted))
+    uids = {name: agent.pod(name)["metadata"]["uid"] for name in wanted}
     for name, (card, mem, cores) in wanted.items():
+        # GetPreferredAllocation steered kubelet to IDs on the card the scheduler chose
+        assert [i.split("::")[0] for i in agent.kubelet._in_use[uids[name]]["nvidia.com/gpu"]] == [
+            agent.uuid(card)
+        ]
         envs = agent.record(name)["containers"]["main"]["envs"]
         assert envs["NVIDIA_VISIBLE_DEVICES"] == agent.uuid(card), name
         assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{mem}m", name

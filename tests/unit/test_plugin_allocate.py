@@ -234,3 +234,21 @@ def test_without_a_hook_library_only_the_region_folder_is_mounted(pods: Pods, tm
     pods.add("p", {"main": [("GPU-a", 1000, 0)]})
     served = make(pods, tmp_path, hook=False).allocate_container(["GPU-a::0"])
     assert [m.container_path for m in served.response.mounts] == ["/var/lib/vgpu/containers/uid-p_main"]
+
+
+def test_a_restarted_plugin_continues_a_half_served_pod_from_its_folders(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"first": [("GPU-a", 100, 0)], "second": [("GPU-b", 200, 0)]})
+    assert make(pods, tmp_path).allocate_container(["GPU-a::0"]).container == "first"
+    restarted = Allocator(NODE, pods, DeviceState(CARDS, NodeConfig(split=4)), HostPaths(tmp_path), None)
+    served = restarted.allocate_container(["GPU-b::0"])
+    assert served.container == "second"
+    assert pods.phase("p") == "allocated"
+
+
+def test_preferred_cards_are_those_of_the_next_container_to_start(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"one": [("GPU-c", 100, 0)], "two": [("GPU-d", 1, 0), ("GPU-a", 1, 0)]})
+    alloc = make(pods, tmp_path)
+    assert alloc.preferred_cards(1) == ["GPU-c"]
+    assert alloc.preferred_cards(3) == []
+    alloc.allocate_container(["GPU-c::0"])
+    assert alloc.preferred_cards(2) == ["GPU-d", "GPU-a"]

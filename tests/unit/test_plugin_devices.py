@@ -61,3 +61,10 @@ def test_preferred_allocation_keeps_the_must_include_ids() -> None:
 
 def test_preferred_allocation_fills_from_one_card_when_cards_run_out() -> None:
     assert sorted(prefer(["GPU-a::0", "GPU-a::1"], [], 2)) == ["GPU-a::0", "GPU-a::1"]
+
+
+def test_preferred_allocation_follows_the_cards_the_scheduler_chose() -> None:
+    available = ["GPU-a::0", "GPU-b::0", "GPU-c::0", "GPU-c::1", "GPU-c::2"]
+    assert prefer(available, [], 2, wanted=["GPU-b", "GPU-a"]) == ["GPU-b::0", "GPU-a::0"]
+    # a wanted card with no free ID left: the rest is filled the usual way
+    assert prefer(available, [], 2, wanted=["GPU-z", "GPU-a"]) == ["GPU-a::0", "GPU-c::0"]

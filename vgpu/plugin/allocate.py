@@ -131,7 +131,6 @@ class Allocator:
         self.hook = hook
         self._lock = threading.Lock()
         self._served: dict[str, set[str]] = {}  # pod uid -> containers already answered
-        self._done: dict[str, bool] = {}  # pod uid -> every container answered
 
     @property
     def config(self) -> NodeConfig:
@@ -178,6 +177,43 @@ class Allocator:
         waiting.sort(key=lambda w: (w.created, w.namespace, w.name))
         return waiting, malformed
 
+    def _served_of(self, w: _Waiting) -> set[str]:
+        """Containers of the pod already answered; call with the lock held.
+
+        Allocate creates each served container's folder, so after a restart of the plugin the
+        folders tell which containers of a half-served pod kubelet has already started.
+        """
+        served = self._served.get(w.uid)
+        if served is None:
+            served = {n for n in w.order if self.paths.container_dir(w.uid, n).is_dir()}
+            self._served[w.uid] = served
+        return served
+
+    def _next(self, w: _Waiting) -> ContainerAllocation | None:
+        """The pod's next container kubelet will start; call with the lock held."""
+        served = self._served_of(w)
+        nxt = next((n for n in w.order if n not in served), None)
+        return None if nxt is None else w.allocation.container(nxt)
+
+    def _prune(self, waiting: list[_Waiting]) -> None:
+        """Forget pods no longer waiting; call with the lock held (the folders keep the rest)."""
+        listed = {w.uid for w in waiting}
+        for uid in [u for u in self._served if u not in listed]:
+            del self._served[uid]
+
+    def preferred_cards(self, count: int) -> list[str]:
+        """The cards of the container kubelet is about to start, for GetPreferredAllocation."""
+        try:
+            waiting, _ = self._waiting()
+        except AllocateError:
+            return []
+        with self._lock:
+            for w in waiting:
+                container = self._next(w)
+                if container is not None and len(container.devices) == count:
+                    return [d.uuid for d in container.devices]
+        return []
+
     def _claim(
         self, waiting: list[_Waiting], ids: Sequence[str]
     ) -> tuple[_Waiting, ContainerAllocation, bool]:
@@ -187,18 +223,11 @@ class Allocator:
         """
         cards = sorted(card_of(i) for i in ids)
         with self._lock:
-            # Forget pods fully served that are no longer waiting (their phase moved on).
-            listed = {w.uid for w in waiting}
-            for uid in [u for u, done in self._done.items() if done and u not in listed]:
-                del self._done[uid], self._served[uid]
+            self._prune(waiting)
             by_count: tuple[_Waiting, ContainerAllocation] | None = None
             chosen: tuple[_Waiting, ContainerAllocation] | None = None
             for w in waiting:
-                served = self._served.get(w.uid, set())
-                nxt = next((n for n in w.order if n not in served), None)
-                if nxt is None:
-                    continue
-                container = w.allocation.container(nxt)
+                container = self._next(w)
                 if container is None or len(container.devices) != len(ids):
                     continue
                 if sorted(d.uuid for d in container.devices) == cards:
@@ -210,16 +239,13 @@ class Allocator:
             if chosen is None:
                 raise LookupError
             w, container = chosen
-            served = self._served.setdefault(w.uid, set())
+            served = self._served_of(w)
             served.add(container.name)
-            last = all(n in served for n in w.order)
-            self._done[w.uid] = last
-            return w, container, last
+            return w, container, all(n in served for n in w.order)
 
     def _forget(self, uid: str) -> None:
         with self._lock:
             self._served.pop(uid, None)
-            self._done.pop(uid, None)
 
     # -- the answer -------------------------------------------------------------------------
 

@@ -78,17 +78,25 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
 
-def prefer(available: list[str], must: list[str], size: int) -> list[str]:
+def prefer(available: list[str], must: list[str], size: int, wanted: list[str] | None = None) -> list[str]:
     """IDs on distinct cards (each vGPU of a container on its own card), the must-haves first.
 
-    Among the rest, cards with the most free IDs come first, so kubelet keeps IDs spread the
-    way the scheduler counts vGPUs per card.
+    Then IDs on the ``wanted`` cards (those the scheduler gave the container kubelet is about
+    to start), so the IDs kubelet records, and reports through its pod-resources API, name
+    the cards the container really uses. Then cards with the most free IDs.
     """
     chosen = list(must)
     cards = {card_of(i) for i in chosen}
     free: dict[str, list[str]] = {}
     for i in available:
         free.setdefault(card_of(i), []).append(i)
+    for card in wanted or []:
+        if len(chosen) >= size or card in cards:
+            continue
+        pick = next((i for i in free.get(card, []) if i not in chosen), None)
+        if pick is not None:
+            chosen.append(pick)
+            cards.add(card)
     for card, ids in sorted(free.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         if len(chosen) >= size:
             break
