@@ -29,12 +29,11 @@ DEFAULT_BUDGET = 20_000  # search steps per node
 
 @dataclass(frozen=True)
 class Plan:
-    """Where a pod's vGPUs go on one node; ``utilization`` is the node's, after the plan (0..1)."""
+    """Where a pod's vGPUs go on one node, and the per-card footprint that commits."""
 
     node: str
     allocation: Allocation
     footprint: dict[str, Usage]
-    utilization: float
 
 
 @dataclass(frozen=True)
@@ -142,24 +141,40 @@ class _Search:
         if len(eligible) < c.count:
             return []
         scored = []
+        pairs = _pairs(self.cards)
         for combo in itertools.islice(itertools.combinations(eligible, c.count), MAX_COMBINATIONS):
             cards = tuple(card for _, card in combo)
             load = sum(x for x, _ in combo)
-            scored.append(((*_topology(cards), -load if self.binpack else load), cards))
+            scored.append(((*_topology(cards, pairs), -load if self.binpack else load), cards))
         scored.sort(key=lambda x: x[0])
         return [cards for _, cards in scored]
 
 
-def _topology(cards: Sequence[Device]) -> tuple[int, int]:
+_TOPOLOGY: dict[int, tuple[Sequence[Device], dict[tuple[str, str], tuple[int, int]]]] = {}
+
+
+def _pairs(cards: Sequence[Device]) -> dict[tuple[str, str], tuple[int, int]]:
+    """Per ordered card pair: (1 if joined by NVLink, 1 if on one NUMA node); cached per inventory."""
+    cached = _TOPOLOGY.get(id(cards))
+    if cached is not None and cached[0] is cards:
+        return cached[1]
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for a, b in itertools.permutations(cards, 2):
+        nvlink = any(x.links.get(y.uuid, "").lower().startswith("nvlink") for x, y in ((a, b), (b, a)))
+        out[(a.uuid, b.uuid)] = (int(nvlink), int(a.numa >= 0 and a.numa == b.numa))
+    if len(_TOPOLOGY) > 4096:
+        _TOPOLOGY.clear()
+    _TOPOLOGY[id(cards)] = (cards, out)  # holding ``cards`` keeps its id from being reused
+    return out
+
+
+def _topology(cards: Sequence[Device], pairs: Mapping[tuple[str, str], tuple[int, int]]) -> tuple[int, int]:
     """Sort key preferring card sets joined by NVLink, then on one NUMA node (smaller is better)."""
     nvlink = numa = 0
     for a, b in itertools.combinations(cards, 2):
-        if a.links.get(b.uuid, "").lower().startswith("nvlink") or b.links.get(a.uuid, "").lower().startswith(
-            "nvlink"
-        ):
-            nvlink += 1
-        if a.numa >= 0 and a.numa == b.numa:
-            numa += 1
+        link, same = pairs[(a.uuid, b.uuid)]
+        nvlink += link
+        numa += same
     return (-nvlink, -numa)
 
 
@@ -179,11 +194,24 @@ def fit_node(
     pod: PodRequest,
     gpu_policy: str = BINPACK,
     budget: int = DEFAULT_BUDGET,
+    fast: bool = True,
 ) -> Plan | Rejection:
-    """Place ``pod`` on ``node`` given what other pods hold there (``usage``, per card uuid)."""
+    """Place ``pod`` on ``node`` given what other pods hold there (``usage``, per card uuid).
+
+    ``fast=False`` forces the general search also for a single vGPU (tests compare the two).
+    """
     policy = pod.gpu_policy or gpu_policy
     if not pod.wants_vgpu:
-        return Plan(node, Allocation(node, ()), {}, _utilization(inventory, usage, {}))
+        return Plan(node, Allocation(node, ()), {})
+    single = _single_vgpu(pod) if fast else None
+    if single is not None:  # the common case, kept fast for 1,000-node clusters
+        card = _best_card(inventory.devices, usage, single, pod.selection, policy == BINPACK)
+        if card is not None:
+            mem = single.memory_on(card.memory_mib)
+            device = DeviceAllocation(card.uuid, mem, single.cores)
+            allocation = Allocation(node, (ContainerAllocation(single.name, (device,)),))
+            return Plan(node, allocation, {card.uuid: vgpu_usage(mem, single.cores)})
+        # no card: the general search below finds the reason
     search = _Search(inventory.devices, usage, pod.selection, policy == BINPACK, budget)
     steps = _steps(pod)
     if not search.run(steps, 0, {}, {}):
@@ -202,7 +230,49 @@ def fit_node(
     fp = plan_footprint(allocation, pod)
     if not fit_plan_within(inventory, usage, fp):  # defensive: the search and the footprint disagree
         return Rejection(node, "internal: plan exceeds a card; please report this", False)
-    return Plan(node, allocation, fp, _utilization(inventory, usage, fp))
+    return Plan(node, allocation, fp)
+
+
+def _single_vgpu(pod: PodRequest) -> ContainerRequest | None:
+    """The pod's one vGPU when it has exactly one (no init containers with vGPUs), else None."""
+    found = None
+    for c in pod.containers:
+        if c.count:
+            if found is not None or c.count != 1 or c.init:
+                return None
+            found = c
+    return found
+
+
+def _best_card(
+    cards: Sequence[Device],
+    usage: Mapping[str, Usage],
+    c: ContainerRequest,
+    selection: Selection,
+    binpack: bool,
+) -> Device | None:
+    """The card the policy prefers for one vGPU, by the same rules and order as the general search."""
+    best: Device | None = None
+    best_key: tuple[float, int] = (0.0, 0)
+    selective = bool(
+        selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids
+    )
+    exclusive = c.cores >= 100
+    for card in cards:
+        if not card.healthy or (selective and selection.why_not(card.uuid, card.model) is not None):
+            continue
+        mem = c.memory_mib if c.memory_mib is not None else card.memory_mib * (c.memory_percent or 0) // 100
+        o = usage.get(card.uuid)
+        om, oc, on = (0, 0, 0) if o is None else (o[0], o[1], o[2])
+        if o is not None and (o[3] > 0 or (exclusive and on > 0)):
+            continue
+        if on + 1 > card.split or om + mem > card.memory_mib or oc + c.cores > card.cores:
+            continue
+        load = ((om + mem) / card.memory_mib if card.memory_mib else 1.0) + (on + 1) / card.split
+        key = (-load if binpack else load, card.index)
+        if best is None or key < best_key:
+            best, best_key = card, key
+    return best
 
 
 @dataclass(frozen=True)
@@ -240,7 +310,8 @@ def plan_footprint(allocation: Allocation, pod: PodRequest) -> dict[str, Usage]:
     return footprint(allocation, [[c.name for c in phase] for phase in pod.phases()])
 
 
-def _utilization(inventory: NodeInventory, usage: Mapping[str, Usage], fp: Mapping[str, Usage]) -> float:
+def utilization(inventory: NodeInventory, usage: Mapping[str, Usage], fp: Mapping[str, Usage]) -> float:
+    """How full the node would be with footprint ``fp`` added (0..1): memory and vGPU slots, averaged."""
     mem = slots = 0.0
     total_mem = total_slots = 0
     for card in inventory.devices:

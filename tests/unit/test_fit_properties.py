@@ -103,8 +103,15 @@ def within_capacity(inv: NodeInventory, usage: Mapping[str, Usage]) -> bool:
         u = usage.get(d.uuid, ZERO)
         if u.memory_mib > d.memory_mib or u.cores > d.cores or u.count > d.split:
             return False
-        if u.exclusive and u.count > u.exclusive:
-            return False
+    return True
+
+
+def exclusive_alone(footprints: list[Mapping[str, Usage]]) -> bool:
+    """A card holding one pod's exclusive vGPU holds no other pod's vGPU."""
+    for i, fp in enumerate(footprints):
+        for uuid, u in fp.items():
+            if u.exclusive and any(o.get(uuid, ZERO).count for j, o in enumerate(footprints) if j != i):
+                return False
     return True
 
 
@@ -139,6 +146,7 @@ def test_committed_memory_cores_and_vgpus_never_exceed_any_card(
     }
     ledger = Ledger()
     live: list[str] = []
+    footprints: dict[str, Mapping[str, Usage]] = {}
     for n, (pod, release_one) in enumerate(requests):
         placed = False
         for name, inv in cluster.items():
@@ -147,11 +155,33 @@ def test_committed_memory_cores_and_vgpus_never_exceed_any_card(
             if isinstance(result, Plan):
                 ledger.commit(f"pod-{n}", name, result.footprint)
                 live.append(f"pod-{n}")
+                footprints[f"pod-{n}"] = result.footprint
                 placed = True
                 break
             # a rejection means the brute force finds no way either
             assert not oracle_fits(inv, usage, pod)
         if release_one and live and not placed:
+            footprints.pop(live[0])
             ledger.release(live.pop(0))
         for name, inv in cluster.items():
             assert within_capacity(inv, ledger.usage(name)), (name, ledger.usage(name))
+        assert exclusive_alone(list(footprints.values()))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inventories(), containers("main", False), st.data())
+def test_the_fast_path_for_one_vgpu_chooses_exactly_what_the_general_search_chooses(
+    inv: NodeInventory, c: ContainerRequest, data: st.DataObject
+) -> None:
+    pod = PodRequest((ContainerRequest(c.name, 1, c.memory_mib, c.memory_percent, c.cores),))
+    usage = {
+        d.uuid: vgpu_usage(data.draw(st.integers(0, d.memory_mib)), data.draw(st.sampled_from([0, 30, 100])))
+        for d in inv.devices
+        if data.draw(st.booleans())
+    }
+    policy = data.draw(st.sampled_from(["binpack", "spread"]))
+    fast = fit_node("n", inv, usage, pod, policy)
+    general = fit_node("n", inv, usage, pod, policy, fast=False)
+    assert type(fast) is type(general)
+    if isinstance(fast, Plan) and isinstance(general, Plan):
+        assert fast.allocation == general.allocation and fast.footprint == general.footprint

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
 from vgpu.errors import AnnotationError, ConflictError, KubeError, RequestError
-from vgpu.fit import Plan, Rejection, fit_node
-from vgpu.ledger import Ledger, footprint
+from vgpu.fit import Plan, Rejection, fit_node, utilization
+from vgpu.ledger import Ledger, Usage, footprint
 from vgpu.policy import node_scores
 from vgpu.requests import PodRequest, parse_pod
 
@@ -281,15 +281,10 @@ class SchedulerState:
                 entry = self.nodes.get(name)
                 if entry is None or entry.inventory is None or self.node_problem(name, now):
                     continue
-                outcome = fit_node(
-                    name,
-                    entry.inventory,
-                    self.ledger.usage(name, excluding=uid),
-                    request,
-                    self.config.gpu_policy,
-                )
+                usage = self.ledger.usage(name, excluding=uid)
+                outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy)
                 if isinstance(outcome, Plan):
-                    util[name] = outcome.utilization
+                    util[name] = utilization(entry.inventory, usage, outcome.footprint)
         scores = node_scores(util, request.node_policy or self.config.node_policy)
         return {name: scores.get(name, 0) for name in node_names}
 
@@ -404,10 +399,10 @@ class SchedulerState:
         cards = max(len(inv.devices) for inv in invs)
         return mem, cards
 
-    def snapshot(self) -> list[tuple[str, ann.NodeInventory, dict[str, Any]]]:
+    def snapshot(self) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage]]]:
         with self.lock:
             return [
-                (name, e.inventory, self.ledger.usage(name))
+                (name, e.inventory, dict(self.ledger.usage(name)))
                 for name, e in self.nodes.items()
                 if e.inventory is not None
             ]
