@@ -3,16 +3,24 @@ then install, upgrade and uninstall of one release in a namespace of its own."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import socket
+import ssl
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from vgpu.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 from vgpu.sandbox.cluster import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,12 +28,12 @@ CHART = REPO / "charts" / "vgpu"
 SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
 NS = "vgpu-chart-test"
 RELEASE = "vgpu"
-# Keep clear of the sandbox's own product: other node ports, and a webhook that only sees this
-# namespace (its pods are KWOK's: nothing answers behind the Service).
+# Keep clear of the sandbox's own product: other node ports, and a webhook that selects no
+# namespace (its pods are KWOK's: nothing answers behind the Service, and it fails closed).
 ISOLATION = [
     "--set", "devicePlugin.monitor.service.nodePort=31892",
     "--set", "scheduler.metrics.service.nodePort=31893",
-    "--set-json", f'webhook.namespaceSelector={{"matchLabels":{{"kubernetes.io/metadata.name":"{NS}"}}}}',
+    "--set-json", 'webhook.namespaceSelector={"matchLabels":{"vgpu-chart-test/none":"true"}}',
     "--set", "webhook.timeoutSeconds=2",
 ]  # fmt: skip
 CLUSTER_KINDS = (
@@ -139,7 +147,7 @@ def test_install_upgrade_and_uninstall_of_a_release(sandbox: Sandbox, namespace:
     deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)
     extender = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "extender")
     assert "--node-policy=spread" in extender["command"] and "--gpu-policy=binpack" in extender["command"]
-    assert {"name": "VGPU_DEFAULT_MEM", "value": "4096"} in extender["env"]
+    assert "--default-mem=4096" in extender["command"]
     gpu_nodes = get(sandbox, "nodes", "-l", "gpu=on")["items"]
     ds = _daemonset(sandbox)
     assert ds["status"]["desiredNumberScheduled"] == len(gpu_nodes) > 0
@@ -179,3 +187,194 @@ def test_install_upgrade_and_uninstall_of_a_release(sandbox: Sandbox, namespace:
     while get(sandbox, "pods", "-n", NS, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]:
         assert time.monotonic() < deadline, "the release's pods were never deleted"
         time.sleep(1)
+
+
+def _kubeconfig_as(sandbox: Sandbox, token: str, path: Path) -> Path:
+    """The sandbox's cluster and CA, with a ServiceAccount token as the user."""
+    kc = yaml.safe_load(sandbox.kubeconfig.read_text())
+    ctx = next(c for c in kc["contexts"] if c["name"] == kc["current-context"])["context"]
+    cluster = next(c for c in kc["clusters"] if c["name"] == ctx["cluster"])
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": "sa"}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _running(argv: list[str], what: str, ready: Callable[[], bool]) -> Iterator[None]:
+    """Runs ``vgpu ARGV`` until the block ends; fails if it is not ready in time or if any API
+    call it made was refused."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not ready():
+            assert proc.poll() is None, f"{what} exited with {proc.returncode}"
+            assert time.monotonic() < deadline, f"{what} not ready within 90s"
+            time.sleep(0.5)
+        yield
+        time.sleep(2)  # watches and renewals start after the first lists: give a refusal time to show
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+        print(output[-5000:])
+    assert "forbidden" not in output.lower(), output[-3000:]
+
+
+SCHEDULER = "vgpu-chart-test-scheduler"  # served by no kube-scheduler of the sandbox
+
+
+def test_each_components_service_account_is_enough_for_the_real_component_and_no_more(
+    sandbox: Sandbox, namespace: str, tmp_path: Path
+) -> None:
+    """A device plugin and the extender run here as the chart's pods would, with the tokens of the
+    chart's ServiceAccounts and the release's certificate: the plugin writes its Node's inventory
+    and renews its Lease; the extender syncs, takes its Lease, answers over the release's TLS, and
+    places a pod (allocation annotation, Binding). Then the authorizer denies them the rest."""
+    helm(
+        sandbox,
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        namespace,
+        *ISOLATION,
+        "--set",
+        f"scheduler.schedulerName={SCHEDULER}",
+    )
+    node = "vgpu-chart-test-node"
+    sandbox.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}),
+    )
+    try:
+        # the device plugin, with a token of its account (the pod's projected token is the same)
+        token = sandbox.kubectl("create", "token", f"{RELEASE}-device-plugin", "-n", NS).stdout.strip()
+        plugin_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "plugin.kubeconfig")
+        root = tmp_path / "root"
+        (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
+        gpus = tmp_path / "gpus.yaml"
+        gpus.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-chart-0", "memoryMiB": 16384}]}))
+        node_config = tmp_path / "node-config.yaml"
+        node_config.write_text(
+            get(sandbox, "configmap", f"{RELEASE}-device-plugin-config", "-n", NS)["data"]["node-config.yaml"]
+        )
+
+        def reported() -> bool:
+            annotations = get(sandbox, "node", node)["metadata"].get("annotations") or {}
+            leases = get(sandbox, "leases", "-n", NS)["items"]
+            return DEVICES_ANNOTATION in annotations and any(
+                item["metadata"]["name"] == lease_name(node) for item in leases
+            )
+
+        plugin = ["device-plugin", f"--node={node}", f"--kubeconfig={plugin_kubeconfig}", f"--namespace={NS}"]
+        plugin += [f"--root={root}", f"--fake-nvml={gpus}", f"--config={node_config}"]
+        plugin += [f"--monitor-listen=127.0.0.1:{_free_port()}"]
+
+        # the extender, with the token its container mounts, on the chart's command line
+        secret = get(sandbox, "secret", f"{RELEASE}-extender-token", "-n", NS)["data"]["token"]
+        extender_kubeconfig = _kubeconfig_as(
+            sandbox, base64.b64decode(secret).decode(), tmp_path / "ext.kubeconfig"
+        )
+        tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
+        for name in ("tls.crt", "tls.key", "ca.crt"):
+            (tmp_path / name).write_bytes(base64.b64decode(tls[name]))
+        deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)["spec"]["template"]["spec"]
+        command = next(c for c in deploy["containers"] if c["name"] == "extender")["command"]
+        port = _free_port()
+        local = {
+            "--listen": f"127.0.0.1:{port}",
+            "--metrics-listen": f"127.0.0.1:{_free_port()}",
+            "--cert-file": str(tmp_path / "tls.crt"),
+            "--key-file": str(tmp_path / "tls.key"),
+        }
+        flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in command[2:])]
+        extender = ["extender", f"--kubeconfig={extender_kubeconfig}", *flags]
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))  # the release's CA
+
+        def call(path: str, body: object | None = None) -> tuple[int, Any]:
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(
+                f"https://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET"
+            )
+            req.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+                    text = resp.read().decode()
+                    return resp.status, json.loads(text) if body is not None else text
+            except urllib.error.HTTPError as err:
+                return err.code, None
+            except OSError:
+                return 0, None
+
+        with _running(plugin, "the device plugin as vgpu-device-plugin", reported):
+            with _running(extender, "the extender as vgpu-extender", lambda: call("/readyz")[0] == 200):
+                assert get(sandbox, "lease", "vgpu-scheduler-extender", "-n", NS)["spec"]["holderIdentity"]
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "vgpu-chart-test-pod", "namespace": NS},
+                    "spec": {
+                        "schedulerName": SCHEDULER,
+                        "containers": [
+                            {
+                                "name": "cuda",
+                                "image": "example.invalid/cuda:1",
+                                "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}},
+                            }
+                        ],
+                    },
+                }
+                created = json.loads(
+                    sandbox.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(pod)).stdout
+                )
+                status, result = call("/filter", {"Pod": created, "NodeNames": [node]})
+                assert status == 200 and result["NodeNames"] == [node], result
+                meta = created["metadata"]
+                args = {"PodName": meta["name"], "PodNamespace": NS, "PodUID": meta["uid"], "Node": node}
+                status, result = call("/bind", args)
+                assert status == 200 and not result["Error"], result
+                bound = get(sandbox, "pod", meta["name"], "-n", NS)
+                assert bound["spec"]["nodeName"] == node
+                assert ALLOCATION_ANNOTATION in bound["metadata"]["annotations"]
+    finally:
+        sandbox.kubectl("delete", "pod", "--all", "-n", NS, "--force", "--grace-period=0", check=False)
+        sandbox.kubectl("delete", "node", node, "--wait=false", check=False)
+
+    # ... and nothing beyond: asked of the API server's own authorizer
+    def can(account: str, *what: str) -> bool:
+        who = f"--as=system:serviceaccount:{NS}:{RELEASE}-{account}"
+        return sandbox.kubectl("auth", "can-i", *what, who, check=False).stdout.strip() == "yes"
+
+    try:
+        assert not can("extender", "get", "secrets", "-n", NS)
+        assert not can("extender", "patch", "nodes")
+        assert not can("extender", "update", f"leases/{SCHEDULER}", "-n", NS)
+        assert not can("device-plugin", "create", "bindings", "-n", "default")
+        assert not can("device-plugin", "watch", "pods")
+        assert not can("device-plugin", "get", "secrets", "-n", NS)
+        assert can("scheduler", "update", f"leases/{SCHEDULER}", "-n", NS)
+        assert not can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
+        assert not can("scheduler", "get", "secrets", "-n", NS)
+    finally:
+        helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait")
+        sandbox.kubectl("delete", "lease", "--all", "-n", NS, check=False)

@@ -15,6 +15,8 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from vgpu.config import load_config
+from vgpu.extender import cli as extender_cli
 from vgpu.plugin import cli as plugin_cli
 from vgpu.plugin.config import NodeConfig, parse_node_config
 from vgpu.sandbox import binaries
@@ -192,9 +194,46 @@ def test_the_extender_runs_with_the_contracts_command_line() -> None:
         "scheduler-name": "vgpu-scheduler",
         "node-policy": "binpack",
         "gpu-policy": "spread",
+        "default-mem": "0",
+        "default-cores": "0",
     }
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "extender")["volumeMounts"]}
     assert mounts["/etc/vgpu/tls"] == "extender-tls"
+
+
+@pytest.mark.parametrize("values", SCENARIOS, ids=scenario_id)
+def test_the_extender_command_line_is_accepted_by_the_real_extender_settings(values: Path) -> None:
+    pod = find(render("-f", str(values)), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    parser = argparse.ArgumentParser()
+    extender_cli.register(parser)
+    args = parser.parse_args(container(pod, "extender")["command"][2:])
+    config = load_config({k: getattr(args, k) for k in extender_cli.FLAGS}, env={})
+    assert config.scheduler_name == "vgpu-scheduler" and config.namespace == NS
+    assert config.cert_file and config.key_file
+
+
+def test_extender_values_reach_its_settings() -> None:
+    objs = render(
+        "-f", str(CHART / "ci" / "custom-split-scaling-values.yaml"), "--set", "scheduler.extender.workers=3"
+    )
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    parser = argparse.ArgumentParser()
+    extender_cli.register(parser)
+    args = parser.parse_args(container(pod, "extender")["command"][2:])
+    config = load_config({k: getattr(args, k) for k in extender_cli.FLAGS}, env={})
+    assert (config.node_policy, config.gpu_policy) == ("spread", "binpack")
+    assert (config.default_mem, config.default_cores, config.workers) == (4096, 25, 3)
+
+
+def test_kube_scheduler_reaches_only_the_ready_extender_through_its_service() -> None:
+    objs = render()
+    (ext,) = scheduler_config(objs)["extenders"]
+    assert ext["urlPrefix"] == "https://vgpu-extender.kube-system.svc:443"
+    service = find(objs, "Service", "vgpu-extender")["spec"]
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    # readiness is the extender's /readyz, which is 503 on a standby replica
+    assert container(pod["spec"], "extender")["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
 def test_the_device_plugin_command_line_is_accepted_by_the_real_plugin_cli() -> None:
@@ -349,3 +388,18 @@ def test_a_scaling_given_as_text_by_helm_set_reaches_the_plugin_as_a_number() ->
     objs = render("--set", "devicePlugin.deviceMemoryScaling=1.25,devicePlugin.virtualMemory.enabled=true")
     cfg = node_config(objs, "gpu-node-1")
     assert cfg.device_memory_scaling == 1.25 and cfg.oversubscribe is True
+
+
+def test_the_webhook_fails_closed_but_never_sees_the_release_namespace() -> None:
+    for ns, custom in (
+        ("kube-system", []),
+        ("gpu-system", ["--set-json", 'webhook.namespaceSelector={"matchLabels":{"a":"b"}}']),
+    ):
+        result = helm("template", "vgpu", str(CHART), "-n", ns, *custom)
+        assert result.returncode == 0, result.stderr
+        objs = [o for o in yaml.safe_load_all(result.stdout) if o]
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            (hook,) = find(objs, kind, f"vgpu-{ns}")["webhooks"]
+            assert hook["failurePolicy"] == "Fail"
+            own = {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [ns]}
+            assert hook["namespaceSelector"]["matchExpressions"].count(own) == 1

@@ -72,6 +72,8 @@ root context, so the Secret, kube-scheduler's caData and the webhooks' caBundle 
 {{- $days := int .Values.webhook.certificate.validityDays -}}
 {{- $ca := genCA (printf "%s-ca" (include "vgpu.fullname" .)) $days -}}
 {{- $names := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) "localhost" -}}
+{{- /* the DNS names reach it through the Service (kube-scheduler, the API server); 127.0.0.1 and
+localhost serve a probe or a debugging session inside the pod */ -}}
 {{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) (list "127.0.0.1") $names $days $ca -}}
 {{- $_ := set . "vgpuTLS" (dict "ca" $ca.Cert "crt" $cert.Cert "key" $cert.Key) -}}
 {{- end -}}
@@ -90,8 +92,8 @@ imagePullSecrets:
 
 {{/*
 vgpu.webhookCommon: what both webhooks share: pod creation, in the namespaces and pods the
-values select. The chart's own namespace is not excluded: the webhook passes pods that ask for
-no vGPU resource untouched, the scheduler pods among them.
+values select, never in the release namespace: with failurePolicy Fail the extender's own pods
+must still be creatable while no extender answers.
 */}}
 {{- define "vgpu.webhookCommon" -}}
 admissionReviewVersions: ["v1"]
@@ -104,10 +106,14 @@ rules:
     operations: ["CREATE"]
     resources: ["pods"]
     scope: Namespaced
-{{- with .Values.webhook.namespaceSelector }}
 namespaceSelector:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
+  {{- $selector := deepCopy (.Values.webhook.namespaceSelector | default dict) }}
+  {{- $own := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" (list .Release.Namespace) }}
+  {{- $expressions := $selector.matchExpressions | default list }}
+  {{- if not (has $own $expressions) }}
+  {{- $_ := set $selector "matchExpressions" (append $expressions $own) }}
+  {{- end }}
+  {{- toYaml $selector | nindent 2 }}
 {{- with .Values.webhook.objectSelector }}
 objectSelector:
   {{- toYaml . | nindent 2 }}
