@@ -10,15 +10,12 @@ from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer, make_server
-
 from vgpu.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen
+from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, serve_metrics
 from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
@@ -79,10 +76,8 @@ class Daemon:
         threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
         if self.monitor_listen is not None:
             host, port = self.monitor_listen
-            app = make_wsgi_app(make_registry(self.collector))
-            self._http = make_server(host, port, app, ThreadingWSGIServer)
+            self._http = serve_metrics(host, port, make_registry(self.collector))
             self.monitor_port = self._http.server_port
-            threading.Thread(target=self._http.serve_forever, name="dp-metrics", daemon=True).start()
             log.info("node monitor on http://%s:%d/metrics", host, self.monitor_port)
 
     def _watch_health(self) -> None:

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
 from vgpu.errors import KubeError
@@ -157,3 +159,17 @@ def parse_listen(text: str, flag: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(flag, "", f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:9394)")
     return host or "0.0.0.0", int(port)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # one line per scrape would drown the plugin's own log
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """``/metrics`` on a thread of its own; ``server_port`` tells the port when 0 was asked for."""
+    server = make_server(
+        host, port, make_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

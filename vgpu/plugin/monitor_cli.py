@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -33,13 +34,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from prometheus_client import make_wsgi_app
-    from prometheus_client.exposition import ThreadingWSGIServer, make_server
-
     from vgpu.plugin.cli import open_discovery
     from vgpu.plugin.config import load_node_config
     from vgpu.plugin.devices import DeviceState
-    from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen
+    from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, serve_metrics
     from vgpu.plugin.paths import HostPaths
 
     try:
@@ -63,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
                 state.set_health(event.uuid, event.healthy)
 
     threading.Thread(target=health, daemon=True).start()
-    server = make_server(host, port, make_wsgi_app(make_registry(collector)), ThreadingWSGIServer)
+    server = serve_metrics(host, port, make_registry(collector))
     logging.getLogger("vgpu.monitor").info("node monitor on http://%s:%d/metrics", host, server.server_port)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.shutdown()
     return 0
