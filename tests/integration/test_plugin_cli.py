@@ -85,3 +85,46 @@ def test_without_nvml_the_plugin_says_to_use_a_gpu_node_or_the_fake(tmp_path: Pa
     result = start(tmp_path, gpus=None)
     assert result.returncode == 2
     assert "cannot initialise NVML" in result.stderr and "--fake-nvml" in result.stderr
+
+
+def test_vgpu_monitor_serves_a_nodes_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
+    import re
+    import signal
+    import urllib.request
+
+    (tmp_path / "gpus.yaml").write_text("gpus:\n  - {uuid: GPU-a, memoryMiB: 1000, memoryUsedMiB: 10}\n")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vgpu.cli",
+            "monitor",
+            "--node=n1",
+            "--no-kube",
+            f"--root={tmp_path}",
+            f"--fake-nvml={tmp_path / 'gpus.yaml'}",
+            "--listen=127.0.0.1:0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        port = None
+        for line in proc.stderr:
+            found = re.search(r"node monitor on http://127\.0\.0\.1:(\d+)/metrics", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port is not None
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert (
+            'vgpu_card_memory_used_bytes{index="0",model="Fake GPU",node="n1",uuid="GPU-a"} 1.048576e+07'
+            in body
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
