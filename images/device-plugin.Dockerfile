@@ -38,9 +38,8 @@ ENV PATH=/opt/vgpu/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     VGPU_HOOK_LIBRARY=/usr/local/vgpu/libvgpu.so
-# Root, without privileges (the chart drops every capability but CHOWN, FOWNER, DAC_OVERRIDE):
-# the plugin serves its socket in the kubelet's root-owned directory and hands each container
-# a directory under /var/lib/vgpu owned by that container's user.
+# Root, without privileges (the chart drops every capability): the plugin serves its socket in
+# the kubelet's root-owned directory and writes under the root-owned /var/lib/vgpu.
 USER 0:0
 ENTRYPOINT ["vgpu"]
 CMD ["device-plugin", "--help"]

@@ -288,7 +288,7 @@ def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
     assert not pod.get("hostNetwork") and not pod.get("hostPID")
     sc = container(pod, "device-plugin")["securityContext"]
     assert not sc.get("privileged") and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
     host = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v}
     assert host == {"/var/lib/kubelet/device-plugins": "Directory", "/var/lib/vgpu": "DirectoryOrCreate"}
 
