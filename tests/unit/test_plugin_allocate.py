@@ -252,3 +252,21 @@ def test_preferred_cards_are_those_of_the_next_container_to_start(pods: Pods, tm
     assert alloc.preferred_cards(3) == []
     alloc.allocate_container(["GPU-c::0"])
     assert alloc.preferred_cards(2) == ["GPU-d", "GPU-a"]
+
+
+def test_a_bound_pod_without_its_allocation_is_named_as_missing(pods: Pods, tmp_path: Path) -> None:
+    pods.add("lost", {"main": [("GPU-a", 1000, 0)]})
+    del pods.pods[0]["metadata"]["annotations"][ALLOCATION_ANNOTATION]
+    with pytest.raises(
+        AllocateError, match=r"default/lost \(vgpu.openaios.io/allocation: annotation is missing"
+    ):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert pods.patches == []
+
+
+def test_a_pod_placed_by_another_scheduler_is_named_in_the_refusal(pods: Pods, tmp_path: Path) -> None:
+    pods.add("foreign", {"main": [("GPU-a", 1000, 0)]})
+    pods.pods[0]["metadata"]["annotations"] = {}
+    with pytest.raises(AllocateError, match="default/foreign .*not placed by the vgpu scheduler"):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert pods.patches == []

@@ -150,7 +150,17 @@ class Allocator:
         for pod in pods:
             meta = _meta(pod)
             annotations = meta.get("annotations") or {}
-            if meta.get("deletionTimestamp") or annotations.get(PHASE_ANNOTATION) != PHASE_BOUND:
+            if meta.get("deletionTimestamp"):
+                continue
+            if PHASE_ANNOTATION not in annotations and ALLOCATION_ANNOTATION not in annotations:
+                if self._asks_for_devices(pod):
+                    malformed.append(
+                        f"{_pod_ref(pod)} (asks for {self.config.resource_name} but has no "
+                        f"{ALLOCATION_ANNOTATION}: it was not placed by the vgpu scheduler; "
+                        "check its schedulerName and the admission webhook)"
+                    )
+                continue
+            if annotations.get(PHASE_ANNOTATION) != PHASE_BOUND:
                 continue
             try:
                 allocation = decode_allocation(annotations.get(ALLOCATION_ANNOTATION))
@@ -176,6 +186,15 @@ class Allocator:
             )
         waiting.sort(key=lambda w: (w.created, w.namespace, w.name))
         return waiting, malformed
+
+    def _asks_for_devices(self, pod: Mapping[str, Any]) -> bool:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return False
+        spec = pod.get("spec") or {}
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            if self.config.resource_name in (((c.get("resources") or {}).get("limits")) or {}):
+                return True
+        return False
 
     def _served_of(self, w: _Waiting) -> set[str]:
         """Containers of the pod already answered; call with the lock held.
@@ -308,7 +327,10 @@ class Allocator:
                 f"({len(waiting)} pod(s) in phase {PHASE_BOUND} with a valid {ALLOCATION_ANNOTATION})"
             )
             if malformed:
-                msg += "; pods whose allocation cannot be read: " + "; ".join(malformed)
+                shown = "; ".join(malformed[:5]) + (
+                    f"; and {len(malformed) - 5} more" if len(malformed) > 5 else ""
+                )
+                msg += "; pods that cannot be served: " + shown
                 msg += " (let the vgpu-scheduler place the pod again: delete and recreate it)"
             raise AllocateError(grpc.StatusCode.FAILED_PRECONDITION, msg) from None
         try:
