@@ -211,3 +211,53 @@ def test_the_monitor_serves_per_card_metrics(node: Any) -> None:
         in body
     )
     assert 'vgpu_card_healthy{index="3",model="Fake GPU",node="node-a",uuid="GPU-3"} 1.0' in body
+
+
+def test_a_refusing_kubelet_is_retried_with_backoff_until_it_accepts(tmp_path: Path) -> None:
+    from concurrent import futures
+
+    from vgpu.plugin.api import api_pb2, api_pb2_grpc
+
+    class Refusing(api_pb2_grpc.RegistrationServicer):
+        def __init__(self) -> None:
+            self.calls = 0
+            self.accept = False
+
+        def Register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
+            self.calls += 1
+            if not self.accept:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, "resource already registered")
+            return api_pb2.Empty()
+
+    paths = HostPaths(tmp_path)
+    paths.kubelet_dir.mkdir(parents=True)
+    peer = Refusing()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_RegistrationServicer_to_server(peer, server)
+    server.add_insecure_port(f"unix://{paths.kubelet_socket}")
+    server.start()
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(gpus_yaml())
+    daemon = Daemon(
+        NODE,
+        "kube-system",
+        paths,
+        NodeConfig(split=SPLIT),
+        FakeDiscovery(gpus),
+        MemoryAPI(),
+        None,  # type: ignore[arg-type]
+    )
+    daemon.server.watch_interval_s = 0.05
+    daemon.start()
+    try:
+        time.sleep(3.2)
+        assert 2 <= peer.calls <= 3  # at 0 s, 1 s, 3 s: not once per 50 ms watcher round
+        assert daemon.server.registrations == 0
+        peer.accept = True
+        deadline = time.monotonic() + 10
+        while daemon.server.registrations == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.server.registrations == 1
+    finally:
+        daemon.stop()
+        server.stop(0)

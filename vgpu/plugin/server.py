@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -136,6 +137,8 @@ class PluginServer:
         self._streams_stop = threading.Event()
         self._kubelet_inode: int | None = None
         self._registered = False
+        self._retry_at = 0.0
+        self._backoff_s = 1.0
         self._watcher: threading.Thread | None = None
         self.registrations = 0  # how many times Register succeeded (tests and logs)
 
@@ -202,8 +205,14 @@ class PluginServer:
             if restarted:
                 log.info("kubelet restarted (its socket was recreated); serving and registering again")
             self._serve()
-        if need_serve or inode != self._kubelet_inode or not self._registered:
-            self._registered = self._register()
+        if need_serve or inode != self._kubelet_inode:
+            self._retry_at, self._backoff_s = 0.0, 1.0  # kubelet is new: try at once
+        if not self._registered or need_serve or inode != self._kubelet_inode:
+            if time.monotonic() >= self._retry_at:
+                self._registered = self._register()
+                if not self._registered:  # kubelet answers but refuses: back off up to 30 s
+                    self._retry_at = time.monotonic() + self._backoff_s
+                    self._backoff_s = min(self._backoff_s * 2, 30.0)
         self._kubelet_inode = inode
 
     def start(self) -> None:
