@@ -446,3 +446,20 @@ def test_a_daemon_json_holding_a_list_is_refused_like_malformed_json(
     assert result.returncode != 0
     assert "is not a JSON object" in result.stdout
     assert host.snapshot() == before
+
+
+def test_check_mode_on_a_fresh_host_shows_the_daemon_json_diff_and_changes_nothing(
+    tmp_path: Path, debian_root: Path, package_source: str
+) -> None:
+    host = _make_host(tmp_path, debian_root, package_source)
+    host.write("/etc/docker/daemon.json", json.dumps(HOST_DAEMON_JSON))
+    before = host.snapshot()
+
+    result = host.play("playbooks/gpu_nodes.yml", "--check", "--diff")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert _recap(result)["changed"] > 0
+    assert '+  "default-runtime": "nvidia",' in result.stdout, result.stdout[-6000:]
+    assert host.snapshot() == before
+    assert [c for c in host.systemctl_calls() if not c.startswith("show ")] == [], (
+        "check mode restarted Docker"
+    )
