@@ -270,3 +270,26 @@ def test_a_pod_placed_by_another_scheduler_is_named_in_the_refusal(pods: Pods, t
     with pytest.raises(AllocateError, match="default/foreign .*not placed by the vgpu scheduler"):
         make(pods, tmp_path).allocate_container(["GPU-a::0"])
     assert pods.patches == []
+
+
+def test_the_region_folder_is_writable_by_any_container_user(pods: Pods, tmp_path: Path) -> None:
+    uid = pods.add("p", {"main": [("GPU-a", 1000, 0)]})
+    make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert (tmp_path / f"var/lib/vgpu/containers/{uid}_main").stat().st_mode & 0o777 == 0o777
+
+
+def test_an_unwritable_host_folder_is_an_internal_error_and_the_container_can_be_retried(
+    pods: Pods, tmp_path: Path
+) -> None:
+    pods.add("p", {"main": [("GPU-a", 1000, 0)]})
+    alloc = make(pods, tmp_path)
+    containers = tmp_path / "var/lib/vgpu/containers"
+    containers.parent.mkdir(parents=True, exist_ok=True)
+    containers.write_text("a file where a folder should be")
+    with pytest.raises(AllocateError) as info:
+        alloc.allocate_container(["GPU-a::0"])
+    assert info.value.code == grpc.StatusCode.INTERNAL and "is writable" in str(info.value)
+    assert pods.phase("p") == "bound"
+    containers.unlink()
+    assert alloc.allocate_container(["GPU-a::0"]).container == "main"
+    assert pods.phase("p") == "allocated"

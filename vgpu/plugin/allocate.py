@@ -278,6 +278,7 @@ class Allocator:
         inside = self.paths.container_dir_inside(w.uid, container.name)
         host_dir = self.paths.container_dir(w.uid, container.name)
         host_dir.mkdir(parents=True, exist_ok=True)
+        host_dir.chmod(0o777)  # the container's processes, whatever their user, create the region here
         envs = {
             "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
@@ -340,6 +341,14 @@ class Allocator:
             self._mark(w, PHASE_FAILED, str(err))
             raise AllocateError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"pod {w.namespace}/{w.name}: {err}"
+            ) from err
+        except OSError as err:  # the host folder: kubelet retries the pod, so it is not marked failed
+            with self._lock:
+                self._served_of(w).discard(container.name)
+            raise AllocateError(
+                grpc.StatusCode.INTERNAL,
+                f"cannot prepare {self.paths.container_dir(w.uid, container.name)} for pod "
+                f"{w.namespace}/{w.name}: {err.strerror}; check that {self.paths.containers_dir} is writable",
             ) from err
         if last:
             self._mark(w, PHASE_ALLOCATED, None)
