@@ -32,9 +32,9 @@ def has_gpu() -> bool:
     return smi is not None and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def run_once(env: dict[str, str], launches: int, allocs: int) -> tuple[float, float]:
+def run_once(env: dict[str, str], launches: int, allocs: int, repeats: int) -> dict[str, float]:
     out = subprocess.run(
-        [str(BUILD / "b_hook"), str(launches), str(allocs), "3"],
+        [str(BUILD / "b_hook"), str(launches), str(allocs), str(repeats)],
         env=env,
         capture_output=True,
         text=True,
@@ -44,7 +44,7 @@ def run_once(env: dict[str, str], launches: int, allocs: int) -> tuple[float, fl
     values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     if "error" in values:
         raise SystemExit(f"b_hook failed: {values['error']}")
-    return float(values["launch_us"]), float(values["alloc_free_us"])
+    return {key: float(value) for key, value in values.items()}
 
 
 def main() -> int:
@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--launches", type=int, default=100000)
     parser.add_argument("--allocs", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=3, help="timed loops per process")
     args = parser.parse_args()
     subprocess.run(["make", "-s", "-C", str(HOOK)], check=True)
     gpu = has_gpu()
@@ -76,27 +77,32 @@ def main() -> int:
                 "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"/dev/shm/vgpu-bench-{os.getpid()}"
             }
         names = list(configs)
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
         for r in range(args.rounds):  # rotate the order so no configuration always runs first
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                results[name].append(run_once(configs[name], args.launches, args.allocs))
+                results[name].append(run_once(configs[name], args.launches, args.allocs, args.repeats))
     where = (
         "GPU" if gpu else "stub driver (no GPU): the hook's bookkeeping against a driver that does nothing"
     )
-    print(f"bench_hook on {where}; {args.rounds} rounds x 3 repeats, medians (min..max of rounds)")
-    head = f"{'configuration':<22} {'launch us':>10} {'overhead':>9} {'alloc+free us':>14} {'overhead':>9}"
-    print(head + "  spread")
-    ref_launch = statistics.median(r[0] for r in results["no hook"])
-    ref_alloc = statistics.median(r[1] for r in results["no hook"])
-    for name, runs in results.items():
-        launch = statistics.median(r[0] for r in runs)
-        alloc = statistics.median(r[1] for r in runs)
+    print(f"bench_hook on {where}; {args.rounds} processes per configuration x {args.repeats} timed loops")
+    print(f"{args.launches} empty-kernel launches, {args.allocs} 1 MiB cuMemAlloc+cuMemFree per loop")
+    for title, launch_key, alloc_key, pick in (
+        ("median of the processes' medians", "launch_us", "alloc_free_us", statistics.median),
+        ("best loop of all (least disturbed)", "launch_min_us", "alloc_free_min_us", min),
+    ):
+        print(f"\n{title}")
         print(
-            f"{name:<22} {launch:>10.3f} {100 * (launch / ref_launch - 1):>8.2f}% "
-            f"{alloc:>14.3f} {100 * (alloc / ref_alloc - 1):>8.2f}%  "
-            f"launch {min(r[0] for r in runs):.3f}..{max(r[0] for r in runs):.3f}, "
-            f"alloc {min(r[1] for r in runs):.2f}..{max(r[1] for r in runs):.2f}"
+            f"{'configuration':<26} {'launch us':>10} {'overhead':>9} {'alloc+free us':>14} {'overhead':>9}"
         )
+        ref_launch = pick(r[launch_key] for r in results["no hook"])
+        ref_alloc = pick(r[alloc_key] for r in results["no hook"])
+        for name, runs in results.items():
+            launch = pick(r[launch_key] for r in runs)
+            alloc = pick(r[alloc_key] for r in runs)
+            print(
+                f"{name:<26} {launch:>10.3f} {100 * (launch / ref_launch - 1):>8.2f}% "
+                f"{alloc:>14.3f} {100 * (alloc / ref_alloc - 1):>8.2f}%"
+            )
     return 0
 
 
