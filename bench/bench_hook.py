@@ -81,6 +81,7 @@ def main() -> int:
         for r in range(args.rounds):  # rotate the order so no configuration always runs first
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 results[name].append(run_once(configs[name], args.launches, args.allocs, args.repeats))
+    Path(f"/dev/shm/vgpu-bench-{os.getpid()}").unlink(missing_ok=True)
     where = (
         "GPU" if gpu else "stub driver (no GPU): the hook's bookkeeping against a driver that does nothing"
     )
