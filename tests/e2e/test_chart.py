@@ -378,3 +378,49 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
     finally:
         helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait")
         sandbox.kubectl("delete", "lease", "--all", "-n", NS, check=False)
+
+
+SERVICE_MONITOR_CRD = {
+    # the Prometheus operator's CRD reduced to what the API server needs to serve the kind
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList", "plural": "servicemonitors"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+def test_a_service_monitor_appears_only_once_the_cluster_serves_its_kind(
+    sandbox: Sandbox, namespace: str
+) -> None:
+    helm(sandbox, "install", RELEASE, str(CHART), "-n", namespace, *ISOLATION)
+    try:
+        manifest = helm(sandbox, "get", "manifest", RELEASE, "-n", namespace).stdout
+        assert "kind: ServiceMonitor" not in manifest
+    finally:
+        helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait")
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
+    try:
+        sandbox.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com")
+        helm(sandbox, "install", RELEASE, str(CHART), "-n", namespace, *ISOLATION)
+        try:
+            monitor = get(sandbox, "servicemonitors.monitoring.coreos.com", RELEASE, "-n", NS)
+            assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/instance": RELEASE}
+        finally:
+            helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait")
+        assert get(sandbox, "servicemonitors.monitoring.coreos.com", "-n", NS)["items"] == []
+    finally:
+        sandbox.kubectl("delete", "crd", "servicemonitors.monitoring.coreos.com", "--wait=false")
