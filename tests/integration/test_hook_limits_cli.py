@@ -1,0 +1,57 @@
+"""`vgpu limits` reads and changes the region of a running hooked process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hook_harness import Built, Holder, build, env, run
+
+from vgpu.cli import main
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    return build()
+
+
+def test_show_lists_the_limit_the_usage_and_the_processes(
+    built: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    region = tmp_path / "region"
+    holder = Holder(
+        built, 300, env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region))
+    )
+    try:
+        assert main(["limits", "show", str(region), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert main(["limits", "show", str(region)]) == 0
+        table = capsys.readouterr().out
+    finally:
+        holder.release()
+    assert shown["devices"][0]["limit_bytes"] == 1 << 30 and shown["devices"][0]["used_bytes"] == 300 * MIB
+    assert shown["processes"][0]["pid"] == holder.pid
+    assert "1024 MiB" in table and "300 MiB" in table and f"process {holder.pid}" in table
+
+
+def test_set_changes_the_limit_a_running_container_allocates_against(built: Built, tmp_path: Path) -> None:
+    region = tmp_path / "region"
+    environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region))
+    holder = Holder(built, 0, environ)
+    try:
+        assert main(["limits", "set", str(region), "--device", "0", "--memory", "2g", "--sm", "50"]) == 0
+        assert run(built, "t_alloc", "procaddr", "alloc", "256", environ=environ).int("chunks") == 8
+    finally:
+        holder.release()
+
+
+def test_bad_input_is_refused_with_a_message_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["limits", "set", str(tmp_path / "none"), "--device", "0", "--memory", "4x"]) == 2
+    assert "--memory" in capsys.readouterr().err
+    assert main(["limits", "show", str(tmp_path / "none")]) == 1
+    assert "cannot open region file" in capsys.readouterr().err
