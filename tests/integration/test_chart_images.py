@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,25 @@ def test_the_hook_build_step_of_the_device_plugin_image_makes_an_exporting_libvg
     ).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     assert {"cuMemAlloc_v2", "cuGetProcAddress", "dlsym"} <= exported
+
+
+def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_path: Path) -> None:
+    """The images' build stage runs `pip install .` on pyproject.toml and vgpu/ only."""
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy(REPO / "pyproject.toml", context)
+    shutil.copytree(REPO / "vgpu", context / "vgpu", ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+        + [str(context)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (wheel,) = tmp_path.glob("vgpu-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"vgpu/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "vgpu = vgpu.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
