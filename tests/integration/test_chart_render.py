@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import argparse
 import base64
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from chart_support import (
+    CHART,
+    KUBE_VERSION,
+    NS,
+    SCENARIOS,
+    container,
+    find,
+    helm,
+    kube_scheduler_checks,
+    render,
+    scenario_id,
+)
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
@@ -19,36 +30,6 @@ from vgpu.config import load_config
 from vgpu.extender import cli as extender_cli
 from vgpu.plugin import cli as plugin_cli
 from vgpu.plugin.config import NodeConfig, parse_node_config
-from vgpu.sandbox import binaries
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "vgpu"
-SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
-KUBE_VERSION = "1.33.0"
-NS = "kube-system"
-
-
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(binaries.find("helm")), *args], capture_output=True, text=True, timeout=120, check=False
-    )
-
-
-def render(*args: str, kube_version: str = KUBE_VERSION) -> list[dict[str, Any]]:
-    """`helm template vgpu charts/vgpu -n kube-system ARGS` as a list of objects; fails on error."""
-    result = helm("template", "vgpu", str(CHART), "-n", NS, "--kube-version", kube_version, *args)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(matches) == 1, f"expected one {kind} {name}, found {[o['metadata']['name'] for o in objs]}"
-    return matches[0]
-
-
-def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(c for c in pod_spec["containers"] if c["name"] == name)
 
 
 def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -60,10 +41,6 @@ def node_config(objs: list[dict[str, Any]], node: str) -> NodeConfig:
     """What the real device plugin makes of the rendered node settings on ``node``."""
     cm = find(objs, "ConfigMap", "vgpu-device-plugin-config")
     return parse_node_config(cm["data"]["node-config.yaml"], node, "chart")
-
-
-def scenario_id(path: Path) -> str:
-    return path.name.removesuffix("-values.yaml")
 
 
 def test_the_chart_has_a_ci_values_file_for_each_install_scenario() -> None:
@@ -346,18 +323,10 @@ def test_kube_scheduler_1_33_accepts_the_rendered_configuration_and_flags(
     pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
     command = container(pod, "kube-scheduler")["command"]
     assert command[0] == "kube-scheduler"
-    flags = [f"--config={config}" if a.startswith("--config=") else a for a in command[1:]]
-    written = tmp_path / "written.yaml"
-    # --master only lets it build a client; --write-config-to exits before connecting
-    result = subprocess.run(
-        [str(binaries.find("kube-scheduler")), *flags, f"--write-config-to={written}"]
-        + ["--master=https://127.0.0.1:1", f"--cert-dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    flags = [a for a in command[1:] if not a.startswith("--config=")]
+    result = kube_scheduler_checks(config, flags, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
+    written = tmp_path / "written.yaml"
     effective = yaml.safe_load(written.read_text())
     assert effective["profiles"][0]["schedulerName"] == "vgpu-scheduler"
     assert effective["extenders"][0]["nodeCacheCapable"] is True
@@ -368,18 +337,7 @@ def test_kube_scheduler_refuses_a_broken_configuration_so_the_check_above_can_fa
     cfg["extenders"][0]["nodeCachecapable"] = cfg["extenders"][0].pop("nodeCacheCapable")
     config = tmp_path / "broken.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    result = subprocess.run(
-        [
-            str(binaries.find("kube-scheduler")),
-            f"--config={config}",
-            f"--write-config-to={tmp_path / 'w.yaml'}",
-        ]
-        + ["--master=https://127.0.0.1:1", f"--cert-dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = kube_scheduler_checks(config, [], tmp_path)
     assert result.returncode != 0
     assert "nodeCachecapable" in result.stderr
 

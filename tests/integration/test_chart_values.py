@@ -5,28 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-from vgpu.sandbox import binaries
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "vgpu"
-
-
-def template(*args: str, kube_version: str = "1.33.0") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(binaries.find("helm")), "template", "vgpu", str(CHART), "-n", "kube-system"]
-        + ["--kube-version", kube_version, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+from chart_support import CHART, template
 
 
 def leaves(doc: Any, prefix: str = "") -> set[str]:
