@@ -19,11 +19,13 @@ import sys
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
 from vgpu.sandbox import controlplane, nodes
+from vgpu.sandbox.binaries import repo_root
 
 if TYPE_CHECKING:
     from vgpu.sandbox.cluster import Sandbox, Spec
@@ -38,6 +40,12 @@ MANAGED_RESOURCES = (
     "nvidia.com/priority",
 )
 INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
+
+
+def hook_library() -> Path | None:
+    """The hook `make native` built, which the plugins install as a node's DaemonSet would."""
+    built = repo_root() / "native" / "hook" / "build" / "libvgpu.so"
+    return built if built.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,10 @@ def start_node_agents(sandbox: Sandbox, spec: Spec, progress: Callable[[str], No
     gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
     names = [nodes.node_name(i) for i in range(spec.nodes)]
     kubeconfig = layout.identity_kubeconfig("vgpu")
+    hook = hook_library()
+    hook_args = [f"--hook-library={hook}"] if hook else []
+    if hook is None:
+        progress("native/hook/build/libvgpu.so is not built (make native): containers get no hook mounts")
     for name in names:
         root = layout.node_root(name)
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -199,6 +211,7 @@ def start_node_agents(sandbox: Sandbox, spec: Spec, progress: Callable[[str], No
                 f"--fake-nvml={gpus_file}",
                 f"--config={config_file}",
                 f"--monitor-listen=127.0.0.1:{monitor_port}",
+                *hook_args,
             ),
             monitor_port,
         )
