@@ -49,11 +49,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.scheduler.kubeScheduler.imageTag | default (include "vgpu.clusterVersion" .) -}}
 {{- end -}}
 
-{{/* vgpu.hookVersion: the version directory of the hook library on the host. */}}
-{{- define "vgpu.hookVersion" -}}
-{{- .Values.devicePlugin.hook.version | default .Chart.AppVersion -}}
-{{- end -}}
-
 {{/* vgpu.extenderService: the name of the Service in front of the extender's HTTPS port. */}}
 {{- define "vgpu.extenderService" -}}
 {{- printf "%s-extender" (include "vgpu.fullname" .) -}}
