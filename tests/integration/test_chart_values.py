@@ -107,6 +107,11 @@ BAD_VALUES = [
         "leave it empty to follow the cluster",
     ),
     (
+        ["--set", "scheduler.kubeScheduler.imageTag=v1.31.9"],
+        "scheduler.kubeScheduler.imageTag=v1.31.9 is more than one minor version older than the cluster",
+        "set scheduler.kubeScheduler.imageTag to a 1.33.x tag",
+    ),
+    (
         [
             "--set",
             "scheduler.kubeScheduler.podMaxBackoffSeconds=1,scheduler.kubeScheduler.podInitialBackoffSeconds=5",
