@@ -109,9 +109,10 @@ def _debootstrap() -> str:
         return str(found)
     if shutil.which("apt-get") is None:
         pytest.skip("debootstrap is missing and there is no apt-get to install it")
-    subprocess.run(
-        ["apt-get", "install", "-y", "-q", "debootstrap"], check=True, capture_output=True, timeout=300
-    )
+    install = ["apt-get", "install", "-y", "-q", "debootstrap"]
+    if subprocess.run(install, capture_output=True, timeout=300).returncode != 0:  # stale package lists
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True, timeout=300)
+        subprocess.run(install, check=True, capture_output=True, timeout=300)
     return shutil.which("debootstrap") or "/usr/sbin/debootstrap"
 
 
