@@ -192,3 +192,24 @@ def test_an_explicit_kube_scheduler_tag_wins_over_an_unreadable_cluster_version(
     result = _version_play(tmp_path, "unknown", vgpu_scheduler_kube_scheduler_image_tag="v1.33.9")
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'TAG=v1.33.9"' in result.stdout
+
+
+def test_a_role_variable_of_the_wrong_kind_stops_the_play_naming_the_variable() -> None:
+    result = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "inventory/sandbox.yml",
+            "playbooks/gpu_nodes.yml",
+            "-e",
+            "gpu_node_container_runtime=podman",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "gpu_node_container_runtime" in result.stdout
+    assert "docker, containerd" in result.stdout, result.stdout[-3000:]
