@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import shutil
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from vgpu.sandbox.cluster import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
+ROOT_HOOK = REPO / "native" / "hook"
 SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
 NS = "vgpu-chart-test"
 RELEASE = "vgpu"
@@ -216,6 +219,16 @@ def _free_port() -> int:
         return port
 
 
+def _build_hook(work: Path) -> Path:
+    """libvgpu.so built here with the Makefile target the device plugin image uses."""
+    shutil.copytree(ROOT_HOOK, work, ignore=shutil.ignore_patterns("build"))
+    built = subprocess.run(
+        ["make", "-C", str(work), "build/libvgpu.so"], capture_output=True, text=True, timeout=300
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    return work / "build" / "libvgpu.so"
+
+
 @contextlib.contextmanager
 def _running(argv: list[str], what: str, ready: Callable[[], bool]) -> Iterator[None]:
     """Runs ``vgpu ARGV`` until the block ends; fails if it is not ready in time or if any API
@@ -244,10 +257,11 @@ SCHEDULER = "vgpu-chart-test-scheduler"  # served by no kube-scheduler of the sa
 def test_each_components_service_account_is_enough_for_the_real_component_and_no_more(
     sandbox: Sandbox, namespace: str, tmp_path: Path
 ) -> None:
-    """A device plugin and the extender run here as the chart's pods would, with the tokens of the
-    chart's ServiceAccounts and the release's certificate: the plugin writes its Node's inventory
-    and renews its Lease; the extender syncs, takes its Lease, answers over the release's TLS, and
-    places a pod (allocation annotation, Binding). Then the authorizer denies them the rest."""
+    """A device plugin and the extender run here on the chart's command lines, with the tokens of
+    the chart's ServiceAccounts and the release's certificate: the plugin writes its Node's
+    inventory, renews its Lease and installs the hook library; the extender syncs, takes its
+    Lease, answers over the release's TLS, and places a pod (allocation annotation, Binding).
+    Then the API server's authorizer denies them the rest."""
     helm(
         sandbox,
         "install",
@@ -286,9 +300,28 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
                 item["metadata"]["name"] == lease_name(node) for item in leases
             )
 
-        plugin = ["device-plugin", f"--node={node}", f"--kubeconfig={plugin_kubeconfig}", f"--namespace={NS}"]
-        plugin += [f"--root={root}", f"--fake-nvml={gpus}", f"--config={node_config}"]
-        plugin += [f"--monitor-listen=127.0.0.1:{_free_port()}"]
+        # the DaemonSet's own command line, with what a node would provide made local
+        library = _build_hook(tmp_path / "hook")
+        daemonset = get(sandbox, "daemonset", f"{RELEASE}-device-plugin", "-n", NS)["spec"]["template"][
+            "spec"
+        ]
+        command = next(c for c in daemonset["containers"] if c["name"] == "device-plugin")["command"]
+        local = {
+            "--config": str(node_config),
+            "--monitor-listen": f"127.0.0.1:{_free_port()}",
+            "--hook-library": str(library),
+        }
+        flags = [
+            f"{k}={local.get(k, v.replace('$(NODE_NAME)', node))}"
+            for k, v in (a.split("=", 1) for a in command[2:])
+        ]
+        plugin = [
+            "device-plugin",
+            *flags,
+            f"--kubeconfig={plugin_kubeconfig}",
+            f"--root={root}",
+            f"--fake-nvml={gpus}",
+        ]
 
         # the extender, with the token its container mounts, on the chart's command line
         secret = get(sandbox, "secret", f"{RELEASE}-extender-token", "-n", NS)["data"]["token"]
@@ -356,6 +389,26 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
                 bound = get(sandbox, "pod", meta["name"], "-n", NS)
                 assert bound["spec"]["nodeName"] == node
                 assert ALLOCATION_ANNOTATION in bound["metadata"]["annotations"]
+
+        # the plugin installed the hook library from the path the chart gives it, under the
+        # host's /var/lib/vgpu, with the ld.so.preload naming it, none of it world-writable
+        (installed,) = (root / "var/lib/vgpu/lib").glob("*/libvgpu.so")
+        assert installed.read_bytes() == library.read_bytes()
+        preload = installed.with_name("ld.so.preload")
+        assert preload.read_text().strip() == "/usr/local/vgpu/libvgpu.so"  # the path inside containers
+        for path in (installed.parent, installed, preload):
+            assert not path.stat().st_mode & stat.S_IWOTH, path
+        # a new build goes to a new folder; the library in use is not touched
+        in_use = installed.stat()
+        library.write_bytes(library.read_bytes() + b"\0")
+        with _running(
+            plugin,
+            "the device plugin with a new hook library",
+            lambda: len(list(installed.parent.parent.iterdir())) == 2,
+        ):
+            pass
+        assert installed.stat().st_ino == in_use.st_ino and installed.stat().st_mtime_ns == in_use.st_mtime_ns
+        assert installed.read_bytes() != library.read_bytes()
     finally:
         sandbox.kubectl("delete", "pod", "--all", "-n", NS, "--force", "--grace-period=0", check=False)
         sandbox.kubectl("delete", "node", node, "--wait=false", check=False)
