@@ -33,6 +33,9 @@ typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct { char bytes[16]; } CUuuid;
+/* only passed through by pointer */
+typedef struct CUexecAffinityParam_st CUexecAffinityParam;
+typedef struct CUctxCreateParams_st CUctxCreateParams;
 
 typedef enum {
     CU_GET_PROC_ADDRESS_SUCCESS = 0,

@@ -175,6 +175,19 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev
     return rc;
 }
 
+EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags,
+                               CUdevice dev) {
+    CUresult rc = CU_REAL(cuCtxCreate_v3, (pctx, paramsArray, numParams, flags, dev));
+    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
+    return rc;
+}
+
+EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev) {
+    CUresult rc = CU_REAL(cuCtxCreate_v4, (pctx, ctxCreateParams, flags, dev));
+    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
+    return rc;
+}
+
 /* What the process sees: the vGPU, total = its limit, free = what is left of it. */
 EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     CUresult rc = CU_REAL(cuMemGetInfo_v2, (free_bytes, total_bytes));

@@ -99,13 +99,15 @@ static int reap_locked(void) {
 /* After a holder died mid-update: reap, then recompute the totals from the slots. */
 static void repair_locked(void) {
     VGPU_LOG(VGPU_LOG_INFO, "a process died holding the region lock; recovering");
+    if (R.h->seq & 1) R.h->seq++; /* it died mid-update: readers must not wait for it */
     reap_locked();
     uint64_t sum[VGPU_MAX_DEVICES] = {0};
     for (int k = 0; k < VGPU_MAX_PROCS; k++)
         if (R.slots[k].active)
             for (int i = 0; i < VGPU_MAX_DEVICES; i++) sum[i] += R.slots[k].used[i];
+    seq_begin();
     memcpy(R.h->used, sum, sizeof sum);
-    if (R.h->seq & 1) R.h->seq++;
+    seq_end();
 }
 
 static int lock(void) {

@@ -366,3 +366,21 @@ def test_nvidia_smi_under_the_hook_lists_the_containers_processes_with_their_usa
     # (see docs/hook.md): it lists the same processes, with the driver's figure for their memory.
     listed = {int(p) for p, _ in (line.split(", ") for line in apps.splitlines() if line)}
     assert listed == {p.pid for p in accounted}
+
+
+@pytest.mark.parametrize("create", ["v2", "v3", "v4"])
+def test_a_context_made_with_cuCtxCreate_is_charged_its_reserve(
+    lib: Path, tmp_path: Path, create: str
+) -> None:
+    env = hook_env(lib, tmp_path / "region", TEST_CTX_CREATE=create)
+    out = subprocess.run(
+        [str(BUILD / "tests" / "t_alloc"), "dlsym", "alloc", "256"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    values = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    record(f"ctx-create-{create}", **values)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert int(values["chunks"]) == (LIMIT_MIB - 640) // 256

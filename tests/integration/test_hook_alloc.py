@@ -104,6 +104,16 @@ def test_each_process_is_charged_its_context_footprint_once_per_device(built: Bu
     assert info.int("cu_free") == 768 * MIB and info.int("nvml2_used") == 256 * MIB
 
 
+@pytest.mark.parametrize("create", ["v2", "v3", "v4"])
+@pytest.mark.parametrize("mode", ["dlsym", "procaddr"])
+def test_a_context_made_with_any_cuCtxCreate_version_is_charged_too(
+    built: Built, create: str, mode: str
+) -> None:
+    environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", VGPU_CONTEXT_RESERVE="256m", TEST_CTX_CREATE=create)
+    r = run(built, "t_alloc", mode, "alloc", "256", environ=environ)
+    assert r.int("chunks") == 3, r.values
+
+
 def test_the_default_context_reserve_is_charged_when_none_is_configured(built: Built) -> None:
     environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g")
     del environ["VGPU_CONTEXT_RESERVE"]

@@ -149,6 +149,16 @@ CUresult impl_cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) 
     return rc;
 }
 
+CUresult impl_cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *params, int n, unsigned int flags, CUdevice dev) {
+    (void)params, (void)n;
+    return impl_cuCtxCreate_v2(pctx, flags, dev);
+}
+
+CUresult impl_cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags, CUdevice dev) {
+    (void)params;
+    return impl_cuCtxCreate_v2(pctx, flags, dev);
+}
+
 CUresult impl_cuCtxSetCurrent(CUcontext ctx) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     current = ctx;

@@ -65,7 +65,18 @@ static inline CUdevice open_device(int ordinal) {
     CUdevice dev;
     if ((rc = R(cuDeviceGet, "cuDeviceGet")(&dev, ordinal))) die("cuDeviceGet", rc);
     CUcontext ctx;
-    if ((rc = R(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")(&ctx, dev))) die("cuDevicePrimaryCtxRetain", rc);
+    const char *create = getenv("TEST_CTX_CREATE"); /* v2, v3, v4: cuCtxCreate instead of the primary context */
+    if (create && strcmp(create, "v4") == 0) {
+        if ((rc = R(cuCtxCreate_v4, "cuCtxCreate")(&ctx, NULL, 0, dev))) die("cuCtxCreate_v4", rc);
+    } else if (create && strcmp(create, "v3") == 0) {
+        __typeof__(&cuCtxCreate_v3) v3 = (__typeof__(v3))dlsym(cuda_handle, "cuCtxCreate_v3");
+        if (!v3 || (rc = v3(&ctx, NULL, 0, 0, dev))) die("cuCtxCreate_v3", rc);
+    } else if (create && strcmp(create, "v2") == 0) {
+        __typeof__(&cuCtxCreate_v2) v2 = (__typeof__(v2))dlsym(cuda_handle, "cuCtxCreate_v2");
+        if (!v2 || (rc = v2(&ctx, 0, dev))) die("cuCtxCreate_v2", rc);
+    } else {
+        if ((rc = R(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")(&ctx, dev))) die("cuDevicePrimaryCtxRetain", rc);
+    }
     if ((rc = R(cuCtxSetCurrent, "cuCtxSetCurrent")(ctx))) die("cuCtxSetCurrent", rc);
     return dev;
 }
