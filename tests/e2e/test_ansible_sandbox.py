@@ -233,3 +233,11 @@ def test_a_node_missing_from_the_cluster_stops_the_play_naming_the_fix(
     assert result.returncode != 0
     assert "Node no-such-node is not registered with the cluster" in result.stdout
     assert "Fix: join the node to the cluster first" in result.stdout
+
+
+def test_upgrade_playbook_without_an_installed_release_stops_naming_the_fix(sandbox: Sandbox) -> None:
+    result = _play(sandbox, "upgrade.yml", "-e", "vgpu_scheduler_release_name=never-installed")
+    assert result.returncode != 0
+    assert "There is no release never-installed in namespace kube-system to upgrade" in result.stdout
+    assert "Fix: install it first with playbooks/site.yml" in result.stdout
+    assert _release(sandbox, "never-installed") is None

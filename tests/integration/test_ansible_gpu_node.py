@@ -464,3 +464,18 @@ def test_check_mode_on_a_fresh_host_shows_the_daemon_json_diff_and_changes_nothi
     assert [c for c in host.systemctl_calls() if not c.startswith("show ")] == [], (
         "check mode restarted Docker"
     )
+
+
+def test_a_driver_older_than_required_stops_the_play_and_leaves_the_host_as_it_was(
+    tmp_path: Path, debian_root: Path, package_source: str
+) -> None:
+    host = _make_host(tmp_path, debian_root, package_source, gpu_node_driver_min_version="560.28")
+    before = host.snapshot()
+
+    result = host.play()
+    assert result.returncode != 0
+    assert (
+        "The NVIDIA driver on test-node is 550.54.15, older than gpu_node_driver_min_version=560.28"
+        in result.stdout
+    )
+    assert host.snapshot() == before
