@@ -1,5 +1,7 @@
-"""The Helm chart against the sandbox's real API server: server-side dry runs of every scenario,
-then install, upgrade and uninstall of one release in a namespace of its own."""
+"""The Helm chart against the sandbox's real API server, in a namespace of its own: server-side
+dry runs of every scenario, bad values refused at install, install/upgrade/uninstall of a release,
+the real extender and device plugin running with the chart's ServiceAccounts and command lines,
+and the ServiceMonitor once the cluster serves its kind."""
 
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def get(sandbox: Sandbox, *args: str) -> Any:
 def owned(sandbox: Sandbox) -> list[str]:
     """Every object of the release, cluster-wide and in its namespace, as kind/name."""
     selector = f"app.kubernetes.io/instance={RELEASE}"
-    found = get(sandbox, CLUSTER_KINDS, "-l", selector)["items"]
+    cluster_wide = get(sandbox, CLUSTER_KINDS, "-l", selector)["items"]
+    found = [o for o in cluster_wide if NS in o["metadata"]["name"]]  # not another namespace's release
     found += get(sandbox, NAMESPACED_KINDS, "-n", NS, "-l", selector)["items"]
     found += [
         s
