@@ -145,16 +145,24 @@ class Kube:
             raise _wrap(f"annotate pod {namespace}/{name}", err) from err
         return _json(resp)
 
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
-        """Create the pod's Binding to ``node``.
+    def bind_pod(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str] | None = None
+    ) -> None:
+        """Create the pod's Binding to ``node``; ``annotations`` land on the pod in the same write.
 
+        The API server merges a Binding's annotations into the pod as it sets ``spec.nodeName``,
+        in one update: the pod is never bound without them, nor annotated without being bound.
+        The UID is a precondition: a pod deleted and re-created under the same name is not bound.
         ``_preload_content=False``: the API server answers a Binding with a Status object, which
         the generated client fails to read back as a V1Binding (a spurious ValueError).
         """
+        meta: Obj = {"name": name, "namespace": namespace, "uid": uid}
+        if annotations:
+            meta["annotations"] = dict(annotations)
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         try:
@@ -344,6 +352,22 @@ class NodeAgentClient(Kube):
             resp.release_conn()
         except ApiException as err:
             raise _wrap(f"update the status of node {node}", err) from err
+
+    def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None:
+        """Mark a pod Failed as kubelet does when it rejects it at admission (the sandbox's kubelet)."""
+        body = {"status": {"phase": "Failed", "reason": reason, "message": message}}
+        try:
+            resp = self.core.patch_namespaced_pod_status(
+                name,
+                namespace,
+                body,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            resp.release_conn()
+        except ApiException as err:
+            raise _wrap(f"mark pod {namespace}/{name} Failed", err) from err
 
     def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
         """Create the Lease, or renew it; a concurrent writer (409) is retried with a fresh copy."""

@@ -91,6 +91,7 @@ class Ledger:
         self._pods: dict[str, tuple[str, dict[str, Usage]]] = {}
         self._nodes: dict[str, dict[str, Usage]] = {}
         self.version = 0  # bumped on every change; lets readers cache what they derive
+        self._node_versions: dict[str, int] = {}
 
     def commit(self, uid: str, node: str, fp: Footprint) -> None:
         """Record (or replace) what pod ``uid`` holds on ``node``."""
@@ -100,6 +101,7 @@ class Ledger:
             cards[uuid] = cards.get(uuid, ZERO) + u
         self._pods[uid] = (node, dict(fp))
         self.version += 1
+        self._node_versions[node] = self.version
 
     def release(self, uid: str) -> bool:
         """Forget pod ``uid``; True when it held something."""
@@ -117,7 +119,12 @@ class Ledger:
         if not cards:
             del self._nodes[node]
         self.version += 1
+        self._node_versions[node] = self.version
         return True
+
+    def node_version(self, node: str) -> int:
+        """Changes whenever what ``node`` holds changes: a key for caching per-node results."""
+        return self._node_versions.get(node, 0)
 
     def node_of(self, uid: str) -> str | None:
         entry = self._pods.get(uid)

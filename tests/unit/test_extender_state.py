@@ -56,16 +56,23 @@ def test_a_finished_pod_frees_its_capacity() -> None:
     assert st.ledger.usage("a") == {}
 
 
-def test_an_event_older_than_what_the_ledger_reflects_is_ignored() -> None:
+def test_an_event_without_the_allocation_never_frees_capacity() -> None:
     st = state()
     st.apply_pod(alloc_pod("u1", 10))
-    stale = alloc_pod("u1", 9)
-    del stale["metadata"]["annotations"][ann.ALLOCATION_ANNOTATION]
-    st.apply_pod(stale)  # e.g. the watch delivering the pod as it was before our bind's patch
+    late = alloc_pod("u1", 9)
+    del late["metadata"]["annotations"][ann.ALLOCATION_ANNOTATION]
+    st.apply_pod(late)  # e.g. the watch delivering the pod as it was before our bind
     assert st.ledger.node_of("u1") == "a"
     newer = alloc_pod("u1", 11)
     del newer["metadata"]["annotations"][ann.ALLOCATION_ANNOTATION]
-    st.apply_pod(newer)  # the annotation was really removed
+    st.apply_pod(newer)
+    assert st.ledger.node_of("u1") == "a"
+
+
+def test_an_event_older_than_what_the_ledger_reflects_is_ignored() -> None:
+    st = state()
+    st.apply_pod(alloc_pod("u1", 10, phase="Succeeded"))
+    st.apply_pod(alloc_pod("u1", 9))  # the running pod, delivered after it finished
     assert st.ledger.node_of("u1") is None
 
 

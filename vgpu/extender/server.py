@@ -70,6 +70,7 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
             "child_exit": _child_exit,
             "worker_exit": _worker_exit,
             "proc_name": "vgpu-extender",
+            "ssl_context": _cached_ssl_context,
         }
         if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 24: one shared path per user
             settings["control_socket_disable"] = True
@@ -81,6 +82,24 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
 
     def load(self) -> Any:
         return build_worker_app(self.config_)
+
+
+_SSL_CACHE: dict[str, Any] = {}
+
+
+def _cached_ssl_context(conf: Any, default_factory: Any) -> Any:
+    """One SSLContext per process, rebuilt when the certificate or key file changes.
+
+    gunicorn's default builds a new context (and reads the key) for every connection; under a
+    burst, when kube-scheduler opens more connections than it keeps idle, that dominated the CPU.
+    """
+    stamp = tuple(
+        os.stat(p).st_mtime_ns if p and os.path.exists(p) else 0 for p in (conf.certfile, conf.keyfile)
+    )
+    if _SSL_CACHE.get("stamp") != stamp:
+        _SSL_CACHE["context"] = default_factory()
+        _SSL_CACHE["stamp"] = stamp
+    return _SSL_CACHE["context"]
 
 
 def _when_ready(cfg: SchedulerConfig) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
-from vgpu.errors import AnnotationError, ConflictError, KubeError, RequestError
+from vgpu.errors import AnnotationError, KubeError, RequestError
 from vgpu.fit import Plan, Rejection, fit_node, utilization
 from vgpu.ledger import Ledger, Usage, footprint
 from vgpu.policy import node_scores
@@ -36,11 +36,9 @@ class KubeAPI(Protocol):
 
     def get_pod(self, namespace: str, name: str) -> Obj | None: ...
 
-    def patch_pod_annotations(
-        self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
-    ) -> Obj: ...
-
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+    def bind_pod(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str] | None = None
+    ) -> None: ...
 
 
 @dataclass
@@ -81,6 +79,9 @@ class SchedulerState:
         self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
         self.binding: set[str] = set()  # uids with a bind in flight
         self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
+        # per node, for the pod filtered last: (ledger node version, inventory, utilisation with it)
+        self._filtered: tuple[str, dict[str, tuple[int, Any, float]]] = ("", {})
+        self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
         self.synced = threading.Event()
         self.leader = threading.Event()
         self.inventory_errors = 0
@@ -163,18 +164,22 @@ class SchedulerState:
                 self.ledger.release(uid)
                 self.pod_rv.pop(uid, None)
                 self.recent_pods.pop(uid, None)
+                self._pod_raw.pop(uid, None)
                 return
             if rv and rv < self.pod_rv.get(uid, 0):
                 return  # older than what the ledger already reflects (e.g. our own bind's patch)
             self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
             if (pod.get("status") or {}).get("phase") in TERMINAL:
+                self._pod_raw.pop(uid, None)
                 self.ledger.release(uid)  # finished pods hold nothing, as for any Kubernetes resource
                 return
             raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
             if raw is None:
-                if uid not in self.binding:
-                    self.ledger.release(uid)
+                # Not (yet) placed, or an event from before our own bind that the watch delivers
+                # late: either way nothing to change. Only deletion or finishing frees capacity.
                 return
+            if self._pod_raw.get(uid) == raw and self.ledger.node_of(uid) is not None:
+                return  # the same allocation as already committed (most events are status updates)
             try:
                 allocation = ann.decode_allocation(raw)
             except AnnotationError as err:
@@ -187,6 +192,7 @@ class SchedulerState:
             except RequestError:
                 phases = None  # count every container at once: never less than the truth
             self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
+            self._pod_raw[uid] = raw
 
     def replace_pods(self, pods: Iterable[Obj]) -> None:
         """A fresh list: forget pods it no longer has (except binds in flight), apply the rest."""
@@ -197,6 +203,7 @@ class SchedulerState:
                 if uid not in seen and uid not in self.binding:
                     self.ledger.release(uid)
                     self.pod_rv.pop(uid, None)
+                    self._pod_raw.pop(uid, None)
             for p in pods:
                 self.apply_pod(p)
 
@@ -236,7 +243,9 @@ class SchedulerState:
             return FilterResult(nodes=list(node_names))
         result = FilterResult()
         now = self.clock()
+        cache: dict[str, tuple[int, Any, float]] = {}
         with self.lock:
+            self._filtered = (uid or "", cache)  # prioritize, called next for this pod, reuses it
             if uid:
                 self.recent_pods[uid] = pod
                 if len(self.recent_pods) > 4096:
@@ -248,15 +257,12 @@ class SchedulerState:
                     continue
                 entry = self.nodes[name]
                 assert entry.inventory is not None
-                outcome = fit_node(
-                    name,
-                    entry.inventory,
-                    self.ledger.usage(name, excluding=uid),
-                    request,
-                    self.config.gpu_policy,
-                )
+                usage = self.ledger.usage(name, excluding=uid)
+                outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy)
                 if isinstance(outcome, Plan):
                     result.nodes.append(name)
+                    util = utilization(entry.inventory, usage, outcome.footprint)
+                    cache[name] = (self.ledger.node_version(name), entry.inventory, util)
                 elif outcome.unresolvable:
                     result.unresolvable[name] = outcome.reason
                 else:
@@ -277,9 +283,14 @@ class SchedulerState:
         util: dict[str, float] = {}
         now = self.clock()
         with self.lock:
+            cached = self._filtered[1] if uid and self._filtered[0] == uid else {}
             for name in node_names:
                 entry = self.nodes.get(name)
                 if entry is None or entry.inventory is None or self.node_problem(name, now):
+                    continue
+                hit = cached.get(name)
+                if hit is not None and hit[0] == self.ledger.node_version(name) and hit[1] is entry.inventory:
+                    util[name] = hit[2]
                     continue
                 usage = self.ledger.usage(name, excluding=uid)
                 outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy)
@@ -335,31 +346,10 @@ class SchedulerState:
             annotations = {
                 ann.ALLOCATION_ANNOTATION: ann.encode_allocation(outcome.allocation),
                 ann.PHASE_ANNOTATION: ann.PHASE_BOUND,
-                ann.REASON_ANNOTATION: None,
             }
-            try:
-                patched = self.kube.patch_pod_annotations(namespace, name, annotations, uid=uid)
-            except KubeError as err:
-                self._undo(uid)
-                return str(err), "error"
-            with self.lock:
-                self.pod_rv[uid] = max(self.pod_rv.get(uid, 0), _rv(patched))
-            error = self._create_binding(namespace, name, uid, node)
+            error = self._create_binding(namespace, name, uid, node, annotations)
             if error:
                 self._undo(uid)
-                try:  # best effort: leave no stale allocation on a pod that stays Pending
-                    cleared = self.kube.patch_pod_annotations(
-                        namespace, name, dict.fromkeys(annotations), uid=uid
-                    )
-                    with self.lock:
-                        self.pod_rv[uid] = max(self.pod_rv.get(uid, 0), _rv(cleared))
-                except KubeError as err:
-                    log.warning(
-                        "pod %s/%s: could not clear the allocation after a failed bind: %s",
-                        namespace,
-                        name,
-                        err,
-                    )
             return error, "error"
         finally:
             with self.lock:
@@ -369,20 +359,24 @@ class SchedulerState:
         with self.lock:
             self.ledger.release(uid)
 
-    def _create_binding(self, namespace: str, name: str, uid: str, node: str) -> str:
+    def _create_binding(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str] | None = None
+    ) -> str:
+        """Bind (with the allocation, in the same write); "" on success, else why not."""
         assert self.kube is not None
         try:
-            self.kube.bind_pod(namespace, name, uid, node)
-        except ConflictError as err:
-            # already bound (a retry after our own earlier success, e.g. across a restart)?
+            self.kube.bind_pod(namespace, name, uid, node, annotations)
+        except KubeError as err:
+            # did it take after all (a timeout, or a retry after our own earlier success)?
             try:
                 pod = self.kube.get_pod(namespace, name)
             except KubeError:
                 pod = None
-            if pod is not None and (pod.get("spec") or {}).get("nodeName") == node:
-                return ""
-            return str(err)
-        except KubeError as err:
+            if pod is not None and (pod.get("metadata") or {}).get("uid") == uid:
+                got = (pod.get("metadata") or {}).get("annotations") or {}
+                same = all(got.get(k) == v for k, v in (annotations or {}).items())
+                if (pod.get("spec") or {}).get("nodeName") == node and same:
+                    return ""
             return str(err)
         return ""
 

@@ -1,0 +1,389 @@
+"""Figures for the scheduler: pods per second through the real kube-scheduler, and filter latency.
+
+Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--filter-calls 200]
+
+For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
+(80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
+with a kube-scheduler profile calling it over verified TLS. Then, on the same cluster:
+
+1. kube-scheduler alone (a profile without extender): P pods asking for plain ``cpu``.
+2. with the extender (filter, prioritize and bind): P pods asking ``nvidia.com/gpumem: 1000``.
+   In both, the pods are created first and the scheduler started after, since creating pods
+   through the API is slower than scheduling them here; pods/s from the first bound pod to the
+   last, as a watch on the pods sees them.
+3. at the largest size: ``/filter`` called directly over HTTPS with every node's name, the pod
+   asking one vGPU: p50/p99 as the caller sees it (JSON and TLS included), and the extender's own
+   filter histogram over the burst (bucket upper bounds).
+
+Prints one line per figure and the machine; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from vgpu import annotations as ann
+from vgpu.kube import Kube, now_micro
+from vgpu.sandbox import controlplane
+from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu.sandbox.pki import CertificateAuthority
+
+SCHEDULER = "vgpu-bench"
+NAMESPACE = "bench"
+GROUP = "vgpu.openaios.io/bench"
+MANAGED = ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_items(n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    nodes, leases = [], []
+    for i in range(n):
+        name = f"bench-{i}"
+        devices = tuple(
+            ann.Device(f"GPU-{name}-{k}", k, "NVIDIA A100", 81920, 100, 10, numa=k // 4) for k in range(8)
+        )
+        res = {"cpu": "64", "memory": "512Gi", "pods": "250", "nvidia.com/gpu": "80"}
+        nodes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {GROUP: "yes", "kubernetes.io/hostname": name, "type": "kwok"},
+                    "annotations": {
+                        "kwok.x-k8s.io/node": "fake",
+                        ann.DEVICES_ANNOTATION: ann.encode_devices(ann.NodeInventory(devices)),
+                    },
+                },
+                "status": {"capacity": res, "allocatable": res},
+            }
+        )
+        leases.append(
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": ann.lease_name(name), "namespace": "kube-system"},
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": 36000, "renewTime": now_micro()},
+            }
+        )
+    return nodes, leases
+
+
+def create(sb: Sandbox, items: list[dict[str, Any]], chunk: int = 250) -> None:
+    for i in range(0, len(items), chunk):
+        doc = {"apiVersion": "v1", "kind": "List", "items": items[i : i + chunk]}
+        sb.kubectl("create", "-f", "-", input=json.dumps(doc), timeout=600)
+
+
+def pod(name: str, scheduler: str, limits: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "schedulerName": scheduler,
+            "nodeSelector": {GROUP: "yes"},
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {"name": "main", "image": "x", "resources": {"limits": limits, "requests": limits}}
+            ],
+        },
+    }
+
+
+def start_scheduler(sb: Sandbox, folder: Path, name: str, config_json: str) -> subprocess.Popen[bytes]:
+    config = folder / f"{name}.json"
+    config.write_text(config_json)
+    log = (folder / f"{name}.log").open("ab")
+    argv = controlplane.scheduler_argv(sb.bin("kube-scheduler"), config)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _tree(pid: int) -> list[int]:
+    out = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+            for child in children:
+                out.extend(_tree(int(child)))
+    except OSError:
+        pass
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its descendants, in seconds."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_report(before: dict[str, float], after: dict[str, float], pods: int) -> str:
+    parts = [f"{k} {(after[k] - before.get(k, 0)) * 1000 / pods:.1f}" for k in after]
+    return "CPU ms per pod: " + ", ".join(parts)
+
+
+def burst(sb: Sandbox, kube: Kube, scheduler: str, count: int, limits: dict[str, str], start: Any) -> float:
+    """Pods/s binding ``count`` pods that wait for their scheduler, once ``start()`` has started it.
+
+    The pods are created first (creating them is slower than scheduling them here), then the
+    scheduler starts; the rate is taken from the first bound pod to the last, as a watch sees them.
+    """
+    create(sb, [pod(f"{scheduler}-{i}", scheduler, limits) for i in range(count)])
+    selector = f"metadata.namespace={NAMESPACE},spec.schedulerName={scheduler}"
+    _, rv = kube.list_pods(field_selector=selector)
+    proc = start()
+    watched = dict(WATCHED)
+    watched["kube-scheduler"] = proc.pid
+    before = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    bound: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 900
+        while len(bound) < count and time.monotonic() < deadline:
+            for kind, obj in kube.watch_pods(rv, field_selector=selector, timeout_s=60):
+                rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                if kind != "BOOKMARK" and (obj.get("spec") or {}).get("nodeName"):
+                    bound.setdefault(obj["metadata"]["name"], time.monotonic())
+                if len(bound) >= count:
+                    break
+        if len(bound) < count:
+            raise RuntimeError(f"{scheduler}: {count - len(bound)} pods still pending after 900 s")
+        after = {name: cpu_seconds(pid) for name, pid in watched.items()}
+        LAST_CPU[0] = cpu_report(before, after, count)
+        times = sorted(bound.values())
+        return (count - 1) / max(times[-1] - times[0], 1e-3)
+    finally:
+        stop(proc)
+
+
+WATCHED: dict[str, int] = {}  # name -> pid of the processes whose CPU a burst reports
+LAST_CPU = [""]
+
+
+def delete_pods(sb: Sandbox, kube: Kube) -> None:
+    sb.kubectl("delete", "pods", "-n", NAMESPACE, "--all", "--wait=false", timeout=600)
+    while kube.list_pods(field_selector=f"metadata.namespace={NAMESPACE}")[0]:
+        time.sleep(0.5)
+
+
+class Extender:
+    def __init__(self, sb: Sandbox, folder: Path) -> None:
+        ca = CertificateAuthority(folder / "pki")
+        self.ca_path = str(ca.cert_path)
+        pair = ca.issue("extender", ["127.0.0.1"])
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        env["VGPU_LEADER_LEASE"] = "vgpu-bench-extender"
+        argv = [
+            sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sb.kubeconfig}",
+            f"--listen=127.0.0.1:{self.port}", f"--cert-file={pair.cert}", f"--key-file={pair.key}",
+            f"--metrics-listen=127.0.0.1:{self.metrics_port}", "--namespace=kube-system",
+            f"--scheduler-name={SCHEDULER}", "--identity=bench",
+        ]  # fmt: skip
+        log = (folder / "extender.log").open("ab")
+        self.procs = [
+            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        ]
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(self.url + "/readyz", verify=self.ca_path, timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("extender not ready; see " + str(folder / "extender.log"))
+            time.sleep(0.3)
+        self.scheduler_config = controlplane.scheduler_config(
+            sb.kubeconfig,
+            scheduler_name=SCHEDULER,
+            extender_url=self.url,
+            extender_ca_b64=base64.b64encode(ca.pem).decode(),
+            managed_resources=MANAGED,
+        )
+
+    def verb_latency(self) -> str:
+        """Per verb, from the extender's histogram: calls, mean, and the bucket holding p50/p99."""
+        text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        out = []
+        for verb in ("filter", "prioritize", "bind"):
+            buckets: list[tuple[float, float]] = []
+            total = count = 0.0
+            for line in text.splitlines():
+                if f'verb="{verb}"' not in line:
+                    continue
+                value = float(line.split()[-1])
+                if line.startswith("vgpu_scheduler_verb_duration_seconds_bucket{"):
+                    le = line.split('le="')[1].split('"')[0]
+                    buckets.append((float("inf") if le == "+Inf" else float(le), value))
+                elif line.startswith("vgpu_scheduler_verb_duration_seconds_sum"):
+                    total = value
+                elif line.startswith("vgpu_scheduler_verb_duration_seconds_count"):
+                    count = value
+            if not count:
+                continue
+            buckets.sort()
+            p50 = next(le for le, c in buckets if c >= count * 0.5)
+            p99 = next(le for le, c in buckets if c >= count * 0.99)
+            out.append(
+                f"{verb} {int(count)} calls mean {total / count * 1000:.1f} ms "
+                f"p50 <= {p50 * 1000:g} ms p99 <= {p99 * 1000:g} ms"
+            )
+        return "; ".join(out) or "no calls recorded"
+
+    def stop(self) -> None:
+        for p in self.procs:
+            stop(p)
+
+
+def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, float, int]:
+    body = json.dumps(
+        {
+            "Pod": {
+                "metadata": {"name": "probe", "namespace": NAMESPACE, "uid": "probe-uid"},
+                "spec": {
+                    "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpumem": "1000"}}}]
+                },
+            },
+            "NodeNames": names,
+        }
+    )
+    session = requests.Session()  # one TLS connection, kept alive, as kube-scheduler does
+    headers = {"Content-Type": "application/json"}
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        # verify= per call: a session-wide setting loses to REQUESTS_CA_BUNDLE in the environment
+        r = session.post(ext.url + "/filter", data=body, headers=headers, verify=ext.ca_path, timeout=30)
+        times.append(time.perf_counter() - start)
+        answer = r.json()
+        if r.status_code != 200 or answer.get("Error"):
+            raise RuntimeError(f"filter failed: HTTP {r.status_code}: {r.text[:300]}")
+        passed = len(answer["NodeNames"])
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], passed
+
+
+def run_size(n: int, pods: int, filter_calls: int, work: Path) -> None:
+    sb = Sandbox(work / f"sandbox-{n}")
+    sb.up(Spec(nodes=1, product=False))
+    ext = None
+    try:
+        kube = Kube(str(sb.kubeconfig))
+        sb.kubectl("create", "namespace", NAMESPACE)
+        nodes, leases = node_items(n)
+        t0 = time.monotonic()
+        create(sb, nodes)
+        create(sb, leases)
+        while True:
+            listed, _ = kube.list_nodes()
+            ready = sum(
+                1
+                for x in listed
+                if x["metadata"]["name"].startswith("bench-")
+                and any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in x.get("status", {}).get("conditions", [])
+                )
+            )
+            if ready >= n:
+                break
+            time.sleep(1)
+        print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
+        folder = work / f"ext-{n}"
+        ext = Extender(sb, folder)
+        state = sb.state()
+        WATCHED.clear()
+        for c in state.components if state else []:
+            if c.name in ("kube-apiserver", "etcd", "kwok"):
+                WATCHED[c.name] = c.pid
+        WATCHED["extender"] = ext.procs[0].pid
+        plain = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="plain-bench")
+        rate = burst(
+            sb, kube, "plain-bench", pods, {"cpu": "10m"}, lambda: start_scheduler(sb, folder, "plain", plain)
+        )
+        print(f"[{n} nodes] kube-scheduler alone:           {pods} pods, {rate:6.1f} pods/s", flush=True)
+        print(f"[{n} nodes]   {LAST_CPU[0]}", flush=True)
+        delete_pods(sb, kube)
+        rate = burst(
+            sb,
+            kube,
+            SCHEDULER,
+            pods,
+            {"nvidia.com/gpumem": "1000"},
+            lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),
+        )
+        print(f"[{n} nodes] kube-scheduler + vGPU extender: {pods} pods, {rate:6.1f} pods/s", flush=True)
+        print(f"[{n} nodes]   {LAST_CPU[0]}", flush=True)
+        print(f"[{n} nodes] extender, server side, during the burst: {ext.verb_latency()}", flush=True)
+        if filter_calls:
+            names = [x["metadata"]["name"] for x in nodes]
+            p50, p99, passed = filter_latency(ext, names, filter_calls)
+            print(
+                f"[{n} nodes] /filter with all {n} nodes, {filter_calls} calls over HTTPS: "
+                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms ({passed} nodes passed)",
+                flush=True,
+            )
+        delete_pods(sb, kube)
+    finally:
+        if ext is not None:
+            ext.stop()
+        sb.down()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--nodes", default="100,1000", help="comma list of cluster sizes")
+    parser.add_argument("--pods", type=int, default=500, help="pods per burst")
+    parser.add_argument(
+        "--filter-calls", type=int, default=200, help="direct /filter calls at the largest size"
+    )
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.nodes.split(",")]
+    print(
+        f"machine: {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}", flush=True
+    )
+    with tempfile.TemporaryDirectory(prefix="vgpu-bench-sched-") as tmp:
+        for n in sizes:
+            run_size(n, args.pods, args.filter_calls if n == max(sizes) else 0, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
