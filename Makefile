@@ -37,10 +37,12 @@ e2e: setup
 gpu-test: venv native ## on a machine with an NVIDIA GPU
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
-lint: venv
+lint: venv tools ## ruff, mypy, ansible-lint, helm lint --strict
 	$(BIN)/ruff check vgpu tests bench
 	$(BIN)/ruff format --check vgpu tests bench
 	$(BIN)/mypy
+	@if [ -d roles ]; then PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ansible-lint --offline -q playbooks roles; fi
+	@if [ -d charts/vgpu ]; then $(VGPU_BIN_DIR)/current/helm lint --strict charts/vgpu; fi
 
 proto: venv ## regenerate the kubelet device-plugin stubs
 	@if [ -f vgpu/plugin/proto.mk ]; then $(MAKE) -f vgpu/plugin/proto.mk BIN=$(BIN); fi
