@@ -260,10 +260,11 @@ def test_init_and_app_containers_each_get_their_own_share(agent: Agent) -> None:
 
 
 def test_several_pods_waiting_at_once_each_get_their_own_limits(agent: Agent) -> None:
+    threading.Thread(target=agent.kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
     wanted = {f"wait-{k}": (k % 4, 1000 + 100 * k, 5 * k) for k in range(6)}
     for name, (card, mem, cores) in wanted.items():
         agent.create_pod(name, {"main": [(card, mem, cores)]})
-    agent.admit(len(wanted))
+    assert _wait(lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in wanted))
     uids = {name: agent.pod(name)["metadata"]["uid"] for name in wanted}
     for name, (card, mem, cores) in wanted.items():
         # GetPreferredAllocation steered kubelet to IDs on the card the scheduler chose
@@ -274,6 +275,48 @@ def test_several_pods_waiting_at_once_each_get_their_own_limits(agent: Agent) ->
         assert envs["NVIDIA_VISIBLE_DEVICES"] == agent.uuid(card), name
         assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{mem}m", name
         assert envs["CUDA_DEVICE_SM_LIMIT_0"] == str(cores), name
+        assert (
+            envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+            == f"/var/lib/vgpu/containers/{uids[name]}_main/vgpu.region"
+        )
+
+
+def test_pods_a_restarted_kubelet_cannot_order_are_refused_never_swapped(agent: Agent) -> None:
+    # kubelet down while pods are bound: back up, it admits them as one batch sorted by
+    # creation second, ties in no defined order. Where the plugin cannot know that order it
+    # must refuse (kubelet fails that pod) and never give a pod another's limits.
+    agent.daemon.allocator.tie_wait_s = 1.0
+    agent.kubelet.stop()
+    pods = {f"tie-{k}": (k, 1000 * (k + 1), 10 * (k + 1)) for k in range(3)}
+    for name, (card, mem, cores) in pods.items():
+        agent.create_pod(name, {"main": [(card, mem, cores)]})
+    kubelet = agent.start_kubelet()
+    assert kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
+    threading.Thread(target=kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
+    assert _wait(lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in pods))
+    created = {n: agent.pod(n)["metadata"]["creationTimestamp"] for n in pods}
+    served = refused = 0
+    for name, (card, mem, cores) in pods.items():
+        record = agent.record(name)
+        if record["error"]:
+            assert "cannot tell which of the pods" in record["error"], record["error"]
+            # only a pod sharing its creation second with another can be refused
+            assert list(created.values()).count(created[name]) > 1
+            pod = agent.pod(name)
+            assert (pod["status"]["phase"], pod["status"].get("reason")) == (
+                "Failed",
+                "UnexpectedAdmissionError",
+            )
+            refused += 1
+            continue
+        envs = record["containers"]["main"]["envs"]
+        assert (envs["NVIDIA_VISIBLE_DEVICES"], envs["CUDA_DEVICE_MEMORY_LIMIT_0"]) == (
+            agent.uuid(card),
+            f"{mem}m",
+        )
+        assert envs["CUDA_DEVICE_SM_LIMIT_0"] == str(cores)
+        served += 1
+    assert served >= 1 and served + refused == len(pods)
 
 
 def test_a_malformed_allocation_is_refused_and_disturbs_nothing_else(agent: Agent) -> None:

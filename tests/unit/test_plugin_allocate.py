@@ -7,6 +7,7 @@ run the same code against the sandbox's real API server.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from vgpu.annotations import (
     encode_allocation,
 )
 from vgpu.plugin.allocate import AllocateError, Allocator
+from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Card
@@ -104,7 +106,13 @@ def pods() -> Pods:
     return Pods()
 
 
-def make(pods: Pods, tmp_path: Path, config: NodeConfig | None = None, hook: bool = True) -> Allocator:
+def make(
+    pods: Pods,
+    tmp_path: Path,
+    config: NodeConfig | None = None,
+    hook: bool = True,
+    arrivals: Arrivals | None = None,
+) -> Allocator:
     paths = HostPaths(tmp_path)
     lib = tmp_path / "build/libvgpu.so"
     lib.parent.mkdir(parents=True)
@@ -115,6 +123,7 @@ def make(pods: Pods, tmp_path: Path, config: NodeConfig | None = None, hook: boo
         DeviceState(CARDS, config or NodeConfig(split=4)),
         paths,
         install_hook(lib, paths) if hook else None,
+        arrivals,
     )
 
 
@@ -180,10 +189,148 @@ def test_with_several_pods_waiting_the_oldest_is_served_first(pods: Pods, tmp_pa
     assert [pods.phase(n) for n in ("young", "old", "two")] == ["allocated"] * 3
 
 
-def test_a_pod_whose_cards_match_the_ids_wins_over_an_older_one(pods: Pods, tmp_path: Path) -> None:
+def test_the_device_ids_kubelet_passes_do_not_pick_the_pod(pods: Pods, tmp_path: Path) -> None:
+    # kubelet's IDs are interchangeable slots: IDs on the younger pod's card still serve the
+    # pod kubelet admits first (the defect: the card match handed "old" the limits of "new")
     pods.add("old", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:01Z")
-    pods.add("new", {"main": [("GPU-c", 1000, 0)]}, created="2026-01-01T00:00:02Z")
-    assert make(pods, tmp_path).allocate_container(["GPU-c::3"]).pod == "new"
+    pods.add("new", {"main": [("GPU-c", 2000, 0)]}, created="2026-01-01T00:00:02Z")
+    alloc = make(pods, tmp_path)
+    first = alloc.allocate_container(["GPU-c::3"])
+    assert (first.pod, dict(first.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"]) == ("old", "1000m")
+    second = alloc.allocate_container(["GPU-a::0"])
+    assert (second.pod, dict(second.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"]) == ("new", "2000m")
+
+
+def test_the_pod_that_arrived_first_is_served_first_whatever_its_creation_time(
+    pods: Pods, tmp_path: Path
+) -> None:
+    arrivals = Arrivals()
+    alloc = make(pods, tmp_path, arrivals=arrivals)
+    late = pods.add(
+        "created-first-bound-last", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:01Z"
+    )
+    early = pods.add(
+        "created-last-bound-first", {"main": [("GPU-b", 2000, 0)]}, created="2026-01-01T00:00:05Z"
+    )
+    arrivals.observe([early])  # the watch saw this Binding first
+    arrivals.observe([late])
+    assert alloc.allocate_container(["GPU-a::0"]).pod == "created-last-bound-first"
+    assert alloc.allocate_container(["GPU-b::0"]).pod == "created-first-bound-last"
+
+
+def test_pods_that_arrived_together_go_by_creation_time(pods: Pods, tmp_path: Path) -> None:
+    arrivals = Arrivals()
+    alloc = make(pods, tmp_path, arrivals=arrivals)
+    a = pods.add("b-older", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:01Z")
+    b = pods.add("a-younger", {"main": [("GPU-b", 2000, 0)]}, created="2026-01-01T00:00:02Z")
+    arrivals.observe([b, a])  # one list: kubelet sorts such a batch by creationTimestamp
+    assert [alloc.allocate_container(["GPU-c::0"]).pod for _ in range(2)] == ["b-older", "a-younger"]
+
+
+def test_indistinguishable_pods_with_different_limits_are_refused_and_none_is_touched(
+    pods: Pods, tmp_path: Path
+) -> None:
+    pods.add("twin-a", {"main": [("GPU-a", 1000, 10)]})
+    pods.add("twin-b", {"main": [("GPU-a", 3000, 10)]})
+    alloc = make(pods, tmp_path)
+    alloc.tie_wait_s = 0
+    with pytest.raises(AllocateError) as info:
+        alloc.allocate_container(["GPU-a::0"])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/twin-a, default/twin-b" in str(info.value) and "created in the same second" in str(
+        info.value
+    )
+    assert pods.patches == []
+    assert not (tmp_path / "var/lib/vgpu/containers").exists() or not any(
+        (tmp_path / "var/lib/vgpu/containers").iterdir()
+    )
+
+
+def test_indistinguishable_pods_with_the_same_limits_on_the_same_card_are_served(
+    pods: Pods, tmp_path: Path
+) -> None:
+    pods.add("replica-1", {"main": [("GPU-a", 1000, 10)]})
+    pods.add("replica-2", {"main": [("GPU-a", 1000, 10)]})
+    alloc = make(pods, tmp_path)
+    alloc.tie_wait_s = 0
+    served = [alloc.allocate_container(["GPU-a::0"]) for _ in range(2)]
+    assert sorted(s.pod for s in served) == ["replica-1", "replica-2"]
+    assert {dict(s.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"] for s in served} == {"1000m"}
+
+
+def test_a_tie_resolves_once_kubelet_marks_the_pod_it_rejected_failed(pods: Pods, tmp_path: Path) -> None:
+    pods.add("rejected", {"main": [("GPU-a", 1000, 0)]})
+    pods.add("admitted", {"main": [("GPU-b", 3000, 0)]})
+    alloc = make(pods, tmp_path)
+    alloc.tie_wait_s = 5.0
+    timer = threading.Timer(0.3, lambda: pods.pods[0].setdefault("status", {}).update(phase="Failed"))
+    timer.start()
+    try:
+        served = alloc.allocate_container(["GPU-b::0"])
+    finally:
+        timer.cancel()
+    assert (served.pod, dict(served.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"]) == ("admitted", "3000m")
+
+
+def test_a_pod_kubelet_rejected_is_no_longer_waiting(pods: Pods, tmp_path: Path) -> None:
+    pods.add("rejected", {"main": [("GPU-a", 1000, 0)]}, created="2026-01-01T00:00:01Z")
+    pods.add("next", {"main": [("GPU-b", 2000, 0)]}, created="2026-01-01T00:00:02Z")
+    pods.pods[0]["status"] = {"phase": "Failed", "reason": "UnexpectedAdmissionError"}
+    assert make(pods, tmp_path).allocate_container(["GPU-a::0"]).pod == "next"
+
+
+def test_a_half_served_pod_is_finished_before_an_earlier_arrival_starts(pods: Pods, tmp_path: Path) -> None:
+    arrivals = Arrivals()
+    alloc = make(pods, tmp_path, arrivals=arrivals)
+    early = pods.add("early", {"main": [("GPU-a", 100, 0)]})
+    half = pods.add("half", {"one": [("GPU-b", 200, 0)], "two": [("GPU-c", 300, 0)]})
+    arrivals.observe([early])
+    arrivals.observe([half])
+    (tmp_path / f"var/lib/vgpu/containers/{half}_one").mkdir(parents=True)  # served before a restart
+    served = alloc.allocate_container(["GPU-a::0"])
+    assert (served.pod, served.container) == ("half", "two")
+
+
+def test_after_kubelet_restarts_the_waiting_pods_go_by_creation_time(pods: Pods, tmp_path: Path) -> None:
+    arrivals = Arrivals()
+    alloc = make(pods, tmp_path, arrivals=arrivals)
+    young = pods.add("young", {"main": [("GPU-a", 100, 0)]}, created="2026-01-01T00:00:09Z")
+    old = pods.add("old", {"main": [("GPU-b", 200, 0)]}, created="2026-01-01T00:00:01Z")
+    arrivals.observe([young])
+    arrivals.observe([old])
+    arrivals.rebatch()  # kubelet lists them anew, as one batch
+    assert alloc.allocate_container(["GPU-a::0"]).pod == "old"
+
+
+def test_allocate_serves_the_container_get_preferred_allocation_answered_for(
+    pods: Pods, tmp_path: Path
+) -> None:
+    arrivals = Arrivals()
+    alloc = make(pods, tmp_path, arrivals=arrivals)
+    first = pods.add("first", {"main": [("GPU-c", 1000, 0)]}, created="2026-01-01T00:00:05Z")
+    arrivals.observe([first])
+    available = [f"GPU-{c}::{n}" for c in "abcd" for n in range(4)]
+    ids = alloc.preferred(available, [], 1)
+    assert [i.split("::")[0] for i in ids] == ["GPU-c"]  # the card the scheduler chose
+    # before Allocate comes, the plugin learns of an older pod that now heads the queue
+    older = pods.add("older", {"main": [("GPU-a", 2000, 0)]}, created="2026-01-01T00:00:01Z")
+    arrivals.observe([older])
+    arrivals.rebatch()
+    served = alloc.allocate_container(ids)
+    assert (served.pod, dict(served.response.envs)["NVIDIA_VISIBLE_DEVICES"]) == ("first", "GPU-c")
+    # the answer is used once: other IDs go by the queue again
+    assert alloc.allocate_container(ids).pod == "older"
+
+
+def test_arrivals_wait_for_the_watch_and_rank_what_it_never_delivered_last() -> None:
+    arrivals = Arrivals()
+    arrivals.watched = True
+    arrivals.observe(["a"])
+    threading.Timer(0.1, lambda: arrivals.observe(["b"])).start()
+    ranks = arrivals.ranks(["c", "b", "a"], wait_s=0.5)
+    assert ranks["a"] < ranks["b"] < ranks["c"]  # "c" never came: ranked after all, once waited for
+    arrivals.retain(["c"])
+    assert arrivals.rank("a") is None and arrivals.rank("c") == ranks["c"]
 
 
 def test_a_malformed_annotation_refuses_allocate_and_touches_nothing(pods: Pods, tmp_path: Path) -> None:
@@ -245,13 +392,14 @@ def test_a_restarted_plugin_continues_a_half_served_pod_from_its_folders(pods: P
     assert pods.phase("p") == "allocated"
 
 
-def test_preferred_cards_are_those_of_the_next_container_to_start(pods: Pods, tmp_path: Path) -> None:
+def test_preferred_ids_are_on_the_cards_of_the_next_container_to_start(pods: Pods, tmp_path: Path) -> None:
     pods.add("p", {"one": [("GPU-c", 100, 0)], "two": [("GPU-d", 1, 0), ("GPU-a", 1, 0)]})
     alloc = make(pods, tmp_path)
-    assert alloc.preferred_cards(1) == ["GPU-c"]
-    assert alloc.preferred_cards(3) == []
+    available = [f"GPU-{c}::{n}" for c in "abcd" for n in range(4)]
+    assert alloc.preferred(available, [], 1) == ["GPU-c::0"]
+    assert len({i.split("::")[0] for i in alloc.preferred(available, [], 3)}) == 3  # no such container
     alloc.allocate_container(["GPU-c::0"])
-    assert alloc.preferred_cards(2) == ["GPU-d", "GPU-a"]
+    assert alloc.preferred(available, [], 2) == ["GPU-d::0", "GPU-a::0"]
 
 
 def test_a_bound_pod_without_its_allocation_is_named_as_missing(pods: Pods, tmp_path: Path) -> None:

@@ -6,9 +6,8 @@ import threading
 
 from vgpu.annotations import decode_devices, encode_devices
 from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.discovery import Card
-from vgpu.plugin.server import prefer
 
 CARDS = [
     Card("GPU-a", 0, "H200", 1000, numa=0, links={"GPU-b": "nvlink"}),

@@ -1,18 +1,27 @@
 """Allocate: from kubelet's device IDs to the pod and container they serve, and contract 4's answer.
 
-kubelet's Allocate names only device IDs, never the pod. The pod is found among the pods bound
-to this node whose phase is ``bound``: kubelet admits pods one at a time, oldest first, and
-their containers in order (init containers, then containers), so the answer is the oldest bound
-pod whose next unserved container asks for as many vGPUs as kubelet passed, preferring one
-whose cards are those of the IDs. Only that choice happens under a lock, in memory; the API
-server calls (the pod list, the phase patch) happen outside it, so pods never wait on each
-other's I/O.
+kubelet's GetPreferredAllocation and Allocate name only device IDs, never the pod. kubelet
+admits pods one at a time, in the order they arrived on the node (bind order), and allocates
+their containers in order (init containers, then containers). So the container served is the
+next one of the pod that is already half served, or else of the pod that arrived first
+(:mod:`vgpu.plugin.arrivals`), among those whose next container asks for as many vGPUs as
+kubelet passed. The device IDs say nothing about the pod (they are interchangeable to kubelet),
+except when they are exactly the IDs this plugin preferred a moment before: then Allocate
+serves the container that preference was made for, so the two calls always agree.
+
+When two waiting pods cannot be told apart (they arrived together and were created in the
+same second, so kubelet's own order between them is undefined) and would start with different
+limits, Allocate refuses rather than risk giving one the other's limits.
+
+Only the choice happens under a lock, in memory; the API server calls (the pod list, the phase
+patch) happen outside it, so pods never wait on each other's I/O.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,8 +41,9 @@ from vgpu.annotations import (
 )
 from vgpu.errors import AnnotationError, KubeError
 from vgpu.plugin.api import api_pb2
+from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
 
 log = logging.getLogger(__name__)
@@ -115,6 +125,14 @@ def _priorities(pod: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+class _Ambiguous(Exception):
+    """Two or more waiting pods could each be the one kubelet is starting, with different limits."""
+
+    def __init__(self, pods: list[_Waiting]) -> None:
+        self.pods = pods
+        super().__init__(", ".join(f"{w.namespace}/{w.name}" for w in pods))
+
+
 class Allocator:
     def __init__(
         self,
@@ -123,14 +141,22 @@ class Allocator:
         state: DeviceState,
         paths: HostPaths,
         hook: HookInstall | None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         self.node = node
         self.pods = pods
         self.state = state
         self.paths = paths
         self.hook = hook
+        # Fed by a watch of the node's pods (ArrivalWatch); without one, each list is an observation.
+        self.arrivals = arrivals or Arrivals()
+        self.catch_up_s = 2.0  # how long to wait for the watch to deliver a pod the list shows
+        self.tie_wait_s = 3.0  # how long a tie may take to resolve (a pod rejected, deleted) before refusing
+        self.preferred_ttl_s = 60.0
         self._lock = threading.Lock()
         self._served: dict[str, set[str]] = {}  # pod uid -> containers already answered
+        # IDs GetPreferredAllocation answered -> (pod uid, container, when): Allocate honours it
+        self._preferred: dict[frozenset[str], tuple[str, str, float]] = {}
 
     @property
     def config(self) -> NodeConfig:
@@ -152,6 +178,8 @@ class Allocator:
             annotations = meta.get("annotations") or {}
             if meta.get("deletionTimestamp"):
                 continue
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue  # kubelet rejected it (UnexpectedAdmissionError...) or it is done: not waiting
             if PHASE_ANNOTATION not in annotations and ALLOCATION_ANNOTATION not in annotations:
                 if self._asks_for_devices(pod):
                     malformed.append(
@@ -184,12 +212,9 @@ class Allocator:
                     priorities=_priorities(pod),
                 )
             )
-        waiting.sort(key=lambda w: (w.created, w.namespace, w.name))
         return waiting, malformed
 
     def _asks_for_devices(self, pod: Mapping[str, Any]) -> bool:
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            return False
         spec = pod.get("spec") or {}
         for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
             if self.config.resource_name in (((c.get("resources") or {}).get("limits")) or {}):
@@ -214,53 +239,118 @@ class Allocator:
         nxt = next((n for n in w.order if n not in served), None)
         return None if nxt is None else w.allocation.container(nxt)
 
+    def _remaining(self, w: _Waiting) -> tuple[Any, ...]:
+        """What the pod's unserved containers would start with; call with the lock held."""
+        served = self._served_of(w)
+        out = []
+        for n in w.order:
+            if n in served:
+                continue
+            c = w.allocation.container(n)
+            devices = tuple((d.uuid, d.memory_mib, d.cores) for d in c.devices) if c else ()
+            out.append((devices, w.priorities.get(n, DEFAULT_PRIORITY)))
+        return tuple(out)
+
     def _prune(self, waiting: list[_Waiting]) -> None:
         """Forget pods no longer waiting; call with the lock held (the folders keep the rest)."""
         listed = {w.uid for w in waiting}
         for uid in [u for u in self._served if u not in listed]:
             del self._served[uid]
+        now = time.monotonic()
+        for key in [k for k, (uid, _, at) in self._preferred.items() if uid not in listed]:
+            del self._preferred[key]
+        for key in [k for k, (_, _, at) in self._preferred.items() if now - at > self.preferred_ttl_s]:
+            del self._preferred[key]
 
-    def preferred_cards(self, count: int) -> list[str]:
-        """The cards of the container kubelet is about to start, for GetPreferredAllocation."""
+    def _ranks(self, waiting: list[_Waiting]) -> dict[str, int]:
+        uids = [w.uid for w in waiting]
+        if not self.arrivals.watched:
+            self.arrivals.retain(uids)  # no watch forgets them: the lists are the observations
+        return self.arrivals.ranks(uids, self.catch_up_s)
+
+    def _choose(
+        self, waiting: list[_Waiting], ranks: Mapping[str, int], count: int, ids: Sequence[str] = ()
+    ) -> tuple[_Waiting, ContainerAllocation]:
+        """The pod and container kubelet is starting; call with the lock held.
+
+        Raises LookupError when no waiting pod has a container of ``count`` vGPUs next, and
+        _Ambiguous when the pod cannot be told apart from another that would get other limits.
+        """
+        if ids:
+            pref = self._preferred.get(frozenset(ids))
+            if pref is not None:
+                uid, name, _ = pref
+                w = next((w for w in waiting if w.uid == uid), None)
+                container = self._next(w) if w is not None else None
+                if w is not None and container is not None and container.name == name:
+                    return w, container
+        candidates: list[tuple[tuple[int, int, str], _Waiting, ContainerAllocation]] = []
+        for w in waiting:
+            container = self._next(w)
+            if container is None or len(container.devices) != count:
+                continue
+            # a half-served pod first (kubelet allocates a pod's containers in one go), then
+            # arrival order, then creation time (kubelet's order within a batch)
+            in_progress = 0 if self._served_of(w) else 1
+            candidates.append(((in_progress, ranks.get(w.uid, 1 << 62), w.created), w, container))
+        if not candidates:
+            raise LookupError
+        candidates.sort(key=lambda c: (c[0], c[1].namespace, c[1].name))
+        key, head, container = candidates[0]
+        tied = [w for k, w, _ in candidates[1:] if k == key]
+        if any(self._remaining(w) != self._remaining(head) for w in tied):
+            raise _Ambiguous([head, *tied])
+        # Tied pods that would start with the same limits on the same cards: either answer
+        # enforces the right limits, so the first one (by name) is served.
+        return head, container
+
+    def preferred(self, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
+        """GetPreferredAllocation: IDs on the cards of the container kubelet is about to start.
+
+        The answer is remembered, so that the Allocate that follows with these IDs serves the
+        same container even if the node's pods changed in between.
+        """
         try:
             waiting, _ = self._waiting()
+            ranks = self._ranks(waiting)
         except AllocateError:
-            return []
-        with self._lock:
-            for w in waiting:
-                container = self._next(w)
-                if container is not None and len(container.devices) == count:
-                    return [d.uuid for d in container.devices]
-        return []
-
-    def _claim(
-        self, waiting: list[_Waiting], ids: Sequence[str]
-    ) -> tuple[_Waiting, ContainerAllocation, bool]:
-        """Pick the pod and container for these IDs and mark the container served.
-
-        Returns the pod, the container and whether it was the pod's last container.
-        """
-        cards = sorted(card_of(i) for i in ids)
+            return prefer(list(available), list(must), size)
         with self._lock:
             self._prune(waiting)
-            by_count: tuple[_Waiting, ContainerAllocation] | None = None
-            chosen: tuple[_Waiting, ContainerAllocation] | None = None
-            for w in waiting:
-                container = self._next(w)
-                if container is None or len(container.devices) != len(ids):
-                    continue
-                if sorted(d.uuid for d in container.devices) == cards:
-                    chosen = (w, container)
-                    break
-                if by_count is None:
-                    by_count = (w, container)
-            chosen = chosen or by_count
-            if chosen is None:
-                raise LookupError
-            w, container = chosen
-            served = self._served_of(w)
-            served.add(container.name)
-            return w, container, all(n in served for n in w.order)
+            try:
+                w, container = self._choose(waiting, ranks, size)
+            except (LookupError, _Ambiguous):
+                return prefer(list(available), list(must), size)
+            ids = prefer(list(available), list(must), size, wanted=[d.uuid for d in container.devices])
+            self._preferred[frozenset(ids)] = (w.uid, container.name, time.monotonic())
+        return ids
+
+    def _claim(self, count: int, ids: Sequence[str]) -> tuple[_Waiting, ContainerAllocation, bool, int]:
+        """Pick the pod and container for these IDs and mark the container served.
+
+        Returns the pod, the container, whether it was the pod's last container and how many
+        pods were waiting. A tie is given ``tie_wait_s`` to resolve (kubelet marking the pod it
+        rejected Failed, a pod deleted) before it is refused.
+        """
+        deadline = time.monotonic() + self.tie_wait_s
+        while True:
+            waiting, malformed = self._waiting()
+            ranks = self._ranks(waiting)
+            with self._lock:
+                self._prune(waiting)
+                try:
+                    w, container = self._choose(waiting, ranks, count, ids)
+                except LookupError:
+                    raise _NoPod(len(waiting), malformed) from None
+                except _Ambiguous:
+                    if time.monotonic() >= deadline:
+                        raise
+                else:
+                    self._preferred.pop(frozenset(ids), None)
+                    served = self._served_of(w)
+                    served.add(container.name)
+                    return w, container, all(n in served for n in w.order), len(waiting)
+            time.sleep(0.2)
 
     def _forget(self, uid: str) -> None:
         with self._lock:
@@ -319,21 +409,29 @@ class Allocator:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"device IDs {', '.join(unknown)} are not devices of this plugin",
             )
-        waiting, malformed = self._waiting()
         try:
-            w, container, last = self._claim(waiting, ids)
-        except LookupError:
+            w, container, last, _ = self._claim(len(ids), ids)
+        except _NoPod as err:
             msg = (
                 f"no pod bound to node {self.node} is waiting for a container with {len(ids)} vGPU(s) "
-                f"({len(waiting)} pod(s) in phase {PHASE_BOUND} with a valid {ALLOCATION_ANNOTATION})"
+                f"({err.waiting} pod(s) in phase {PHASE_BOUND} with a valid {ALLOCATION_ANNOTATION})"
             )
-            if malformed:
-                shown = "; ".join(malformed[:5]) + (
-                    f"; and {len(malformed) - 5} more" if len(malformed) > 5 else ""
+            if err.malformed:
+                shown = "; ".join(err.malformed[:5]) + (
+                    f"; and {len(err.malformed) - 5} more" if len(err.malformed) > 5 else ""
                 )
                 msg += "; pods that cannot be served: " + shown
                 msg += " (let the vgpu-scheduler place the pod again: delete and recreate it)"
             raise AllocateError(grpc.StatusCode.FAILED_PRECONDITION, msg) from None
+        except _Ambiguous as err:
+            raise AllocateError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot tell which of the pods {err} kubelet is starting: they arrived on node "
+                f"{self.node} together and were created in the same second, so kubelet's order between "
+                f"them is undefined, and they would start with different vGPU limits. Refusing rather "
+                f"than give one pod another's limits: kubelet rejects this pod (UnexpectedAdmissionError); "
+                f"a Deployment, Job or StatefulSet replaces it by itself, a bare pod must be recreated",
+            ) from None
         try:
             response = self._response(w, container)
         except _PodFailure as err:
@@ -360,6 +458,13 @@ class Allocator:
             self.allocate_container(list(r.devices_ids)).response for r in request.container_requests
         ]
         return api_pb2.AllocateResponse(container_responses=responses)
+
+
+class _NoPod(Exception):
+    def __init__(self, waiting: int, malformed: list[str]) -> None:
+        self.waiting = waiting
+        self.malformed = malformed
+        super().__init__(f"{waiting} waiting")
 
 
 class _PodFailure(Exception):

@@ -12,6 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from vgpu.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
+from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
@@ -40,7 +41,15 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.state = DeviceState(self.discovery.cards(), self.config)
-        self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook)
+        self.arrivals = Arrivals()
+        self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
+        # The order pods arrive on the node is kubelet's admission order: watch it where the
+        # client can (vgpu.kube can; the tests' in-memory clients cannot, and lists stand in).
+        self.arrival_watch = (
+            ArrivalWatch(self.client, self.node, self.arrivals)
+            if isinstance(self.client, PodWatchSource)
+            else None
+        )
         self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
         self.reporter = NodeReporter(self.node, self.namespace, self.state, self.client)
         self.collector = NodeCollector(
@@ -69,6 +78,8 @@ class Daemon:
 
     def start(self) -> None:
         self.paths.containers_dir.mkdir(parents=True, exist_ok=True)
+        if self.arrival_watch is not None:
+            self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
         self.server.start()
         self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
@@ -107,6 +118,8 @@ class Daemon:
         if self._http is not None:
             self._http.shutdown()
         self.server.stop()
+        if self.arrival_watch is not None:
+            self.arrival_watch.stop()
         self.reporter.stop()
         if self._health is not None:
             self._health.join(5)

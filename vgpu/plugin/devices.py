@@ -28,6 +28,43 @@ def card_of(device_id: str) -> str:
     return device_id.rsplit(ID_SEPARATOR, 1)[0]
 
 
+def prefer(available: list[str], must: list[str], size: int, wanted: list[str] | None = None) -> list[str]:
+    """IDs on distinct cards (each vGPU of a container on its own card), the must-haves first.
+
+    Then IDs on the ``wanted`` cards (those the scheduler gave the container kubelet is about
+    to start), so the IDs kubelet records, and reports through its pod-resources API, name
+    the cards the container really uses. Then cards with the most free IDs.
+    """
+    chosen = list(must)
+    cards = {card_of(i) for i in chosen}
+    free: dict[str, list[str]] = {}
+    for i in available:
+        free.setdefault(card_of(i), []).append(i)
+    for card in wanted or []:
+        if len(chosen) >= size or card in cards:
+            continue
+        pick = next((i for i in free.get(card, []) if i not in chosen), None)
+        if pick is not None:
+            chosen.append(pick)
+            cards.add(card)
+    for card, ids in sorted(free.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if len(chosen) >= size:
+            break
+        if card in cards:
+            continue
+        pick = next((i for i in ids if i not in chosen), None)
+        if pick is not None:
+            chosen.append(pick)
+            cards.add(card)
+    # Fewer cards than asked for: fill from any card rather than give kubelet too few.
+    for i in available:
+        if len(chosen) >= size:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return chosen[:size] if size > 0 else chosen
+
+
 class DeviceState:
     """Cards, config and health; ``version`` grows on every change and waiters are woken."""
 

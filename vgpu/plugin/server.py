@@ -19,7 +19,7 @@ import grpc
 
 from vgpu.plugin.allocate import AllocateError, Allocator
 from vgpu.plugin.api import api_pb2, api_pb2_grpc
-from vgpu.plugin.devices import DeviceState, card_of
+from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.paths import PLUGIN_SOCKET_NAME, HostPaths
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreferredAllocationResponse(
             container_responses=[
                 api_pb2.ContainerPreferredAllocationResponse(
-                    deviceIDs=prefer(
+                    deviceIDs=self.allocator.preferred(
                         list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size
                     )
                 )
@@ -77,43 +77,6 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
-
-
-def prefer(available: list[str], must: list[str], size: int, wanted: list[str] | None = None) -> list[str]:
-    """IDs on distinct cards (each vGPU of a container on its own card), the must-haves first.
-
-    Then IDs on the ``wanted`` cards (those the scheduler gave the container kubelet is about
-    to start), so the IDs kubelet records, and reports through its pod-resources API, name
-    the cards the container really uses. Then cards with the most free IDs.
-    """
-    chosen = list(must)
-    cards = {card_of(i) for i in chosen}
-    free: dict[str, list[str]] = {}
-    for i in available:
-        free.setdefault(card_of(i), []).append(i)
-    for card in wanted or []:
-        if len(chosen) >= size or card in cards:
-            continue
-        pick = next((i for i in free.get(card, []) if i not in chosen), None)
-        if pick is not None:
-            chosen.append(pick)
-            cards.add(card)
-    for card, ids in sorted(free.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        if len(chosen) >= size:
-            break
-        if card in cards:
-            continue
-        pick = next((i for i in ids if i not in chosen), None)
-        if pick is not None:
-            chosen.append(pick)
-            cards.add(card)
-    # Fewer cards than asked for: fill from any card rather than give kubelet too few.
-    for i in available:
-        if len(chosen) >= size:
-            break
-        if i not in chosen:
-            chosen.append(i)
-    return chosen[:size] if size > 0 else chosen
 
 
 class PluginServer:
@@ -204,6 +167,8 @@ class PluginServer:
         if need_serve:
             if restarted:
                 log.info("kubelet restarted (its socket was recreated); serving and registering again")
+                # kubelet lists its pods anew and admits every waiting one as one batch, by creation time
+                self.allocator.arrivals.rebatch()
             self._serve()
         if need_serve or inode != self._kubelet_inode:
             self._retry_at, self._backoff_s = 0.0, 1.0  # kubelet is new: try at once

@@ -5,13 +5,16 @@
 It serves kubelet's Registration service on ``DIR/var/lib/kubelet/device-plugins/kubelet.sock``
 (removing other sockets there at start, as kubelet does), follows each registered plugin's
 ListAndWatch stream and mirrors the devices into the Node's ``status.capacity`` (all devices)
-and ``status.allocatable`` (the healthy ones). For pods bound to its node, oldest first, it
-plays kubelet's admission: per container (init containers, then containers) that asks for the
-resource, it picks free device IDs (GetPreferredAllocation when offered), calls ``Allocate``
-over the real socket, and records what the container would start with: the env and mounts in
-the pod annotation ``sandbox.vgpu.openaios.io/containers`` and in
-``DIR/var/lib/kubelet/vgpu-sandbox/<pod-uid>.json``; a refusal lands in
-``sandbox.vgpu.openaios.io/admission-error``.
+and ``status.allocatable`` (the healthy ones). For pods bound to its node it plays kubelet's
+admission, in kubelet's order: it lists and then watches the node's pods, admits the pods of
+its first list as one batch sorted by creationTimestamp (ties in random order, as kubelet's
+unstable sort leaves them), and every later pod as its watch event arrives (bind order). Per
+container (init containers, then containers) that asks for the resource, it picks free device
+IDs (GetPreferredAllocation when offered), calls ``Allocate`` over the real socket, and records
+what the container would start with: the env and mounts in the pod annotation
+``sandbox.vgpu.openaios.io/containers`` and in ``DIR/var/lib/kubelet/vgpu-sandbox/<pod-uid>.json``.
+A refusal lands in ``sandbox.vgpu.openaios.io/admission-error`` and, as kubelet does, the pod
+is marked ``Failed`` with reason ``UnexpectedAdmissionError``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,7 @@ log = logging.getLogger("vgpu.sandbox.kubelet")
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
 ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
 KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
+REJECT_REASON = "UnexpectedAdmissionError"  # what kubelet sets when a device plugin refuses Allocate
 
 
 class KubeletAPI(Protocol):
@@ -48,6 +53,16 @@ class KubeletAPI(Protocol):
     ) -> None: ...
 
     def patch_node_resources(self, node: str, resource: str, capacity: int, allocatable: int) -> None: ...
+
+    def list_pods(self, field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]: ...
+
+    def watch_pods(
+        self, resource_version: str, field_selector: str | None = None, timeout_s: int = 300
+    ) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None: ...
 
 
 @dataclass
@@ -277,32 +292,69 @@ class Kubelet:
                 )
         return doc
 
-    def admit_pending(self) -> int:
-        """One round: admit new pods bound here (oldest first), release the devices of gone ones."""
-        assert self.api is not None
-        pods = self.api.list_node_pods(self.node)
-        present = set()
+    def _reject(self, pod: Mapping[str, Any], error: str) -> None:
+        """Mark the pod Failed as kubelet does when admission fails (it never retries it).
+
+        KWOK turns a fresh pod Running once; the mark waits for that, so it is not overwritten.
+        """
+        if self.api is None:
+            return
+        meta = pod["metadata"]
+        ns, name = str(meta.get("namespace")), str(meta.get("name"))
+        try:
+            for _ in range(50):
+                current = self.api.get_pod(ns, name)
+                if current is None or (current.get("status") or {}).get("podIP"):
+                    break
+                if self._stop.wait(0.1):
+                    return
+            self.api.reject_pod(ns, name, REJECT_REASON, error)
+        except KubeError as err:
+            log.warning("cannot mark pod %s/%s Failed: %s", ns, name, err)
+
+    def admit_batch(self, pods: Iterable[Mapping[str, Any]]) -> int:
+        """Admit the new pods among ``pods`` as kubelet admits one batch: by creationTimestamp.
+
+        kubelet's sort is unstable, and a batch comes out of a map: pods created in the same
+        second go in no defined order, so here in a random one.
+        """
+        batch = [p for p in pods if self._admissible(p)]
+        random.shuffle(batch)
+        batch.sort(key=lambda p: str(p["metadata"].get("creationTimestamp") or ""))
         admitted = 0
-        for pod in sorted(
-            pods, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"])
-        ):
-            meta = pod["metadata"]
-            uid = str(meta["uid"])
-            phase = (pod.get("status") or {}).get("phase")
-            if meta.get("deletionTimestamp") or phase in ("Succeeded", "Failed"):
-                continue
-            present.add(uid)
+        for pod in batch:
+            uid = str(pod["metadata"]["uid"])
             if uid in self._admitted:
                 continue
             self._admitted.add(uid)
             if not self._wants_devices(pod):
                 continue
-            self.admit(pod)
+            doc = self.admit(pod)
+            if doc["error"]:
+                self._reject(pod, str(doc["error"]))
             admitted += 1
+        return admitted
+
+    def _admissible(self, pod: Mapping[str, Any]) -> bool:
+        meta = pod["metadata"]
+        phase = (pod.get("status") or {}).get("phase")
+        return not meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed")
+
+    def _forget_gone(self, present: set[str]) -> None:
         with self._lock:
             for uid in [u for u in self._in_use if u not in present]:
                 del self._in_use[uid]
         self._admitted &= present
+
+    def admit_pending(self) -> int:
+        """One list: admit the new pods bound here as one batch, release the devices of gone ones.
+
+        This is what kubelet does with its first list when it starts.
+        """
+        assert self.api is not None
+        pods, _ = self.api.list_pods(field_selector=f"spec.nodeName={self.node}")
+        admitted = self.admit_batch(pods)
+        self._forget_gone({str(p["metadata"]["uid"]) for p in pods if self._admissible(p)})
         return admitted
 
     def _wants_devices(self, pod: Mapping[str, Any]) -> bool:
@@ -314,13 +366,40 @@ class Kubelet:
         return False
 
     def run(self, interval_s: float = 0.5) -> None:
-        while not self._stop.wait(interval_s):
-            if not self.plugins:
-                continue
+        """List the node's pods (one batch), then admit each pod as its watch event arrives.
+
+        A broken watch (or a 410 Gone) lists again after ``interval_s``; pods new in that list
+        are again one batch, as for kubelet.
+        """
+        assert self.api is not None
+        selector = f"spec.nodeName={self.node}"
+        while not self._stop.is_set():
+            with self._lock:
+                if not self.plugins:
+                    self._changed.wait(interval_s)
+                    continue
             try:
-                self.admit_pending()
+                pods, rv = self.api.list_pods(field_selector=selector)
+                self.admit_batch(pods)
+                self._forget_gone({str(p["metadata"]["uid"]) for p in pods if self._admissible(p)})
+                while not self._stop.is_set():  # a watch that simply expired goes on from where it was
+                    for kind, pod in self.api.watch_pods(rv, selector, 60):
+                        if self._stop.is_set():
+                            return
+                        meta = pod.get("metadata") or {}
+                        rv = str(meta.get("resourceVersion") or rv)
+                        uid = str(meta.get("uid") or "")
+                        if kind in ("ADDED", "MODIFIED") and uid:
+                            if self._admissible(pod):
+                                self.admit_batch([pod])
+                            else:
+                                self.release(uid)
+                        elif kind == "DELETED" and uid:
+                            self.release(uid)
+                            self._admitted.discard(uid)
             except KubeError as err:
-                log.warning("listing the pods of %s failed: %s", self.node, err)
+                log.warning("watching the pods of %s failed (%s); listing them again", self.node, err)
+                self._stop.wait(interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument(
-        "--interval", type=float, default=0.5, help="seconds between looks at the node's pods"
+        "--interval", type=float, default=0.5, help="seconds before listing again when the pod watch breaks"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -340,12 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     from vgpu.kube import NodeAgentClient
 
-    kubelet = Kubelet(args.node, args.root, NodeAgentClient(str(args.kubeconfig)))
+    client = NodeAgentClient(str(args.kubeconfig))
+    kubelet = Kubelet(args.node, args.root, client)
     kubelet.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: kubelet._stop.set())
-    kubelet.run(args.interval)
+    # admission blocks in a pod watch; it runs aside so a signal stops the process at once
+    threading.Thread(target=kubelet.run, args=(args.interval,), name="kubelet-admit", daemon=True).start()
+    while not kubelet._stop.wait(1.0):
+        pass
     kubelet.stop()
+    client.close()
     return 0
 
 
