@@ -14,6 +14,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +33,7 @@ CHART = REPO / "charts" / "vgpu"
 ROOT_HOOK = REPO / "native" / "hook"
 SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
 NS = "vgpu-chart-test"
+SCHEDULER = "vgpu-chart-test-scheduler"  # served by no kube-scheduler of the sandbox
 RELEASE = "vgpu"
 # Keep clear of the sandbox's own product: other node ports, and a webhook that selects no
 # namespace (its pods are KWOK's: nothing answers behind the Service, and it fails closed).
@@ -254,17 +256,9 @@ def _running(argv: list[str], what: str, ready: Callable[[], bool]) -> Iterator[
     assert "forbidden" not in output.lower(), output[-3000:]
 
 
-SCHEDULER = "vgpu-chart-test-scheduler"  # served by no kube-scheduler of the sandbox
-
-
-def test_each_components_service_account_is_enough_for_the_real_component_and_no_more(
-    sandbox: Sandbox, namespace: str, tmp_path: Path
-) -> None:
-    """A device plugin and the extender run here on the chart's command lines, with the tokens of
-    the chart's ServiceAccounts and the release's certificate: the plugin writes its Node's
-    inventory, renews its Lease and installs the hook library; the extender syncs, takes its
-    Lease, answers over the release's TLS, and places a pod (allocation annotation, Binding).
-    Then the API server's authorizer denies them the rest."""
+@pytest.fixture
+def components_release(sandbox: Sandbox, namespace: str) -> Iterator[str]:
+    """A release whose scheduler name no kube-scheduler of the sandbox serves; removed afterwards."""
     helm(
         sandbox,
         "install",
@@ -276,6 +270,30 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         "--set",
         f"scheduler.schedulerName={SCHEDULER}",
     )
+    try:
+        yield RELEASE
+    finally:
+        helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait", check=False)
+        sandbox.kubectl("delete", "lease", "--all", "-n", namespace, check=False)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vgpu-chart-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_each_components_service_account_is_enough_for_the_real_component_and_no_more(
+    sandbox: Sandbox, components_release: str, tmp_path: Path, short_dir: Path
+) -> None:
+    """A device plugin and the extender run here on the chart's command lines, with the tokens of
+    the chart's ServiceAccounts and the release's certificate: the plugin writes its Node's
+    inventory, renews its Lease and installs the hook library; the extender syncs, takes its
+    Lease, answers over the release's TLS, and places a pod (allocation annotation, Binding).
+    Then the API server's authorizer denies them the rest."""
     node = "vgpu-chart-test-node"
     sandbox.kubectl(
         "create",
@@ -287,7 +305,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         # the device plugin, with a token of its account (the pod's projected token is the same)
         token = sandbox.kubectl("create", "token", f"{RELEASE}-device-plugin", "-n", NS).stdout.strip()
         plugin_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "plugin.kubeconfig")
-        root = tmp_path / "root"
+        root = short_dir / "root"  # the plugin's unix socket lives under it: 107 bytes at most
         (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
         gpus = tmp_path / "gpus.yaml"
         gpus.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-chart-0", "memoryMiB": 16384}]}))
@@ -421,19 +439,15 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         who = f"--as=system:serviceaccount:{NS}:{RELEASE}-{account}"
         return sandbox.kubectl("auth", "can-i", *what, who, check=False).stdout.strip() == "yes"
 
-    try:
-        assert not can("extender", "get", "secrets", "-n", NS)
-        assert not can("extender", "patch", "nodes")
-        assert not can("extender", "update", f"leases/{SCHEDULER}", "-n", NS)
-        assert not can("device-plugin", "create", "bindings", "-n", "default")
-        assert not can("device-plugin", "watch", "pods")
-        assert not can("device-plugin", "get", "secrets", "-n", NS)
-        assert can("scheduler", "update", f"leases/{SCHEDULER}", "-n", NS)
-        assert not can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
-        assert not can("scheduler", "get", "secrets", "-n", NS)
-    finally:
-        helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait")
-        sandbox.kubectl("delete", "lease", "--all", "-n", NS, check=False)
+    assert not can("extender", "get", "secrets", "-n", NS)
+    assert not can("extender", "patch", "nodes")
+    assert not can("extender", "update", f"leases/{SCHEDULER}", "-n", NS)
+    assert not can("device-plugin", "create", "bindings", "-n", "default")
+    assert not can("device-plugin", "delete", "pods")
+    assert not can("device-plugin", "get", "secrets", "-n", NS)
+    assert can("scheduler", "update", f"leases/{SCHEDULER}", "-n", NS)
+    assert not can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
+    assert not can("scheduler", "get", "secrets", "-n", NS)
 
 
 SERVICE_MONITOR_CRD = {
