@@ -441,11 +441,11 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
 
     assert not can("extender", "get", "secrets", "-n", NS)
     assert not can("extender", "patch", "nodes")
-    assert not can("extender", "update", f"leases/{SCHEDULER}", "-n", NS)
+    assert not can("extender", "update", f"leases/kube-scheduler-{SCHEDULER}", "-n", NS)
     assert not can("device-plugin", "create", "bindings", "-n", "default")
     assert not can("device-plugin", "delete", "pods")
     assert not can("device-plugin", "get", "secrets", "-n", NS)
-    assert can("scheduler", "update", f"leases/{SCHEDULER}", "-n", NS)
+    assert can("scheduler", "update", f"leases/kube-scheduler-{SCHEDULER}", "-n", NS)
     assert not can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
     assert not can("scheduler", "get", "secrets", "-n", NS)
 

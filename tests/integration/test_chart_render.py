@@ -26,6 +26,7 @@ from chart_support import (
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from vgpu.annotations import LEASE_PREFIX
 from vgpu.config import load_config
 from vgpu.extender import cli as extender_cli
 from vgpu.plugin import cli as plugin_cli
@@ -361,3 +362,11 @@ def test_the_webhook_fails_closed_but_never_sees_the_release_namespace() -> None
             assert hook["failurePolicy"] == "Fail"
             own = {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [ns]}
             assert hook["namespaceSelector"]["matchExpressions"].count(own) == 1
+
+
+def test_kube_schedulers_leader_lease_can_never_be_taken_for_a_plugins_lease() -> None:
+    objs = render()
+    lease = scheduler_config(objs)["leaderElection"]["resourceName"]
+    assert not lease.startswith(LEASE_PREFIX)
+    role = find(objs, "Role", "vgpu-scheduler")
+    assert [lease] in [rule.get("resourceNames") for rule in role["rules"]]

@@ -49,6 +49,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.scheduler.kubeScheduler.imageTag | default (include "vgpu.clusterVersion" .) -}}
 {{- end -}}
 
+{{/*
+vgpu.leaderLease: kube-scheduler's leader election Lease. Not "vgpu-..." like the plugins'
+Leases (vgpu-<node>), so it can never be taken for the Lease of a node.
+*/}}
+{{- define "vgpu.leaderLease" -}}
+{{- printf "kube-scheduler-%s" .Values.scheduler.schedulerName -}}
+{{- end -}}
+
 {{/* vgpu.extenderService: the name of the Service in front of the extender's HTTPS port. */}}
 {{- define "vgpu.extenderService" -}}
 {{- printf "%s-extender" (include "vgpu.fullname" .) -}}
