@@ -203,7 +203,7 @@ def fit_node(
     policy = pod.gpu_policy or gpu_policy
     if not pod.wants_vgpu:
         return Plan(node, Allocation(node, ()), {})
-    single = _single_vgpu(pod) if fast else None
+    single = pod.single_vgpu if fast else None
     if single is not None:  # the common case, kept fast for 1,000-node clusters
         card = _best_card(inventory.devices, usage, single, pod.selection, policy == BINPACK)
         if card is not None:
@@ -231,17 +231,6 @@ def fit_node(
     if not fit_plan_within(inventory, usage, fp):  # defensive: the search and the footprint disagree
         return Rejection(node, "internal: plan exceeds a card; please report this", False)
     return Plan(node, allocation, fp)
-
-
-def _single_vgpu(pod: PodRequest) -> ContainerRequest | None:
-    """The pod's one vGPU when it has exactly one (no init containers with vGPUs), else None."""
-    found = None
-    for c in pod.containers:
-        if c.count:
-            if found is not None or c.count != 1 or c.init:
-                return None
-            found = c
-    return found
 
 
 def _best_card(
@@ -310,18 +299,28 @@ def plan_footprint(allocation: Allocation, pod: PodRequest) -> dict[str, Usage]:
     return footprint(allocation, [[c.name for c in phase] for phase in pod.phases()])
 
 
+_TOTALS: dict[int, tuple[NodeInventory, int, int]] = {}
+
+
 def utilization(inventory: NodeInventory, usage: Mapping[str, Usage], fp: Mapping[str, Usage]) -> float:
     """How full the node would be with footprint ``fp`` added (0..1): memory and vGPU slots, averaged."""
-    mem = slots = 0.0
-    total_mem = total_slots = 0
-    for card in inventory.devices:
-        u = usage.get(card.uuid, ZERO) + fp.get(card.uuid, ZERO)
-        mem += u.memory_mib
-        slots += u.count
-        total_mem += card.memory_mib
-        total_slots += card.split
+    cached = _TOTALS.get(id(inventory))
+    if cached is None or cached[0] is not inventory:
+        if len(_TOTALS) > 4096:
+            _TOTALS.clear()
+        cached = (
+            inventory,
+            sum(d.memory_mib for d in inventory.devices),
+            sum(d.split for d in inventory.devices),
+        )
+        _TOTALS[id(inventory)] = cached  # holding ``inventory`` keeps its id from being reused
+    _, total_mem, total_slots = cached
     if not total_mem or not total_slots:
         return 1.0
+    mem = slots = 0
+    for u in itertools.chain(usage.values(), fp.values()):
+        mem += u[0]
+        slots += u[2]
     return (mem / total_mem + slots / total_slots) / 2
 
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 from vgpu import annotations as ann
@@ -137,6 +138,17 @@ class PodRequest:
     @property
     def wants_vgpu(self) -> bool:
         return any(c.count > 0 for c in self.containers)
+
+    @cached_property
+    def single_vgpu(self) -> ContainerRequest | None:
+        """The pod's one vGPU when it has exactly one (and no init container has any), else None."""
+        found = None
+        for c in self.containers:
+            if c.count:
+                if found is not None or c.count != 1 or c.init:
+                    return None
+                found = c
+        return found
 
     def phases(self) -> list[list[ContainerRequest]]:
         """Groups of containers that hold their vGPUs at the same time (see the module doc)."""

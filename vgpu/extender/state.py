@@ -216,12 +216,12 @@ class SchedulerState:
         if entry.inventory is None:
             return entry.error or "no vGPU inventory"
         expiry = self.lease_expiry.get(name)
+        if expiry is not None and expiry >= now:
+            return None
         lease = f"{self.config.namespace}/{ann.lease_name(name)}"
         if expiry is None:
             return f"device plugin not running: Lease {lease} not found"
-        if expiry < now:
-            return f"device plugin not running: Lease {lease} expired"
-        return None
+        return f"device plugin not running: Lease {lease} expired"
 
     def _check_ready(self) -> str | None:
         if not self.synced.is_set():
