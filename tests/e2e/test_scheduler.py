@@ -109,6 +109,11 @@ class OwnScheduler:
             time.sleep(0.3)
         raise AssertionError(f"extender not ready:\n{(self.folder / 'extender.log').read_text()[-3000:]}")
 
+    def stop_extender(self) -> None:
+        assert self.extender is not None
+        os.killpg(self.extender.pid, signal.SIGTERM)
+        self.extender.wait(timeout=30)
+
     def kill_extender(self) -> None:
         assert self.extender is not None
         os.killpg(self.extender.pid, signal.SIGKILL)
@@ -378,6 +383,9 @@ def test_a_pod_that_cannot_fit_stays_pending_with_the_shortage_in_its_reason(
     wait_for(lambda: "insufficient memory" in reason(), 60, "a FailedScheduling reason naming memory")
     assert not bound(pods(sandbox, group)["waits"])
     assert "5000 MiB" in reason()
+    # deleting the pod that holds the cards frees them: the waiting pod gets its place
+    sandbox.kubectl("delete", "pod", "filler", "-n", NAMESPACE, "--wait=false")
+    wait_bound(sandbox, group, "waits", timeout=90)
 
 
 @pytest.mark.parametrize("policy", ["binpack", "spread"])
@@ -463,3 +471,53 @@ def test_killing_the_extender_mid_burst_loses_and_double_books_nothing(
     assert sum(bound(p) for p in after.values()) == 60
     assert before <= {n for n, p in after.items() if bound(p)}  # nothing bound before the kill was lost
     assert sorted(assert_within_cards(after, cards).values()) == [3] * 20
+
+
+def test_nodes_with_an_expired_plugin_lease_or_a_malformed_inventory_get_nothing_and_others_still_schedule(
+    sandbox: Sandbox, own: OwnScheduler, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    group, (good, stale, broken) = make_nodes(3)
+    old = "2020-01-01T00:00:00.000000Z"
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(lease_manifest(stale, renewed=old)))
+    sandbox.kubectl(
+        "annotate", "node", broken, "--overwrite", f"{ann.DEVICES_ANNOTATION}=" + '{"version": 1}'
+    )
+    apply_list(sandbox, [pod_manifest(f"s{i}", group, {"gpumem": 9000}) for i in range(3)])
+    placed = [allocation(wait_bound(sandbox, group, f"s{i}")).node for i in range(2)]
+    assert placed == [good, good]  # two cards, both on the healthy node
+
+    def reason() -> str:
+        p = pods(sandbox, group)["s2"]
+        conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+        return conds[0].get("message", "") if conds else ""
+
+    wait_for(lambda: "expired" in reason() and "malformed" in reason(), 60, "reasons for both skipped nodes")
+    assert not bound(pods(sandbox, group)["s2"])
+    metrics = requests.get(f"http://127.0.0.1:{own.metrics_port}/metrics", timeout=10).text
+    assert f'vgpu_scheduler_inventory_errors_total{{node="{broken}"}} 1.0' in metrics
+
+
+def test_a_second_replica_stands_by_until_the_first_gives_up_the_lease(
+    sandbox: Sandbox, own: OwnScheduler, tmp_path: Path
+) -> None:
+    second = OwnScheduler(sandbox, tmp_path)
+    second.argv = [a if not a.startswith("--identity=") else "--identity=e2e-standby" for a in second.argv]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["VGPU_LEADER_LEASE"] = "vgpu-e2e-extender"
+    second.extender = second._spawn(second.argv, "extender", env)
+    try:
+
+        def readyz(pair: OwnScheduler) -> requests.Response | None:
+            try:
+                return requests.get(pair.url + "/readyz", verify=str(pair.ca_path), timeout=2)
+            except requests.RequestException:
+                return None
+
+        wait_for(
+            lambda: (r := readyz(second)) is not None and "standby" in r.text, 60, "the second on standby"
+        )
+        own.stop_extender()  # a clean stop hands the Lease over at once
+        wait_for(lambda: (r := readyz(second)) is not None and r.status_code == 200, 30, "the second serving")
+    finally:
+        second.stop()
+        own.start_extender()
