@@ -140,3 +140,24 @@ def test_a_node_whose_inventory_is_fixed_is_used_again() -> None:
     st.apply_node({"metadata": {"name": "a", "annotations": {ann.DEVICES_ANNOTATION: inv}}})
     st.apply_lease(lease("vgpu-a", NOW))
     assert st.node_problem("a", NOW) is None and st.inventory_errors == 1
+
+
+def test_card_gauges_show_capacity_and_what_is_committed_and_skip_unchanged_nodes() -> None:
+    from vgpu.extender import metrics
+    from vgpu.extender.sync import refresh_gauges
+
+    st = state()
+    inv = ann.encode_devices(ann.NodeInventory((ann.Device("GPU-g", 0, "m", 1000, 100, 4),)))
+    st.apply_node({"metadata": {"name": "gauged", "annotations": {ann.DEVICES_ANNOTATION: inv}}})
+    st.ledger.commit("u1", "gauged", {"GPU-g": Usage(300, 20, 1, 0)})
+    seen: dict[str, tuple[int, int]] = {}
+    refresh_gauges(st, metrics, seen)
+    mib = 1024 * 1024
+    assert metrics.CARD_MEMORY_CAPACITY.labels("gauged", "GPU-g")._value.get() == 1000 * mib
+    assert metrics.CARD_MEMORY_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 300 * mib
+    assert metrics.CARD_CORES_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 0.2
+    assert metrics.CARD_VGPUS_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 1
+    assert st.snapshot(changed_since=seen) == []  # nothing changed: nothing to rewrite
+    st.ledger.release("u1")
+    refresh_gauges(st, metrics, seen)
+    assert metrics.CARD_MEMORY_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 0

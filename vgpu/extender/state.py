@@ -393,13 +393,23 @@ class SchedulerState:
         cards = max(len(inv.devices) for inv in invs)
         return mem, cards
 
-    def snapshot(self) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage]]]:
+    def snapshot(
+        self, changed_since: Mapping[str, tuple[int, int]] | None = None
+    ) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]]:
+        """(node, inventory, usage per card, ledger node version) for nodes with an inventory.
+
+        With ``changed_since`` (node -> (version, inventory id)), only nodes that changed since.
+        """
+        out: list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]] = []
         with self.lock:
-            return [
-                (name, e.inventory, dict(self.ledger.usage(name)))
-                for name, e in self.nodes.items()
-                if e.inventory is not None
-            ]
+            for name, e in self.nodes.items():
+                if e.inventory is None:
+                    continue
+                version = self.ledger.node_version(name)
+                if changed_since is not None and changed_since.get(name) == (version, id(e.inventory)):
+                    continue
+                out.append((name, e.inventory, dict(self.ledger.usage(name)), version))
+        return out
 
     def skipped(self) -> dict[str, int]:
         now = self.clock()

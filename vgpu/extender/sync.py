@@ -219,21 +219,26 @@ class Syncer:
     def _metrics(self) -> None:
         from vgpu.extender import metrics as m
 
+        seen: dict[str, tuple[int, int]] = {}
         while not self.stop.wait(5.0):
             try:
-                refresh_gauges(self.state, m)
+                refresh_gauges(self.state, m, seen)
             except Exception:
                 log.exception("refreshing metrics failed")
 
 
-def refresh_gauges(state: SchedulerState, m: Any) -> None:
-    """Set the per-card and per-node gauges from the state as it is now."""
+def refresh_gauges(state: SchedulerState, m: Any, seen: dict[str, tuple[int, int]] | None = None) -> None:
+    """Set the per-card and per-node gauges from the state as it is now.
+
+    ``seen`` (node -> (ledger node version, inventory id) last written) skips nodes that did not
+    change: at 1,000 nodes of 8 cards, rewriting every gauge each time cost more CPU than the verbs.
+    """
     from vgpu.ledger import ZERO
 
     m.LEADER.set(1 if state.leader.is_set() else 0)
     for reason, n in state.skipped().items():
         m.NODES_SKIPPED.labels(reason).set(n)
-    for node, inv, usage in state.snapshot():
+    for node, inv, usage, version in state.snapshot(changed_since=seen):
         total = used = 0
         for d in inv.devices:
             u = usage.get(d.uuid, ZERO)
@@ -246,3 +251,5 @@ def refresh_gauges(state: SchedulerState, m: Any) -> None:
             used += u.memory_mib
         m.NODE_MEMORY_CAPACITY.labels(node).set(total * m.MiB)
         m.NODE_MEMORY_ALLOCATED.labels(node).set(used * m.MiB)
+        if seen is not None:
+            seen[node] = (version, id(inv))
