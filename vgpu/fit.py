@@ -195,23 +195,33 @@ def fit_node(
     gpu_policy: str = BINPACK,
     budget: int = DEFAULT_BUDGET,
     fast: bool = True,
+    decide: bool = True,
 ) -> Plan | Rejection:
     """Place ``pod`` on ``node`` given what other pods hold there (``usage``, per card uuid).
 
-    ``fast=False`` forces the general search also for a single vGPU (tests compare the two).
+    ``decide=False`` is for filter and prioritize, which need only whether the pod fits and a
+    valid plan to score: a container taking several cards then gets the policy's best cards
+    without weighing NVLink/NUMA (bind, with ``decide=True``, weighs them). ``fast=False``
+    forces the general search (tests compare the two).
     """
     policy = pod.gpu_policy or gpu_policy
     if not pod.wants_vgpu:
         return Plan(node, Allocation(node, ()), {})
-    single = pod.single_vgpu if fast else None
-    if single is not None:  # the common case, kept fast for 1,000-node clusters
-        card = _best_card(inventory.devices, usage, single, pod.selection, policy == BINPACK)
-        if card is not None:
-            mem = single.memory_on(card.memory_mib)
-            device = DeviceAllocation(card.uuid, mem, single.cores)
-            allocation = Allocation(node, (ContainerAllocation(single.name, (device,)),))
-            return Plan(node, allocation, {card.uuid: vgpu_usage(mem, single.cores)})
-        # no card: the general search below finds the reason
+    single = pod.single_container if fast else None
+    if single is not None:  # one container with vGPUs, no init containers: kept fast for 1,000 nodes
+        binpack = policy == BINPACK
+        eligible = _eligible(inventory.devices, usage, single, pod.selection, binpack)
+        if len(eligible) >= single.count:
+            if single.count == 1 or not decide:
+                chosen = tuple(card for _, card in eligible[: single.count])
+            else:
+                chosen = _best_set(inventory.devices, eligible, single.count, binpack)
+            devices = tuple(
+                DeviceAllocation(c.uuid, single.memory_on(c.memory_mib), single.cores) for c in chosen
+            )
+            allocation = Allocation(node, (ContainerAllocation(single.name, devices),))
+            return Plan(node, allocation, {d.uuid: vgpu_usage(d.memory_mib, d.cores) for d in devices})
+        # not enough cards: the general search below finds the reason
     search = _Search(inventory.devices, usage, pod.selection, policy == BINPACK, budget)
     steps = _steps(pod)
     if not search.run(steps, 0, {}, {}):
@@ -233,16 +243,18 @@ def fit_node(
     return Plan(node, allocation, fp)
 
 
-def _best_card(
+def _eligible(
     cards: Sequence[Device],
     usage: Mapping[str, Usage],
     c: ContainerRequest,
     selection: Selection,
     binpack: bool,
-) -> Device | None:
-    """The card the policy prefers for one vGPU, by the same rules and order as the general search."""
-    best: Device | None = None
-    best_key: tuple[float, int] = (0.0, 0)
+) -> list[tuple[float, Device]]:
+    """Cards that can take one more vGPU of ``c``, with their load, in the policy's order.
+
+    The same rules and the same order as the general search's first step.
+    """
+    out: list[tuple[float, Device]] = []
     selective = bool(
         selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids
     )
@@ -257,11 +269,25 @@ def _best_card(
             continue
         if on + 1 > card.split or om + mem > card.memory_mib or oc + c.cores > card.cores:
             continue
-        load = ((om + mem) / card.memory_mib if card.memory_mib else 1.0) + (on + 1) / card.split
-        key = (-load if binpack else load, card.index)
-        if best is None or key < best_key:
-            best, best_key = card, key
-    return best
+        out.append((((om + mem) / card.memory_mib if card.memory_mib else 1.0) + (on + 1) / card.split, card))
+    out.sort(key=lambda x: (-x[0] if binpack else x[0], x[1].index))
+    return out
+
+
+def _best_set(
+    cards: Sequence[Device], eligible: list[tuple[float, Device]], count: int, binpack: bool
+) -> tuple[Device, ...]:
+    """The card set the general search would try first: NVLink, then NUMA, then the policy."""
+    pairs = _pairs(cards)
+    best: tuple[tuple[int, int, float], tuple[Device, ...]] | None = None
+    for combo in itertools.islice(itertools.combinations(eligible, count), MAX_COMBINATIONS):
+        chosen = tuple(card for _, card in combo)
+        load = sum(x for x, _ in combo)
+        key = (*_topology(chosen, pairs), -load if binpack else load)
+        if best is None or key < best[0]:
+            best = (key, chosen)
+    assert best is not None
+    return best[1]
 
 
 @dataclass(frozen=True)

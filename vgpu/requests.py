@@ -140,12 +140,12 @@ class PodRequest:
         return any(c.count > 0 for c in self.containers)
 
     @cached_property
-    def single_vgpu(self) -> ContainerRequest | None:
-        """The pod's one vGPU when it has exactly one (and no init container has any), else None."""
+    def single_container(self) -> ContainerRequest | None:
+        """The one container with vGPUs when no other container (init included) has any, else None."""
         found = None
         for c in self.containers:
             if c.count:
-                if found is not None or c.count != 1 or c.init:
+                if found is not None or c.init:
                     return None
                 found = c
         return found

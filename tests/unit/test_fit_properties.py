@@ -170,10 +170,10 @@ def test_committed_memory_cores_and_vgpus_never_exceed_any_card(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inventories(), containers("main", False), st.data())
-def test_the_fast_path_for_one_vgpu_chooses_exactly_what_the_general_search_chooses(
+def test_the_fast_path_for_one_container_chooses_exactly_what_the_general_search_chooses(
     inv: NodeInventory, c: ContainerRequest, data: st.DataObject
 ) -> None:
-    pod = PodRequest((ContainerRequest(c.name, 1, c.memory_mib, c.memory_percent, c.cores),))
+    pod = PodRequest((ContainerRequest(c.name, c.count, c.memory_mib, c.memory_percent, c.cores),))
     usage = {
         d.uuid: vgpu_usage(data.draw(st.integers(0, d.memory_mib)), data.draw(st.sampled_from([0, 30, 100])))
         for d in inv.devices
@@ -185,3 +185,10 @@ def test_the_fast_path_for_one_vgpu_chooses_exactly_what_the_general_search_choo
     assert type(fast) is type(general)
     if isinstance(fast, Plan) and isinstance(general, Plan):
         assert fast.allocation == general.allocation and fast.footprint == general.footprint
+    # filter and prioritize ask without deciding: same answer, and a plan that is itself valid
+    quick = fit_node("n", inv, usage, pod, policy, decide=False)
+    assert isinstance(quick, Plan) == isinstance(general, Plan)
+    if isinstance(quick, Plan):
+        for d in inv.devices:
+            u = usage.get(d.uuid, ZERO) + quick.footprint.get(d.uuid, ZERO)
+            assert u.memory_mib <= d.memory_mib and u.cores <= d.cores and u.count <= d.split

@@ -258,7 +258,9 @@ class SchedulerState:
                 entry = self.nodes[name]
                 assert entry.inventory is not None
                 usage = self.ledger.usage(name, excluding=uid)
-                outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy)
+                outcome = fit_node(
+                    name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
+                )
                 if isinstance(outcome, Plan):
                     result.nodes.append(name)
                     util = utilization(entry.inventory, usage, outcome.footprint)
@@ -293,7 +295,9 @@ class SchedulerState:
                     util[name] = hit[2]
                     continue
                 usage = self.ledger.usage(name, excluding=uid)
-                outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy)
+                outcome = fit_node(
+                    name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
+                )
                 if isinstance(outcome, Plan):
                     util[name] = utilization(entry.inventory, usage, outcome.footprint)
         scores = node_scores(util, request.node_policy or self.config.node_policy)
