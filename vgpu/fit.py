@@ -274,6 +274,52 @@ def _eligible(
     return out
 
 
+def quick_fits(
+    inventory: NodeInventory, usage: Mapping[str, Usage], c: ContainerRequest, selection: Selection
+) -> bool:
+    """Whether ``c`` (the pod's only container with vGPUs) fits: enough cards each take one vGPU.
+
+    Exact for such a pod (its vGPUs go to different cards, each checked on its own), with no
+    sorting and no plan built, stopping at the first ``c.count`` cards: what filter needs.
+    """
+    found = 0
+    selective = bool(
+        selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids
+    )
+    exclusive = c.cores >= 100
+    for card in inventory.devices:
+        if not card.healthy or (selective and selection.why_not(card.uuid, card.model) is not None):
+            continue
+        mem = c.memory_mib if c.memory_mib is not None else card.memory_mib * (c.memory_percent or 0) // 100
+        o = usage.get(card.uuid)
+        if o is None:
+            if card.split < 1 or mem > card.memory_mib or c.cores > card.cores:
+                continue
+        elif (
+            o[3] > 0
+            or (exclusive and o[2] > 0)
+            or o[2] + 1 > card.split
+            or o[0] + mem > card.memory_mib
+            or o[1] + c.cores > card.cores
+        ):
+            continue
+        found += 1
+        if found >= c.count:
+            return True
+    return False
+
+
+def quick_utilization(inventory: NodeInventory, usage: Mapping[str, Usage], c: ContainerRequest) -> float:
+    """The node's utilisation with ``c``'s vGPUs added, without choosing cards (prioritize).
+
+    With ``gpumem-percentage`` the first card's memory stands for all: a node's cards are
+    normally one model.
+    """
+    per_card = inventory.devices[0].memory_mib if inventory.devices else 0
+    mem = c.memory_on(per_card)
+    return utilization(inventory, usage, {"": Usage(mem * c.count, c.cores * c.count, c.count, 0)})
+
+
 def _best_set(
     cards: Sequence[Device], eligible: list[tuple[float, Device]], count: int, binpack: bool
 ) -> tuple[Device, ...]:

@@ -135,7 +135,7 @@ class PodRequest:
     node_policy: str | None = None
     gpu_policy: str | None = None
 
-    @property
+    @cached_property
     def wants_vgpu(self) -> bool:
         return any(c.count > 0 for c in self.containers)
 

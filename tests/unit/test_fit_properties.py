@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vgpu.annotations import Device, NodeInventory
-from vgpu.fit import Plan, fit_node
+from vgpu.fit import Plan, fit_node, quick_fits
 from vgpu.ledger import ZERO, Ledger, Usage, vgpu_usage
 from vgpu.requests import ContainerRequest, PodRequest, Selection
 
@@ -188,6 +188,7 @@ def test_the_fast_path_for_one_container_chooses_exactly_what_the_general_search
     # filter and prioritize ask without deciding: same answer, and a plan that is itself valid
     quick = fit_node("n", inv, usage, pod, policy, decide=False)
     assert isinstance(quick, Plan) == isinstance(general, Plan)
+    assert quick_fits(inv, usage, pod.containers[0], pod.selection) == isinstance(general, Plan)
     if isinstance(quick, Plan):
         for d in inv.devices:
             u = usage.get(d.uuid, ZERO) + quick.footprint.get(d.uuid, ZERO)

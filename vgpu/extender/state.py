@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
 from vgpu.errors import AnnotationError, KubeError, RequestError
-from vgpu.fit import Plan, Rejection, fit_node, utilization
+from vgpu.fit import Plan, Rejection, fit_node, quick_fits, quick_utilization, utilization
 from vgpu.ledger import Ledger, Usage, footprint
 from vgpu.policy import node_scores
 from vgpu.requests import PodRequest, parse_pod
@@ -243,6 +243,7 @@ class SchedulerState:
             return FilterResult(nodes=list(node_names))
         result = FilterResult()
         now = self.clock()
+        single = request.single_container  # the usual pod: a quick exact check, no plan built
         cache: dict[str, tuple[int, Any, float]] = {}
         with self.lock:
             self._filtered = (uid or "", cache)  # prioritize, called next for this pod, reuses it
@@ -258,6 +259,9 @@ class SchedulerState:
                 entry = self.nodes[name]
                 assert entry.inventory is not None
                 usage = self.ledger.usage(name, excluding=uid)
+                if single is not None and quick_fits(entry.inventory, usage, single, request.selection):
+                    result.nodes.append(name)
+                    continue
                 outcome = fit_node(
                     name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
                 )
@@ -295,6 +299,9 @@ class SchedulerState:
                     util[name] = hit[2]
                     continue
                 usage = self.ledger.usage(name, excluding=uid)
+                if request.single_container is not None:
+                    util[name] = quick_utilization(entry.inventory, usage, request.single_container)
+                    continue
                 outcome = fit_node(
                     name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
                 )
