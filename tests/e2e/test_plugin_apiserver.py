@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -145,6 +147,16 @@ class Agent:
     def advertised(self, kubelet: Kubelet | None = None) -> dict[str, str]:
         plugin = (kubelet or self.kubelet).plugins.get("nvidia.com/gpu")
         return dict(plugin.devices) if plugin else {}
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ pods are kept in memory (no API server on the GPU machine).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,16 @@ class Pods:
 
     def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
         pass
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_real_cards_are_advertised_and_allocated(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ the same path against a real API server.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -106,6 +108,16 @@ class MemoryAPI:
 
 
 @pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[Daemon, Kubelet, MemoryAPI, Path]]:
     gpus = tmp_path / "gpus.yaml"
     gpus.write_text(gpus_yaml())
@@ -179,6 +191,26 @@ def test_after_a_kubelet_restart_the_plugin_registers_again(node: Any, tmp_path:
         assert daemon.paths.plugin_socket.is_socket()
     finally:
         again.stop()
+
+
+def test_a_kubelet_restart_puts_every_known_pod_in_one_batch_even_if_its_socket_keeps_its_inode(
+    node: Any, tmp_path: Path
+) -> None:
+    # kubelet, restarted, admits the pods still waiting as one batch by creation time, not in
+    # the order they were bound; the plugin must order them the same way from then on
+    daemon, kubelet, _, _ = node
+    assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+    daemon.arrivals.observe(["bound-first"])
+    daemon.arrivals.observe(["bound-second"])
+    assert daemon.arrivals.rank("bound-first") < daemon.arrivals.rank("bound-second")
+    before = daemon.server.registrations
+    # a new kubelet whose socket got the old inode number: only our removed socket tells
+    daemon.paths.plugin_socket.unlink()
+    deadline = time.monotonic() + 10
+    while daemon.server.registrations == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.server.registrations == before + 1
+    assert daemon.arrivals.rank("bound-first") == daemon.arrivals.rank("bound-second")
 
 
 def test_allocate_over_the_socket_returns_the_scheduled_limits(node: Any) -> None:

@@ -157,3 +157,8 @@ class ArrivalWatch:
                 log.warning("watching the pods of node %s failed (%s); listing them again", self.node, err)
                 rv = None
                 self._stop.wait(self.retry_s)
+            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+                self.arrivals.watched = False
+                log.exception("watching the pods of node %s failed; listing them again", self.node)
+                rv = None
+                self._stop.wait(self.retry_s)

@@ -165,9 +165,11 @@ class PluginServer:
         restarted = self._kubelet_inode is not None and inode != self._kubelet_inode
         need_serve = self._server is None or restarted or not self.paths.plugin_socket.exists()
         if need_serve:
-            if restarted:
-                log.info("kubelet restarted (its socket was recreated); serving and registering again")
-                # kubelet lists its pods anew and admits every waiting one as one batch, by creation time
+            if self._server is not None:
+                # kubelet restarted: it recreated its socket (the inode may even be reused) and
+                # removed ours. It lists its pods anew and admits every waiting one as one batch,
+                # by creation time; it calls Allocate only once we registered again, after this.
+                log.info("kubelet restarted; serving and registering again")
                 self.allocator.arrivals.rebatch()
             self._serve()
         if need_serve or inode != self._kubelet_inode:
