@@ -128,6 +128,13 @@ def build_status(
         except ValueError:
             record = {}
         cards = {c.uuid: c for c in node_status.cards}
+        phase = str(annotations.get(PHASE_ANNOTATION, ""))
+        reason = str(annotations.get(REASON_ANNOTATION) or "")
+        pod_status = pod.get("status") or {}
+        if pod_status.get("phase") == "Failed" and phase != "failed":
+            # kubelet rejected the pod at admission (a refused Allocate, for one): it never started
+            phase = "rejected"
+            reason = ": ".join(str(x) for x in (pod_status.get("reason"), pod_status.get("message")) if x)
         for c in alloc.containers:
             env = (record.get(c.name) or {}).get("envs") or {}
             for d in c.devices:
@@ -137,8 +144,8 @@ def build_status(
                     container=c.name,
                     memory_mib=d.memory_mib,
                     cores=d.cores,
-                    phase=str(annotations.get(PHASE_ANNOTATION, "")),
-                    reason=str(annotations.get(REASON_ANNOTATION) or ""),
+                    phase=phase,
+                    reason=reason,
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
                 )
                 card = cards.get(d.uuid)

@@ -81,3 +81,17 @@ def test_a_share_on_a_card_the_node_lacks_is_shown_apart() -> None:
 
 def test_no_vgpu_nodes_says_what_to_check() -> None:
     assert "is the device plugin running" in render_text([])
+
+
+def test_a_pod_kubelet_rejected_shows_rejected_with_kubelets_reason() -> None:
+    rejected = pod("r", [("GPU-a", 1000, 0)], "bound")
+    rejected["status"] = {
+        "phase": "Failed",
+        "reason": "UnexpectedAdmissionError",
+        "message": "Allocate failed: cannot tell which of the pods ml/r, ml/s kubelet is starting",
+    }
+    [status] = build_status([node("n1")], [rejected], [], NOW)
+    [share] = status.cards[0].shares
+    assert share.phase == "rejected"
+    assert share.reason.startswith("UnexpectedAdmissionError: Allocate failed: cannot tell which")
+    assert "ml/r main  1000 MiB  0%  rejected (UnexpectedAdmissionError: " in render_text([status])
