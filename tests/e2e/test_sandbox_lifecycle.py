@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,14 @@ def vgpu(
     )
 
 
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder short enough for the nodes' unix sockets (pytest's own temp paths are too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="vgpu-t-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def listening_ports(state: dict) -> list[int]:  # type: ignore[type-arg]
     return [c["port"] for c in state["components"] if c.get("port") and procs.port_open(c["port"])]
 
@@ -47,39 +58,39 @@ def test_a_second_up_while_one_runs_is_refused_and_touches_nothing(sandbox: Sand
     assert sandbox.status()["healthy"]
 
 
-def test_up_with_the_apiserver_port_taken_says_so_and_starts_nothing(tmp_path: Path) -> None:
+def test_up_with_the_apiserver_port_taken_says_so_and_starts_nothing(short_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = vgpu(
-            "sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", "--apiserver-port", str(port)
+            "sandbox", "--dir", str(short_dir / "sb"), "up", "--nodes", "1", "--apiserver-port", str(port)
         )
     assert result.returncode != 0
     assert f"port {port}" in result.stderr and "--apiserver-port" in result.stderr
-    assert procs.tagged_pids((tmp_path / "sb").resolve()) == []
+    assert procs.tagged_pids((short_dir / "sb").resolve()) == []
 
 
-def test_up_with_a_missing_binary_names_it_and_the_fix(tmp_path: Path) -> None:
-    empty = tmp_path / "bin"
+def test_up_with_a_missing_binary_names_it_and_the_fix(short_dir: Path) -> None:
+    empty = short_dir / "bin"
     (empty / "current").mkdir(parents=True)
     result = vgpu(
-        "sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "1", env={"VGPU_BIN_DIR": str(empty)}
+        "sandbox", "--dir", str(short_dir / "sb"), "up", "--nodes", "1", env={"VGPU_BIN_DIR": str(empty)}
     )
     assert result.returncode != 0
     assert "kube-apiserver" in result.stderr and "make setup" in result.stderr
-    assert procs.tagged_pids((tmp_path / "sb").resolve()) == []
+    assert procs.tagged_pids((short_dir / "sb").resolve()) == []
 
 
-def test_bad_sizes_are_refused_naming_the_flag(tmp_path: Path) -> None:
-    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--nodes", "0")
+def test_bad_sizes_are_refused_naming_the_flag(short_dir: Path) -> None:
+    result = vgpu("sandbox", "--dir", str(short_dir / "sb"), "up", "--nodes", "0")
     assert result.returncode != 0 and "--nodes" in result.stderr
-    result = vgpu("sandbox", "--dir", str(tmp_path / "sb"), "up", "--gpu-memory", "12")
+    result = vgpu("sandbox", "--dir", str(short_dir / "sb"), "up", "--gpu-memory", "12")
     assert result.returncode != 0 and "--gpu-memory" in result.stderr
 
 
-def test_down_after_a_component_crash_leaves_no_process_and_no_port(tmp_path: Path) -> None:
-    sb_dir = tmp_path / "crash"
+def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: Path) -> None:
+    sb_dir = short_dir / "crash"
     up = vgpu("sandbox", "--dir", str(sb_dir), "up", "--nodes", "2", "--control-plane-only")
     assert up.returncode == 0, up.stderr
     state = json.loads((sb_dir / "state.json").read_text())
@@ -99,8 +110,8 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(tmp_path: Pa
     assert listening_ports(state) == []
 
 
-def test_down_after_up_itself_was_killed_midway_leaves_nothing(tmp_path: Path) -> None:
-    sb_dir = (tmp_path / "killed").resolve()
+def test_down_after_up_itself_was_killed_midway_leaves_nothing(short_dir: Path) -> None:
+    sb_dir = (short_dir / "killed").resolve()
     up = subprocess.Popen(
         [sys.executable, "-m", "vgpu.cli", "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
         stdout=subprocess.DEVNULL,
@@ -118,3 +129,11 @@ def test_down_after_up_itself_was_killed_midway_leaves_nothing(tmp_path: Path) -
     down = vgpu("sandbox", "--dir", str(sb_dir), "down")
     assert down.returncode == 0, down.stderr
     assert procs.tagged_pids(sb_dir) == []
+
+
+def test_a_state_folder_too_deep_for_unix_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60)
+    result = vgpu("sandbox", "--dir", str(deep), "up", "--nodes", "1")
+    assert result.returncode != 0
+    assert "too deep" in result.stderr and "--dir" in result.stderr
+    assert procs.tagged_pids(deep.resolve()) == []

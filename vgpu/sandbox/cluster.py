@@ -35,6 +35,10 @@ IDENTITIES: dict[str, tuple[str, str]] = {
 }
 
 
+KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
+MAX_SOCKET_PATH = 107
+
+
 def default_dir() -> Path:
     env = os.environ.get("VGPU_SANDBOX_DIR")
     if env:
@@ -163,6 +167,7 @@ class Sandbox:
                 f"a sandbox is already running from {self.state_dir} (pids {self.running_pids()}); "
                 f"run `vgpu sandbox down` first, or give another folder with --dir"
             )
+        self._check_socket_paths(spec)
         found = binaries.check_all()
         if spec.product:
             found["kubectl"] = binaries.find("kubectl")
@@ -185,6 +190,15 @@ class Sandbox:
             self._stop_everything()
             raise
         return time.monotonic() - start
+
+    def _check_socket_paths(self, spec: Spec) -> None:
+        """Each node's kubelet.sock lives under the state folder; unix socket paths have 107 bytes."""
+        longest = self.layout.node_root(nodes.node_name(spec.nodes - 1)) / KUBELET_SOCKET
+        if len(str(longest).encode()) > MAX_SOCKET_PATH:
+            raise SandboxError(
+                f"the state folder {self.state_dir} is too deep: node sockets such as {longest} would pass "
+                f"the {MAX_SOCKET_PATH}-byte limit of unix socket paths; choose a shorter --dir"
+            )
 
     def _reset_folder(self) -> None:
         if self.state_dir.exists():
