@@ -420,10 +420,14 @@ def test_a_pod_placed_by_another_scheduler_is_named_in_the_refusal(pods: Pods, t
     assert pods.patches == []
 
 
-def test_the_region_folder_is_writable_by_any_container_user(pods: Pods, tmp_path: Path) -> None:
+def test_the_region_folder_is_writable_by_any_container_user_but_unreachable_on_the_host(
+    pods: Pods, tmp_path: Path
+) -> None:
     uid = pods.add("p", {"main": [("GPU-a", 1000, 0)]})
     make(pods, tmp_path).allocate_container(["GPU-a::0"])
     assert (tmp_path / f"var/lib/vgpu/containers/{uid}_main").stat().st_mode & 0o777 == 0o777
+    # The parent is root's alone, so no other host user can reach the open folder.
+    assert (tmp_path / "var/lib/vgpu/containers").stat().st_mode & 0o777 == 0o700
 
 
 def test_an_unwritable_host_folder_is_an_internal_error_and_the_container_can_be_retried(

@@ -368,7 +368,10 @@ class Allocator:
         inside = self.paths.container_dir_inside(w.uid, container.name)
         host_dir = self.paths.container_dir(w.uid, container.name)
         host_dir.mkdir(parents=True, exist_ok=True)
-        host_dir.chmod(0o777)  # the container's processes, whatever their user, create the region here
+        # The container's processes, whatever their user, create the region in their folder, so the
+        # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
+        self.paths.containers_dir.chmod(0o700)
+        host_dir.chmod(0o777)
         envs = {
             "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
