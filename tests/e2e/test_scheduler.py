@@ -10,6 +10,7 @@ device plugin), tainted so nothing else lands there. Everything created is delet
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import signal
@@ -521,3 +522,18 @@ def test_a_second_replica_stands_by_until_the_first_gives_up_the_lease(
     finally:
         second.stop()
         own.start_extender()
+
+
+def test_a_two_vgpu_container_gets_two_cards_joined_by_nvlink(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    def linked(n: str) -> list[ann.Device]:
+        cards = [card(n, i) for i in range(4)]
+        # only cards 1 and 2 share an NVLink; the policy alone would pick 0 and 1 (lowest index)
+        links = {1: {f"GPU-{n}-2": "nvlink"}, 2: {f"GPU-{n}-1": "nvlink"}}
+        return [dataclasses.replace(c, links=links.get(c.index, {})) for c in cards]
+
+    group, (node,) = make_nodes(1, linked)
+    apply_list(sandbox, [pod_manifest("pair", group, {"gpu": 2, "gpumem": 1000})])
+    devices = allocation(wait_bound(sandbox, group, "pair")).containers[0].devices
+    assert sorted(d.uuid for d in devices) == [f"GPU-{node}-1", f"GPU-{node}-2"]
