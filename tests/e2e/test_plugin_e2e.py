@@ -118,3 +118,40 @@ def test_an_applied_vgpu_pod_starts_with_the_limits_the_scheduler_chose(sandbox:
         assert len(shares) == 3
     finally:
         sandbox.kubectl("delete", "pod", "-n", "default", NAME, "--wait=false", check=False)
+
+
+def test_a_pod_giving_only_gpumem_gets_one_vgpu_and_its_limits(sandbox: Sandbox) -> None:
+    """Contract 1: a vGPU resource without nvidia.com/gpu means one vGPU, and kubelet must call Allocate."""
+    name = "vgpu-e2e-memory-only"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "containers": [
+                {"name": "main", "image": "cuda:fake", "resources": {"limits": {"nvidia.com/gpumem": "1500"}}}
+            ]
+        },
+    }
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        deadline = time.monotonic() + 120
+        got: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            got = json.loads(sandbox.kubectl("get", "pod", "-n", "default", name, "-o", "json").stdout)
+            annotations = got["metadata"].get("annotations") or {}
+            if RECORD_ANNOTATION in annotations and annotations.get(PHASE_ANNOTATION) in (
+                "allocated",
+                "failed",
+            ):
+                break
+            time.sleep(0.5)
+        annotations = got["metadata"].get("annotations") or {}
+        assert got["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert annotations.get(PHASE_ANNOTATION) == "allocated", annotations
+        envs = json.loads(annotations[RECORD_ANNOTATION])["main"]["envs"]
+        assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1500m"
+        (device,) = decode_allocation(annotations[ALLOCATION_ANNOTATION]).containers[0].devices
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == device.uuid
+    finally:
+        sandbox.kubectl("delete", "pod", "-n", "default", name, "--wait=false", check=False)

@@ -196,6 +196,33 @@ def test_the_mutating_webhook_routes_vgpu_pods_to_the_vgpu_scheduler(client: Fla
     assert patch == [{"op": "add", "path": "/spec/schedulerName", "value": "vgpu-scheduler"}]
 
 
+def test_the_mutating_webhook_adds_one_gpu_where_only_memory_or_cores_are_given(client: FlaskClient) -> None:
+    pod = {
+        "metadata": {"name": "p"},
+        "spec": {
+            "initContainers": [{"name": "i", "resources": {"limits": {"nvidia.com/gpucores": "20"}}}],
+            "containers": [
+                {
+                    "name": "a",
+                    "resources": {
+                        "limits": {"nvidia.com/gpumem": "1000"},
+                        "requests": {"nvidia.com/gpumem": "1000"},
+                    },
+                },
+                {"name": "b", "resources": {"limits": {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "10"}}},
+                {"name": "c", "resources": {"limits": {"cpu": "1"}}},
+            ],
+        },
+    }
+    resp = client.post("/webhook/mutate", json=review(pod)).get_json()["response"]
+    patch = json.loads(base64.b64decode(resp["patch"]))
+    assert patch[1:] == [
+        {"op": "add", "path": "/spec/initContainers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
+        {"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
+        {"op": "add", "path": "/spec/containers/0/resources/requests/nvidia.com~1gpu", "value": "1"},
+    ]
+
+
 def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(client: FlaskClient) -> None:
     plain = {"metadata": {"name": "x"}, "spec": {"containers": [{"name": "c"}]}}
     assert "patch" not in client.post("/webhook/mutate", json=review(plain)).get_json()["response"]

@@ -1,7 +1,10 @@
 """The admission webhook (AdmissionReview v1) for pods, free of HTTP.
 
 * mutate: a pod that asks for vGPU resources and names no scheduler (or ``default-scheduler``)
-  is routed to ours by a JSONPatch on ``/spec/schedulerName``.
+  is routed to ours by a JSONPatch on ``/spec/schedulerName``; a container that gives
+  ``gpumem``/``gpumem-percentage``/``gpucores``/``priority`` without ``nvidia.com/gpu`` gets
+  ``nvidia.com/gpu: 1`` added (contract 1's default), since kubelet calls the device plugin's
+  Allocate only for containers that ask for ``nvidia.com/gpu`` itself.
 * validate: a pod whose vGPU request can never be satisfied is denied with a message naming the
   field: the static rules of contract 1 (see :mod:`vgpu.requests`), and, once nodes are known,
   more memory per vGPU than the largest card or more vGPUs in a container than any node's cards.
@@ -16,7 +19,7 @@ from typing import Any
 
 from vgpu.config import SchedulerConfig
 from vgpu.errors import RequestError
-from vgpu.requests import asks_for_vgpu, parse_pod
+from vgpu.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
 
 Obj = dict[str, Any]
 
@@ -53,6 +56,39 @@ def _response(review: Obj, req: Obj, allowed: bool, message: str = "", patch: li
     }
 
 
+def _default_gpu_count(spec: Obj) -> list[Obj]:
+    """Patches adding ``nvidia.com/gpu: 1`` where a container names other vGPU resources only."""
+    patch: list[Obj] = []
+    key = RESOURCE_GPU.replace("~", "~0").replace("/", "~1")
+    others = [r for r in RESOURCES if r != RESOURCE_GPU]
+    for kind in ("initContainers", "containers"):
+        containers = spec.get(kind)
+        if not isinstance(containers, list):
+            continue
+        for i, c in enumerate(containers):
+            res = c.get("resources") if isinstance(c, dict) else None
+            if not isinstance(res, dict):
+                continue
+            parts: dict[str, Obj] = {
+                p: res[p] for p in ("limits", "requests") if isinstance(res.get(p), dict)
+            }
+            if any(RESOURCE_GPU in v for v in parts.values()):
+                continue
+            if not any(r in v for v in parts.values() for r in others):
+                continue
+            for part, values in parts.items():
+                # requests and limits of an extended resource must agree: set it in both where both exist.
+                if part == "limits" or any(r in values for r in others):
+                    patch.append(
+                        {"op": "add", "path": f"/spec/{kind}/{i}/resources/{part}/{key}", "value": "1"}
+                    )
+            if "limits" not in parts:
+                patch.append(
+                    {"op": "add", "path": f"/spec/{kind}/{i}/resources/limits", "value": {RESOURCE_GPU: "1"}}
+                )
+    return patch
+
+
 def mutate(review: Any, config: SchedulerConfig) -> Obj:
     req, pod = _request(review)
     spec = pod.get("spec")
@@ -63,6 +99,7 @@ def mutate(review: Any, config: SchedulerConfig) -> Obj:
         return _response(review, req, True)  # the user chose a scheduler on purpose
     op = "replace" if "schedulerName" in spec else "add"
     patch = [{"op": op, "path": "/spec/schedulerName", "value": config.scheduler_name}]
+    patch += _default_gpu_count(spec)
     return _response(review, req, True, patch=patch)
 
 
