@@ -48,7 +48,9 @@ def gpu_pod(uid: str = "u1", **limits: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def state() -> SchedulerState:
-    st = SchedulerState(CFG, clock=lambda: NOW)
+    # filter_keep=10: these tests are about the wire shape with every feasible node answered;
+    # cutting the answer to the best nodes is tested in test_extender_state.py
+    st = SchedulerState(CFG, clock=lambda: NOW, filter_keep=10)
     st.replace_nodes(
         [node("a", inventory(0)), node("b", inventory(1)), node("bad", "{not json"), node("plain", None)]
     )

@@ -5,6 +5,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
 from vgpu.extender.state import SchedulerState
@@ -161,3 +165,129 @@ def test_card_gauges_show_capacity_and_what_is_committed_and_skip_unchanged_node
     st.ledger.release("u1")
     refresh_gauges(st, metrics, seen)
     assert metrics.CARD_MEMORY_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 0
+
+
+# -- filter keeps only the best few feasible nodes -------------------------------------------------
+
+
+def _cluster(loads: list[int], keep: int = 3) -> SchedulerState:
+    """Nodes n0..: one card of 10000 MiB, split 10, with ``loads[i]`` MiB (and one vGPU) committed."""
+    st = SchedulerState(CFG, clock=lambda: NOW, filter_keep=keep)
+    for i, load in enumerate(loads):
+        inv = ann.encode_devices(ann.NodeInventory((ann.Device(f"GPU-n{i}", 0, "m", 10000, 100, 10),)))
+        st.apply_node({"metadata": {"name": f"n{i}", "annotations": {ann.DEVICES_ANNOTATION: inv}}})
+        st.apply_lease(lease(f"vgpu-n{i}", NOW))
+        if load:
+            st.ledger.commit(f"held-{i}", f"n{i}", {f"GPU-n{i}": Usage(load, 0, 1, 0)})
+    st.synced.set()
+    st.leader.set()
+    return st
+
+
+def _pod(mem: int, uid: str = "p1", policy: str | None = None, containers: int = 1) -> dict[str, Any]:
+    meta: dict[str, Any] = {"uid": uid, "name": uid, "namespace": "d"}
+    if policy:
+        meta["annotations"] = {ann.NODE_POLICY_ANNOTATION: policy}
+    spec = [
+        {"name": f"c{k}", "resources": {"limits": {"nvidia.com/gpumem": str(mem)}}} for k in range(containers)
+    ]
+    return {"metadata": meta, "spec": {"containers": spec}}
+
+
+def test_filter_answers_only_the_fullest_feasible_nodes_under_binpack_in_the_order_given() -> None:
+    st = _cluster([0, 5000, 9500, 7000, 2000, 6000], keep=3)
+    names = [f"n{i}" for i in range(6)]
+    result = st.filter(_pod(1000), names)
+    # n2 cannot take 1000 MiB more; of the rest the three fullest are n3, n5, n1
+    assert result.nodes == ["n1", "n3", "n5"]
+    assert "n2" in result.failed and result.unresolvable == {}
+
+
+def test_filter_answers_only_the_emptiest_feasible_nodes_when_the_pod_asks_for_spread() -> None:
+    st = _cluster([0, 5000, 9500, 7000, 2000, 6000], keep=2)
+    result = st.filter(_pod(1000, policy="spread"), [f"n{i}" for i in range(6)])
+    assert result.nodes == ["n0", "n4"]
+
+
+def test_filter_keeps_every_feasible_node_when_there_are_no_more_than_it_keeps() -> None:
+    st = _cluster([0, 5000, 9500, 7000], keep=3)
+    assert st.filter(_pod(1000), ["n0", "n1", "n2", "n3"]).nodes == ["n0", "n1", "n3"]
+
+
+def test_filter_breaks_ties_by_the_order_kube_scheduler_sent() -> None:
+    st = _cluster([0] * 6, keep=2)
+    assert st.filter(_pod(1000), ["n4", "n2", "n5", "n0"]).nodes == ["n4", "n2"]
+
+
+def test_a_pod_that_fits_only_one_of_many_nodes_is_still_offered_it() -> None:
+    st = _cluster([9500] * 20 + [0] + [9500] * 20, keep=3)
+    result = st.filter(_pod(1000), [f"n{i}" for i in range(41)])
+    assert result.nodes == ["n20"] and len(result.failed) == 40
+
+
+def test_prioritize_on_the_kept_nodes_gives_the_fullest_the_top_score() -> None:
+    st = _cluster([0, 5000, 9500, 7000, 2000, 6000], keep=3)
+    kept = st.filter(_pod(1000), [f"n{i}" for i in range(6)]).nodes
+    scores = st.prioritize(_pod(1000), kept)
+    assert scores["n3"] == 10 and scores["n1"] == 0 and 0 < scores["n5"] < 10
+
+
+def test_a_pod_of_several_vgpu_containers_is_also_cut_to_the_best_nodes() -> None:
+    st = _cluster([0, 5000, 8000, 7000, 2000], keep=2)
+    result = st.filter(_pod(1000, containers=2), [f"n{i}" for i in range(5)])
+    # two more vGPUs of 1000 MiB: n2 (8000) and n3 (7000) still take them and are the fullest
+    assert result.nodes == ["n2", "n3"]
+
+
+def test_a_filter_keep_below_one_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="filter_keep"):
+        SchedulerState(CFG, filter_keep=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    loads=hst.lists(hst.integers(0, 10000), min_size=1, max_size=30),
+    mem=hst.integers(1, 10000),
+    keep=hst.integers(1, 8),
+    spread=hst.booleans(),
+)
+def test_filter_offers_a_node_whenever_one_fits_and_never_a_worse_one_than_it_drops(
+    loads: list[int], mem: int, keep: int, spread: bool
+) -> None:
+    names = [f"n{i}" for i in range(len(loads))]
+    policy = "spread" if spread else "binpack"
+    everything = _cluster(loads, keep=len(loads)).filter(_pod(mem, policy=policy), names)
+    result = _cluster(loads, keep=keep).filter(_pod(mem, policy=policy), names)
+    fits = [n for n, load in zip(names, loads, strict=True) if load + mem <= 10000]
+    assert everything.nodes == fits
+    assert bool(result.nodes) == bool(fits)
+    assert len(result.nodes) == min(keep, len(fits)) and set(result.nodes) <= set(fits)
+    load = dict(zip(names, loads, strict=True))
+    dropped = set(fits) - set(result.nodes)
+    for kept in result.nodes:
+        for other in dropped:
+            assert (load[kept] <= load[other]) if spread else (load[kept] >= load[other])
+
+
+def test_filter_keep_comes_from_the_flag_then_the_environment_then_the_default() -> None:
+    from vgpu.extender.cli import filter_keep_setting
+    from vgpu.extender.state import FILTER_KEEP
+
+    assert filter_keep_setting(5, {"VGPU_FILTER_KEEP": "3"}) == 5
+    assert filter_keep_setting(None, {"VGPU_FILTER_KEEP": "3"}) == 3
+    assert filter_keep_setting(None, {}) == FILTER_KEEP == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "named"),
+    [(0, {}, "--filter-keep"), (None, {"VGPU_FILTER_KEEP": "many"}, "VGPU_FILTER_KEEP")],
+)
+def test_a_bad_filter_keep_is_refused_naming_where_it_came_from(
+    flag: int | None, env: dict[str, str], named: str
+) -> None:
+    from vgpu.errors import ConfigError
+    from vgpu.extender.cli import filter_keep_setting
+
+    with pytest.raises(ConfigError, match=named) as info:
+        filter_keep_setting(flag, env)
+    assert "at least 1" in str(info.value)

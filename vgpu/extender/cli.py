@@ -3,11 +3,14 @@
     vgpu extender --kubeconfig PATH --listen HOST:PORT --cert-file PEM --key-file PEM
                   --metrics-listen HOST:PORT --namespace NS --scheduler-name vgpu-scheduler
                   [--workers N] [--node-policy binpack|spread] [--gpu-policy binpack|spread]
-                  [--default-mem MIB] [--default-cores PCT] [--config FILE]
+                  [--default-mem MIB] [--default-cores PCT] [--filter-keep N] [--config FILE]
 
 Without --kubeconfig: the in-cluster service account. Settings: flag > ``VGPU_*`` environment >
 --config file > defaults (see vgpu.config). ``--workers`` is the number of threads of the single
 worker process that holds the ledger (see vgpu.extender.server for why not processes).
+``--filter-keep`` (or ``VGPU_FILTER_KEEP``): how many of the feasible nodes ``filter`` answers for a
+vGPU pod, the best by the pod's node policy (default 1: kube-scheduler then binds there without
+scoring; see docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 
 from vgpu.config import POLICIES, load_config
 from vgpu.errors import ConfigError
@@ -39,6 +43,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--default-cores", type=int, help="percent of a card per vGPU when not given (0 = no cap)"
+    )
+    parser.add_argument(
+        "--filter-keep",
+        type=int,
+        help="feasible nodes filter answers for a vGPU pod, the best by its node policy (default 1)",
     )
     parser.add_argument("--identity", help="holder name for the Lease (default: host name)")
     parser.add_argument("--config", help="YAML/JSON settings file (keys: defaultMem, nodePolicy, ...)")
@@ -62,10 +71,31 @@ FLAGS = (
 )
 
 
+def filter_keep_setting(flag: int | None, env: Mapping[str, str]) -> int:
+    """--filter-keep, else VGPU_FILTER_KEEP, else the default; at least 1."""
+    from vgpu.extender.state import FILTER_KEEP
+
+    if flag is not None:
+        source, value = "flag", str(flag)
+    elif env.get("VGPU_FILTER_KEEP"):
+        source, value = "environment", env["VGPU_FILTER_KEEP"]
+    else:
+        return FILTER_KEEP
+    name = "--filter-keep" if source == "flag" else "VGPU_FILTER_KEEP"
+    try:
+        keep = int(value.strip())
+    except ValueError:
+        raise ConfigError(source, name, f"must be an integer of at least 1, got {value!r}") from None
+    if keep < 1:
+        raise ConfigError(source, name, f"must be at least 1 (the best node), got {keep}")
+    return keep
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config({k: getattr(args, k) for k in FLAGS}, file=args.config)
+        filter_keep = filter_keep_setting(getattr(args, "filter_keep", None), os.environ)
     except ConfigError as err:
         print(f"vgpu extender: {err}", file=sys.stderr)
         return 2
@@ -87,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from vgpu.extender import server
 
-        return server.run(config)
+        return server.run(config, filter_keep)
     finally:
         if own_dir:
             shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

@@ -33,15 +33,15 @@ def split_hostport(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def build_worker_app(config: SchedulerConfig) -> Any:
+def build_worker_app(config: SchedulerConfig, filter_keep: int | None = None) -> Any:
     """In the worker: the state, its feeds from the API server, and the Flask app over it."""
     from vgpu.extender.app import create_app
-    from vgpu.extender.state import SchedulerState
+    from vgpu.extender.state import FILTER_KEEP, SchedulerState
     from vgpu.extender.sync import Syncer
     from vgpu.kube import Kube
 
     kube = Kube(config.kubeconfig)
-    state = SchedulerState(config, kube)
+    state = SchedulerState(config, kube, filter_keep=filter_keep or FILTER_KEEP)
     syncer = Syncer(state, kube, config.identity or socket.gethostname())
     syncer.start()
     app = create_app(config, state)
@@ -50,8 +50,9 @@ def build_worker_app(config: SchedulerConfig) -> Any:
 
 
 class ExtenderServer(BaseApplication):  # type: ignore[misc]
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, filter_keep: int | None = None) -> None:
         self.config_ = config
+        self.filter_keep = filter_keep
         super().__init__()
 
     def load_config(self) -> None:
@@ -81,7 +82,7 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
             self.cfg.set(key, value)
 
     def load(self) -> Any:
-        return build_worker_app(self.config_)
+        return build_worker_app(self.config_, self.filter_keep)
 
 
 _SSL_CACHE: dict[str, Any] = {}
@@ -128,8 +129,8 @@ def _worker_exit(server: Any, worker: Any) -> None:
         syncer.close()  # hand the Lease over at once instead of letting it expire
 
 
-def run(config: SchedulerConfig) -> int:
+def run(config: SchedulerConfig, filter_keep: int | None = None) -> int:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         raise RuntimeError("PROMETHEUS_MULTIPROC_DIR must be set before the server starts (the CLI does it)")
-    ExtenderServer(config).run()
+    ExtenderServer(config, filter_keep).run()
     return 0

@@ -10,6 +10,7 @@ the Binding fails.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vgpu import annotations as ann
-from vgpu.config import SchedulerConfig
+from vgpu.config import BINPACK, SchedulerConfig
 from vgpu.errors import AnnotationError, KubeError, RequestError
 from vgpu.fit import Plan, Rejection, fit_node, quick_fits, quick_utilization, utilization
 from vgpu.ledger import Ledger, Usage, footprint
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 TERMINAL = ("Succeeded", "Failed")
+
+# filter answers at most this many feasible nodes for a vGPU pod: the best by the pod's node policy.
+# kube-scheduler hands filter's answer to prioritize and to its own scoring plugins, so at 1,000
+# nodes every pod would otherwise cost two ~400-name round trips and ~400 nodes scored twice; the
+# node kube-scheduler finally picks is among the policy's best either way.
+FILTER_KEEP = 1
 
 
 class KubeAPI(Protocol):
@@ -68,8 +75,17 @@ def _phases(request: PodRequest) -> list[list[str]]:
 
 
 class SchedulerState:
-    def __init__(self, config: SchedulerConfig, kube: KubeAPI | None = None, clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kube: KubeAPI | None = None,
+        clock: Any = time.time,
+        filter_keep: int = FILTER_KEEP,
+    ) -> None:
+        if filter_keep < 1:
+            raise ValueError(f"filter_keep must be at least 1, got {filter_keep}")
         self.config = config
+        self.filter_keep = filter_keep
         self.kube = kube
         self.clock = clock
         self.lock = threading.RLock()
@@ -261,6 +277,8 @@ class SchedulerState:
                 usage = self.ledger.usage(name, excluding=uid)
                 if single is not None and quick_fits(entry.inventory, usage, single, request.selection):
                     result.nodes.append(name)
+                    util = quick_utilization(entry.inventory, usage, single)
+                    cache[name] = (self.ledger.node_version(name), entry.inventory, util)
                     continue
                 outcome = fit_node(
                     name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
@@ -273,7 +291,24 @@ class SchedulerState:
                     result.unresolvable[name] = outcome.reason
                 else:
                     result.failed[name] = outcome.reason
+            if len(result.nodes) > self.filter_keep:
+                result.nodes = self._best(result.nodes, request, cache)
         return result
+
+    def _best(
+        self, feasible: list[str], request: PodRequest, cache: dict[str, tuple[int, Any, float]]
+    ) -> list[str]:
+        """The ``filter_keep`` best of ``feasible`` by the pod's node policy, in their given order.
+
+        ``cache`` holds each feasible node's utilisation with the pod on it (filter fills it, and
+        prioritize reuses it). Ties keep kube-scheduler's order (it rotates where it starts), so
+        equal nodes share the load.
+        """
+        sign = -1.0 if (request.node_policy or self.config.node_policy) == BINPACK else 1.0
+        order = {name: i for i, name in enumerate(feasible)}
+        keep = heapq.nsmallest(self.filter_keep, feasible, key=lambda n: (sign * cache[n][2], order[n]))
+        keep.sort(key=order.__getitem__)
+        return keep
 
     def prioritize(self, pod: Obj, node_names: list[str]) -> dict[str, int]:
         problem = self._check_ready()
