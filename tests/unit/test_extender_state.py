@@ -291,3 +291,16 @@ def test_a_bad_filter_keep_is_refused_naming_where_it_came_from(
     with pytest.raises(ConfigError, match=named) as info:
         filter_keep_setting(flag, env)
     assert "at least 1" in str(info.value)
+
+
+def test_the_extender_worker_hands_the_gil_over_ten_times_as_often_as_cpython() -> None:
+    import sys
+
+    from vgpu.extender.server import tune_gil
+
+    before = sys.getswitchinterval()
+    try:
+        tune_gil()
+        assert sys.getswitchinterval() == pytest.approx(0.0005) and before == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
