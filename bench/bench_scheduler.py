@@ -7,7 +7,8 @@ For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nod
 with a kube-scheduler profile calling it over verified TLS. Then, on the same cluster:
 
 1. kube-scheduler alone (a profile without extender): P pods asking for plain ``cpu``.
-2. with the extender (filter, prioritize and bind): P pods asking ``nvidia.com/gpumem: 1000``.
+2. with the extender (filter and bind; prioritize too with ``--filter-keep`` above 1): P pods asking
+   ``nvidia.com/gpumem: 1000``.
    In both, the pods are created first and the scheduler started after, since creating pods
    through the API is slower than scheduling them here; pods/s from the first bound pod to the
    last, as a watch on the pods sees them.
