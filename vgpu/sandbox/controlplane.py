@@ -155,8 +155,17 @@ def scheduler_config(
     return json.dumps(config, indent=2)
 
 
-def scheduler_argv(binary: Path, config_file: Path) -> list[str]:
-    return [str(binary), f"--config={config_file}", "--secure-port=0", "--v=1"]
+def scheduler_argv(binary: Path, config_file: Path, requeue_unschedulable_s: int | None = None) -> list[str]:
+    """``requeue_unschedulable_s``: retry pods the extender refused at least this often.
+
+    kube-scheduler requeues a refused pod on cluster events its own plugins care about; a refusal
+    by the extender (no vGPU room) names none of them, so without this the pod waits up to 5
+    minutes after capacity frees.
+    """
+    argv = [str(binary), f"--config={config_file}", "--secure-port=0", "--v=1"]
+    if requeue_unschedulable_s is not None:
+        argv.append(f"--pod-max-in-unschedulable-pods-duration={requeue_unschedulable_s}s")
+    return argv
 
 
 def kwok_argv(binary: Path, layout: Layout, server_port: int) -> list[str]:

@@ -118,7 +118,10 @@ def start_extender(sandbox: Sandbox, progress: Callable[[str], None]) -> None:
             managed_resources=MANAGED_RESOURCES,
         )
     )
-    sandbox.launch("vgpu-scheduler", controlplane.scheduler_argv(sandbox.bin("kube-scheduler"), config))
+    sandbox.launch(
+        "vgpu-scheduler",
+        controlplane.scheduler_argv(sandbox.bin("kube-scheduler"), config, requeue_unschedulable_s=10),
+    )
     sandbox.kubectl(
         "apply", "-f", "-", input=json.dumps(webhook_configs(f"https://127.0.0.1:{port}", ca_b64))
     )
