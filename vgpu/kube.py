@@ -52,6 +52,17 @@ def _wrap(what: str, err: Exception) -> KubeError:
     return KubeError(f"{what}: {err}")
 
 
+def _read_or_none(read: Callable[..., Any], kind: str, namespace: str, name: str) -> Obj | None:
+    """One namespaced object as a dict, or None when the API server says 404."""
+    try:
+        resp = read(name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise _wrap(f"read {kind} {namespace}/{name}", err) from err
+    return _json(resp)
+
+
 def _json(resp: Any) -> Obj:
     data = resp.data if hasattr(resp, "data") else resp.read()
     try:
@@ -115,15 +126,7 @@ class Kube:
         )
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
-        try:
-            resp = self.core.read_namespaced_pod(
-                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-            )
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise _wrap(f"read pod {namespace}/{name}", err) from err
-        return _json(resp)
+        return _read_or_none(self.core.read_namespaced_pod, "pod", namespace, name)
 
     def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
@@ -198,15 +201,7 @@ class Kube:
         )
 
     def get_lease(self, namespace: str, name: str) -> Obj | None:
-        try:
-            resp = self.coord.read_namespaced_lease(
-                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-            )
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise _wrap(f"read lease {namespace}/{name}", err) from err
-        return _json(resp)
+        return _read_or_none(self.coord.read_namespaced_lease, "lease", namespace, name)
 
     def create_lease(self, namespace: str, lease: Obj) -> Obj:
         try:
