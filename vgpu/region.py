@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = int.from_bytes(b"VGPUREGN", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_DEVICES = 16
 MAX_PROCS = 256
 UUID_BYTES = 64
@@ -38,6 +38,7 @@ _CTYPES: dict[str, tuple[str, int]] = {
     "uint8_t": ("B", 1),
     "char": ("c", 1),
     "int32_t": ("i", 4),
+    "int64_t": ("q", 8),
     "uint32_t": ("I", 4),
     "uint64_t": ("Q", 8),
 }
@@ -69,6 +70,18 @@ HEADER: tuple[Field, ...] = (
     Field("sm_limit", "uint32_t", MAX_DEVICES, doc="percent of SMs per device; 0 = no cap"),
     Field("used", "uint64_t", MAX_DEVICES, doc="bytes in use per device, the sum of the slots"),
     Field("uuid", "char", MAX_DEVICES, UUID_BYTES, doc="device UUID per index, NUL-terminated"),
+    # layout 2: compute limits, priority, virtual device memory, the monitor's arbitration
+    Field("priority", "uint32_t", doc="CUDA_TASK_PRIORITY: 0 high, 1 normal (the hook writes it)"),
+    Field("sm_policy", "uint32_t", doc="0 = hold to the cap; 1 = work-conserving when alone on the card"),
+    Field("arbiter_ns", "uint64_t", doc="CLOCK_MONOTONIC ns of the monitor's last flags write; stale = ignore flags"),
+    Field("budget", "uint64_t", MAX_DEVICES, doc="device-resident bytes before spilling (oversubscribe); 0 = the card's free memory"),
+    Field("spilled", "uint64_t", MAX_DEVICES, doc="bytes per device served from mapped host memory, the sum of the slots"),
+    Field("tokens", "int64_t", MAX_DEVICES, doc="SM token bucket per device: ns of GPU time the container may still use"),
+    Field("refill_ns", "uint64_t", MAX_DEVICES, doc="CLOCK_MONOTONIC ns the bucket was last refilled"),
+    Field("busy_ns", "uint64_t", MAX_DEVICES, doc="GPU time the container's work took per device (counter)"),
+    Field("throttled_ns", "uint64_t", MAX_DEVICES, doc="time launches waited for the SM limit or priority (counter)"),
+    Field("last_launch_ns", "uint64_t", MAX_DEVICES, doc="CLOCK_MONOTONIC ns of the newest launch per device"),
+    Field("flags", "uint32_t", MAX_DEVICES, doc="the monitor's word per device: bit 0 yield, bit 1 alone on the card"),
 )
 
 SLOT: tuple[Field, ...] = (
@@ -76,7 +89,13 @@ SLOT: tuple[Field, ...] = (
     Field("active", "uint32_t"),
     Field("start_time", "uint64_t", doc="process start (clock ticks since boot), tells pid reuse apart"),
     Field("used", "uint64_t", MAX_DEVICES, doc="bytes this process holds per device"),
+    Field("spilled", "uint64_t", MAX_DEVICES, doc="of those, bytes served from mapped host memory"),
 )
+
+# bits of the header's flags[] word, written only by the node monitor
+FLAG_YIELD = 1  # a priority-0 container is busy on this card: priority-1 launches wait
+FLAG_ALONE = 2  # no other container is busy on this card: a work-conserving container may pass its cap
+ARBITER_STALE_NS = 1_000_000_000  # flags older than this are ignored (the monitor is gone)
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,9 @@ def c_header() -> str:
         f"#define VGPU_MAX_PROCS {MAX_PROCS}",
         f"#define VGPU_UUID_BYTES {UUID_BYTES}",
         f"#define VGPU_LOCK_BYTES {LOCK_BYTES}",
+        f"#define VGPU_FLAG_YIELD {FLAG_YIELD}u",
+        f"#define VGPU_FLAG_ALONE {FLAG_ALONE}u",
+        f"#define VGPU_ARBITER_STALE_NS {ARBITER_STALE_NS}ULL",
         "",
     ]
     for cname, fields, layout in (
@@ -166,6 +188,13 @@ class DeviceState:
     limit_bytes: int
     sm_limit: int
     used_bytes: int
+    budget_bytes: int = 0
+    spilled_bytes: int = 0
+    tokens_ns: int = 0
+    busy_ns: int = 0
+    throttled_ns: int = 0
+    last_launch_ns: int = 0
+    flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,12 +202,16 @@ class ProcessUsage:
     pid: int
     start_time: int
     used_bytes: tuple[int, ...]  # per device index
+    spilled_bytes: tuple[int, ...] = ()  # per device index, part of used_bytes
 
 
 @dataclass(frozen=True)
 class Snapshot:
     devices: tuple[DeviceState, ...]
     processes: tuple[ProcessUsage, ...]
+    priority: int = 1
+    sm_policy: int = 0
+    arbiter_ns: int = 0
 
 
 def _u(code: str, buf: bytes | mmap.mmap, offset: int) -> int:
@@ -290,6 +323,13 @@ def _decode(data: bytes) -> Snapshot:
                 limit_bytes=_u("Q", data, h["limit"] + 8 * i),
                 sm_limit=_u("I", data, h["sm_limit"] + 4 * i),
                 used_bytes=_u("Q", data, h["used"] + 8 * i),
+                budget_bytes=_u("Q", data, h["budget"] + 8 * i),
+                spilled_bytes=_u("Q", data, h["spilled"] + 8 * i),
+                tokens_ns=_u("q", data, h["tokens"] + 8 * i),
+                busy_ns=_u("Q", data, h["busy_ns"] + 8 * i),
+                throttled_ns=_u("Q", data, h["throttled_ns"] + 8 * i),
+                last_launch_ns=_u("Q", data, h["last_launch_ns"] + 8 * i),
+                flags=_u("I", data, h["flags"] + 4 * i),
             )
         )
     s = SLOT_LAYOUT.offsets
@@ -300,8 +340,15 @@ def _decode(data: bytes) -> Snapshot:
         if pid == 0 or _u("I", data, base + s["active"]) == 0:
             continue
         used = tuple(_u("Q", data, base + s["used"] + 8 * i) for i in range(num))
-        processes.append(ProcessUsage(pid, _u("Q", data, base + s["start_time"]), used))
-    return Snapshot(tuple(devices), tuple(processes))
+        spilled = tuple(_u("Q", data, base + s["spilled"] + 8 * i) for i in range(num))
+        processes.append(ProcessUsage(pid, _u("Q", data, base + s["start_time"]), used, spilled))
+    return Snapshot(
+        tuple(devices),
+        tuple(processes),
+        priority=_u("I", data, h["priority"]),
+        sm_policy=_u("I", data, h["sm_policy"]),
+        arbiter_ns=_u("Q", data, h["arbiter_ns"]),
+    )
 
 
 def parse_size(text: str) -> int:

@@ -5,11 +5,14 @@
 #include <stdint.h>
 
 #define VGPU_REGION_MAGIC 0x4e47455255504756ULL
-#define VGPU_REGION_VERSION 1u
+#define VGPU_REGION_VERSION 2u
 #define VGPU_MAX_DEVICES 16
 #define VGPU_MAX_PROCS 256
 #define VGPU_UUID_BYTES 64
 #define VGPU_LOCK_BYTES 64
+#define VGPU_FLAG_YIELD 1u
+#define VGPU_FLAG_ALONE 2u
+#define VGPU_ARBITER_STALE_NS 1000000000ULL
 
 struct vgpu_region_header {
     uint64_t magic; /* MAGIC: the bytes 'VGPUREGN' */
@@ -25,6 +28,17 @@ struct vgpu_region_header {
     uint32_t sm_limit[16]; /* percent of SMs per device; 0 = no cap */
     uint64_t used[16]; /* bytes in use per device, the sum of the slots */
     char uuid[16][64]; /* device UUID per index, NUL-terminated */
+    uint32_t priority; /* CUDA_TASK_PRIORITY: 0 high, 1 normal (the hook writes it) */
+    uint32_t sm_policy; /* 0 = hold to the cap; 1 = work-conserving when alone on the card */
+    uint64_t arbiter_ns; /* CLOCK_MONOTONIC ns of the monitor's last flags write; stale = ignore flags */
+    uint64_t budget[16]; /* device-resident bytes before spilling (oversubscribe); 0 = the card's free memory */
+    uint64_t spilled[16]; /* bytes per device served from mapped host memory, the sum of the slots */
+    int64_t tokens[16]; /* SM token bucket per device: ns of GPU time the container may still use */
+    uint64_t refill_ns[16]; /* CLOCK_MONOTONIC ns the bucket was last refilled */
+    uint64_t busy_ns[16]; /* GPU time the container's work took per device (counter) */
+    uint64_t throttled_ns[16]; /* time launches waited for the SM limit or priority (counter) */
+    uint64_t last_launch_ns[16]; /* CLOCK_MONOTONIC ns of the newest launch per device */
+    uint32_t flags[16]; /* the monitor's word per device: bit 0 yield, bit 1 alone on the card */
 };
 _Static_assert(offsetof(struct vgpu_region_header, magic) == 0, "vgpu_region_header.magic moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_header, version) == 8, "vgpu_region_header.version moved: regenerate from vgpu/region.py");
@@ -39,21 +53,34 @@ _Static_assert(offsetof(struct vgpu_region_header, limit) == 128, "vgpu_region_h
 _Static_assert(offsetof(struct vgpu_region_header, sm_limit) == 256, "vgpu_region_header.sm_limit moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_header, used) == 320, "vgpu_region_header.used moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_header, uuid) == 448, "vgpu_region_header.uuid moved: regenerate from vgpu/region.py");
-_Static_assert(sizeof(struct vgpu_region_header) == 1472, "vgpu_region_header size changed");
-#define VGPU_REGION_HEADER_FIELDS(X) X(magic) X(version) X(header_size) X(slot_size) X(max_devices) X(max_procs) X(num_devices) X(seq) X(lock) X(limit) X(sm_limit) X(used) X(uuid)
+_Static_assert(offsetof(struct vgpu_region_header, priority) == 1472, "vgpu_region_header.priority moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, sm_policy) == 1476, "vgpu_region_header.sm_policy moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, arbiter_ns) == 1480, "vgpu_region_header.arbiter_ns moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, budget) == 1488, "vgpu_region_header.budget moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, spilled) == 1616, "vgpu_region_header.spilled moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, tokens) == 1744, "vgpu_region_header.tokens moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, refill_ns) == 1872, "vgpu_region_header.refill_ns moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, busy_ns) == 2000, "vgpu_region_header.busy_ns moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, throttled_ns) == 2128, "vgpu_region_header.throttled_ns moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, last_launch_ns) == 2256, "vgpu_region_header.last_launch_ns moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_region_header, flags) == 2384, "vgpu_region_header.flags moved: regenerate from vgpu/region.py");
+_Static_assert(sizeof(struct vgpu_region_header) == 2496, "vgpu_region_header size changed");
+#define VGPU_REGION_HEADER_FIELDS(X) X(magic) X(version) X(header_size) X(slot_size) X(max_devices) X(max_procs) X(num_devices) X(seq) X(lock) X(limit) X(sm_limit) X(used) X(uuid) X(priority) X(sm_policy) X(arbiter_ns) X(budget) X(spilled) X(tokens) X(refill_ns) X(busy_ns) X(throttled_ns) X(last_launch_ns) X(flags)
 
 struct vgpu_region_slot {
     int32_t pid; /* 0 = free slot */
     uint32_t active;
     uint64_t start_time; /* process start (clock ticks since boot), tells pid reuse apart */
     uint64_t used[16]; /* bytes this process holds per device */
+    uint64_t spilled[16]; /* of those, bytes served from mapped host memory */
 };
 _Static_assert(offsetof(struct vgpu_region_slot, pid) == 0, "vgpu_region_slot.pid moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_slot, active) == 4, "vgpu_region_slot.active moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_slot, start_time) == 8, "vgpu_region_slot.start_time moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_slot, used) == 16, "vgpu_region_slot.used moved: regenerate from vgpu/region.py");
-_Static_assert(sizeof(struct vgpu_region_slot) == 144, "vgpu_region_slot size changed");
-#define VGPU_REGION_SLOT_FIELDS(X) X(pid) X(active) X(start_time) X(used)
+_Static_assert(offsetof(struct vgpu_region_slot, spilled) == 144, "vgpu_region_slot.spilled moved: regenerate from vgpu/region.py");
+_Static_assert(sizeof(struct vgpu_region_slot) == 272, "vgpu_region_slot size changed");
+#define VGPU_REGION_SLOT_FIELDS(X) X(pid) X(active) X(start_time) X(used) X(spilled)
 
-#define VGPU_REGION_SIZE 38336u
+#define VGPU_REGION_SIZE 72128u
 #endif
