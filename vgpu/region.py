@@ -73,15 +73,15 @@ HEADER: tuple[Field, ...] = (
     # layout 2: compute limits, priority, virtual device memory, the monitor's arbitration
     Field("priority", "uint32_t", doc="CUDA_TASK_PRIORITY: 0 high, 1 normal (the hook writes it)"),
     Field("sm_policy", "uint32_t", doc="0 = hold to the cap; 1 = work-conserving when alone on the card"),
-    Field("arbiter_ns", "uint64_t", doc="CLOCK_MONOTONIC ns of the monitor's last flags write; stale = ignore flags"),
-    Field("budget", "uint64_t", MAX_DEVICES, doc="device-resident bytes before spilling (oversubscribe); 0 = the card's free memory"),
-    Field("spilled", "uint64_t", MAX_DEVICES, doc="bytes per device served from mapped host memory, the sum of the slots"),
-    Field("tokens", "int64_t", MAX_DEVICES, doc="SM token bucket per device: ns of GPU time the container may still use"),
-    Field("refill_ns", "uint64_t", MAX_DEVICES, doc="CLOCK_MONOTONIC ns the bucket was last refilled"),
-    Field("busy_ns", "uint64_t", MAX_DEVICES, doc="GPU time the container's work took per device (counter)"),
-    Field("throttled_ns", "uint64_t", MAX_DEVICES, doc="time launches waited for the SM limit or priority (counter)"),
-    Field("last_launch_ns", "uint64_t", MAX_DEVICES, doc="CLOCK_MONOTONIC ns of the newest launch per device"),
-    Field("flags", "uint32_t", MAX_DEVICES, doc="the monitor's word per device: bit 0 yield, bit 1 alone on the card"),
+    Field("arbiter_ns", "uint64_t", doc="monotonic ns of the monitor's last flags write; stale: ignored"),
+    Field("budget", "uint64_t", MAX_DEVICES, doc="device bytes before spilling; 0 = card's free memory"),
+    Field("spilled", "uint64_t", MAX_DEVICES, doc="bytes served from mapped host memory, sum of slots"),
+    Field("tokens", "int64_t", MAX_DEVICES, doc="SM bucket: ns of GPU time the container may still use"),
+    Field("refill_ns", "uint64_t", MAX_DEVICES, doc="monotonic ns the bucket was last refilled"),
+    Field("busy_ns", "uint64_t", MAX_DEVICES, doc="GPU time the container's work took (counter)"),
+    Field("throttled_ns", "uint64_t", MAX_DEVICES, doc="time launches waited: SM cap or priority (counter)"),
+    Field("last_launch_ns", "uint64_t", MAX_DEVICES, doc="monotonic ns of the newest launch"),
+    Field("flags", "uint32_t", MAX_DEVICES, doc="monitor-written: bit 0 yield, bit 1 alone on card"),
 )
 
 SLOT: tuple[Field, ...] = (

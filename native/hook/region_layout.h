@@ -30,15 +30,15 @@ struct vgpu_region_header {
     char uuid[16][64]; /* device UUID per index, NUL-terminated */
     uint32_t priority; /* CUDA_TASK_PRIORITY: 0 high, 1 normal (the hook writes it) */
     uint32_t sm_policy; /* 0 = hold to the cap; 1 = work-conserving when alone on the card */
-    uint64_t arbiter_ns; /* CLOCK_MONOTONIC ns of the monitor's last flags write; stale = ignore flags */
-    uint64_t budget[16]; /* device-resident bytes before spilling (oversubscribe); 0 = the card's free memory */
-    uint64_t spilled[16]; /* bytes per device served from mapped host memory, the sum of the slots */
-    int64_t tokens[16]; /* SM token bucket per device: ns of GPU time the container may still use */
-    uint64_t refill_ns[16]; /* CLOCK_MONOTONIC ns the bucket was last refilled */
-    uint64_t busy_ns[16]; /* GPU time the container's work took per device (counter) */
-    uint64_t throttled_ns[16]; /* time launches waited for the SM limit or priority (counter) */
-    uint64_t last_launch_ns[16]; /* CLOCK_MONOTONIC ns of the newest launch per device */
-    uint32_t flags[16]; /* the monitor's word per device: bit 0 yield, bit 1 alone on the card */
+    uint64_t arbiter_ns; /* monotonic ns of the monitor's last flags write; stale: ignored */
+    uint64_t budget[16]; /* device bytes before spilling; 0 = card's free memory */
+    uint64_t spilled[16]; /* bytes served from mapped host memory, sum of slots */
+    int64_t tokens[16]; /* SM bucket: ns of GPU time the container may still use */
+    uint64_t refill_ns[16]; /* monotonic ns the bucket was last refilled */
+    uint64_t busy_ns[16]; /* GPU time the container's work took (counter) */
+    uint64_t throttled_ns[16]; /* time launches waited: SM cap or priority (counter) */
+    uint64_t last_launch_ns[16]; /* monotonic ns of the newest launch */
+    uint32_t flags[16]; /* monitor-written: bit 0 yield, bit 1 alone on card */
 };
 _Static_assert(offsetof(struct vgpu_region_header, magic) == 0, "vgpu_region_header.magic moved: regenerate from vgpu/region.py");
 _Static_assert(offsetof(struct vgpu_region_header, version) == 8, "vgpu_region_header.version moved: regenerate from vgpu/region.py");
