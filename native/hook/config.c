@@ -1,5 +1,6 @@
 /* Contract 4's environment: CUDA_DEVICE_MEMORY_LIMIT[_i], CUDA_DEVICE_SM_LIMIT[_i],
- * CUDA_DEVICE_MEMORY_SHARED_CACHE, NVIDIA_VISIBLE_DEVICES; plus VGPU_CONTEXT_RESERVE. */
+ * CUDA_DEVICE_MEMORY_SHARED_CACHE, NVIDIA_VISIBLE_DEVICES, CUDA_TASK_PRIORITY, CUDA_OVERSUBSCRIBE;
+ * plus CUDA_DEVICE_MEMORY_BUDGET[_i], CUDA_SM_POLICY and VGPU_CONTEXT_RESERVE. */
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,13 +48,44 @@ static void sm_from(const char *name, uint32_t *slot) {
     *slot = (uint32_t)p;
 }
 
+static void budget_from(const char *name, uint64_t *slot) {
+    const char *v = getenv(name);
+    if (!v || !*v) return;
+    if (vgpu_parse_size(v, slot) != 0) {
+        VGPU_LOG(VGPU_LOG_ERROR, "%s='%s' is not a size (bytes, or a number with k, m or g, e.g. 4096m); "
+                 "ignoring it: the card's free memory is the budget", name, v);
+        *slot = 0;
+    }
+}
+
+static void priority_from(struct vgpu_config *cfg) {
+    cfg->priority = 1;
+    const char *v = getenv("CUDA_TASK_PRIORITY");
+    if (!v || !*v) return;
+    if (strcmp(v, "0") == 0) cfg->priority = 0;
+    else if (strcmp(v, "1") != 0)
+        VGPU_LOG(VGPU_LOG_ERROR, "CUDA_TASK_PRIORITY='%s' is not 0 (high) or 1 (normal); using 1", v);
+}
+
+static void policy_from(struct vgpu_config *cfg) {
+    const char *v = getenv("CUDA_SM_POLICY");
+    if (!v || !*v || strcmp(v, "cap") == 0) return;
+    if (strcmp(v, "elastic") == 0) cfg->sm_policy = 1;
+    else VGPU_LOG(VGPU_LOG_ERROR, "CUDA_SM_POLICY='%s' is not cap or elastic; holding to the cap", v);
+}
+
 void vgpu_config_load(struct vgpu_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     char name[64];
-    uint64_t all = 0;
+    uint64_t all = 0, all_budget = 0;
     uint32_t all_sm = 0;
     limit_from("CUDA_DEVICE_MEMORY_LIMIT", &all);
     sm_from("CUDA_DEVICE_SM_LIMIT", &all_sm);
+    budget_from("CUDA_DEVICE_MEMORY_BUDGET", &all_budget);
+    priority_from(cfg);
+    policy_from(cfg);
+    const char *over = getenv("CUDA_OVERSUBSCRIBE");
+    cfg->oversubscribe = over && (strcmp(over, "true") == 0 || strcmp(over, "1") == 0);
     uint32_t highest = 0;
     for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
         cfg->limit[i] = all;
@@ -63,7 +95,10 @@ void vgpu_config_load(struct vgpu_config *cfg) {
         limit_from(name, &cfg->limit[i]);
         snprintf(name, sizeof name, "CUDA_DEVICE_SM_LIMIT_%d", i);
         sm_from(name, &cfg->sm_limit[i]);
-        if (cfg->limit[i]) cfg->enabled = 1;
+        cfg->budget[i] = all_budget;
+        snprintf(name, sizeof name, "CUDA_DEVICE_MEMORY_BUDGET_%d", i);
+        budget_from(name, &cfg->budget[i]);
+        if (cfg->limit[i] || cfg->sm_limit[i]) cfg->enabled = 1;
     }
     /* NVIDIA_VISIBLE_DEVICES: UUIDs map devices by identity; anything else by ordinal. */
     const char *vis = getenv("NVIDIA_VISIBLE_DEVICES");

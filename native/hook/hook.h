@@ -44,6 +44,10 @@ struct vgpu_config {
     uint32_t sm_limit[VGPU_MAX_DEVICES];
     char uuid[VGPU_MAX_DEVICES][VGPU_UUID_BYTES];
     uint64_t context_reserve;    /* VGPU_CONTEXT_RESERVE: charged once per device per process */
+    uint64_t budget[VGPU_MAX_DEVICES]; /* CUDA_DEVICE_MEMORY_BUDGET[_i]: device bytes before spilling */
+    uint32_t priority;           /* CUDA_TASK_PRIORITY: 0 high, 1 normal (default) */
+    uint32_t sm_policy;          /* CUDA_SM_POLICY: 0 cap (default), 1 elastic (work-conserving alone) */
+    int oversubscribe;           /* CUDA_OVERSUBSCRIBE=true: spill past the budget to mapped host memory */
 };
 HIDDEN int vgpu_parse_size(const char *text, uint64_t *out);
 HIDDEN void vgpu_config_load(struct vgpu_config *cfg);
@@ -57,6 +61,8 @@ HIDDEN uint64_t vgpu_used(int idx);
 HIDDEN const char *vgpu_uuid(int idx);      /* "" when the region holds none */
 HIDDEN uint64_t vgpu_context_reserve(void);
 HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
+HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL when not enabled */
+HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
 
 /* track.c: what this process allocated, so frees can be uncharged */
 enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4 };

@@ -25,6 +25,7 @@ static struct {
     struct vgpu_region_header *h;
     struct vgpu_region_slot *slots;
     uint64_t context_reserve;
+    int oversubscribe;
 } R = {.slot = -1};
 
 static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
@@ -166,6 +167,9 @@ static void init_header(struct vgpu_region_header *h, const struct vgpu_config *
     memcpy(h->limit, cfg->limit, sizeof h->limit);
     memcpy(h->sm_limit, cfg->sm_limit, sizeof h->sm_limit);
     memcpy(h->uuid, cfg->uuid, sizeof h->uuid);
+    memcpy(h->budget, cfg->budget, sizeof h->budget);
+    h->priority = cfg->priority;
+    h->sm_policy = cfg->sm_policy;
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -254,6 +258,7 @@ static void attach(void) {
     vgpu_config_load(&cfg);
     if (!cfg.enabled) return;
     R.context_reserve = cfg.context_reserve;
+    R.oversubscribe = cfg.oversubscribe;
     void *map = cfg.region_path ? map_file(&cfg) : NULL;
     if (!map) { /* no region file: this process alone (and its forks) share the limits */
         map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -346,3 +351,7 @@ int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max) {
     unlock(locked);
     return n;
 }
+
+struct vgpu_region_header *vgpu_header(void) { return vgpu_enabled() ? R.h : NULL; }
+
+int vgpu_oversubscribe(void) { return vgpu_enabled() && R.oversubscribe; }
