@@ -137,6 +137,7 @@ def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tm
         "CUDA_DEVICE_SM_LIMIT_0": "30",
         "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"/var/lib/vgpu/containers/{uid}_main/vgpu.region",
         "CUDA_TASK_PRIORITY": "1",
+        "CUDA_SM_POLICY": "cap",
     }
     mounts = {m.container_path: (m.host_path, m.read_only) for m in served.response.mounts}
     region_dir = tmp_path / f"var/lib/vgpu/containers/{uid}_main"
@@ -158,6 +159,45 @@ def test_several_vgpus_are_indexed_in_the_order_of_visible_devices(pods: Pods, t
     assert (envs["CUDA_DEVICE_MEMORY_LIMIT_1"], envs["CUDA_DEVICE_SM_LIMIT_1"]) == ("2000m", "0")
     assert envs["CUDA_OVERSUBSCRIBE"] == "true"
     assert envs["CUDA_TASK_PRIORITY"] == "0"
+    # memory scaled 2x: half of each grant is the card's, the rest spills to host memory
+    assert (envs["CUDA_DEVICE_MEMORY_BUDGET_0"], envs["CUDA_DEVICE_MEMORY_BUDGET_1"]) == ("500m", "1000m")
+
+
+@pytest.mark.parametrize(
+    ("scaling", "mib", "budget"),
+    [(1.5, 3000, "2000m"), (1.2, 3000, "2500m"), (3, 1000, "333m"), (1.1, 110, "100m")],
+)
+def test_the_spill_budget_is_the_physical_share_rounded_down(
+    pods: Pods, tmp_path: Path, scaling: float, mib: int, budget: str
+) -> None:
+    pods.add("p", {"main": [("GPU-a", mib, 0)]})
+    cfg = NodeConfig(split=4, device_memory_scaling=scaling, oversubscribe=True)
+    envs = dict(make(pods, tmp_path, cfg).allocate_container(["GPU-a::0"]).response.envs)
+    assert envs["CUDA_DEVICE_MEMORY_BUDGET_0"] == budget
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        NodeConfig(split=4),
+        NodeConfig(split=4, oversubscribe=True),
+        NodeConfig(split=4, device_memory_scaling=0.9),
+    ],
+    ids=["no-spill", "spill-without-scaling", "scaled-down"],
+)
+def test_no_budget_unless_the_node_promises_more_memory_than_it_has(
+    pods: Pods, tmp_path: Path, cfg: NodeConfig
+) -> None:
+    pods.add("p", {"main": [("GPU-a", 1000, 0)]})
+    envs = dict(make(pods, tmp_path, cfg).allocate_container(["GPU-a::0"]).response.envs)
+    assert not any(k.startswith("CUDA_DEVICE_MEMORY_BUDGET") for k in envs)
+
+
+def test_the_node_sm_policy_reaches_the_hook(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-a", 1000, 30)]})
+    cfg = NodeConfig(split=4, sm_policy="elastic")
+    envs = dict(make(pods, tmp_path, cfg).allocate_container(["GPU-a::0"]).response.envs)
+    assert envs["CUDA_SM_POLICY"] == "elastic"
 
 
 def test_containers_are_served_in_kubelets_order_and_the_pod_is_marked_when_all_are(

@@ -36,6 +36,9 @@ def test_per_node_overrides_apply_only_to_their_node() -> None:
         ("splitt: 3", "splitt"),
         ("nodes:\n  n: {split: -2}", "nodes.n.split"),
         ("deviceMemoryScaling: 2", "deviceMemoryScaling"),
+        ("smPolicy: greedy", "smPolicy"),
+        ("smPolicy: 1", "smPolicy"),
+        ("nodes:\n  n: {smPolicy: Elastic}", "nodes.n.smPolicy"),
     ],
 )
 def test_a_bad_setting_is_reported_with_its_field(text: str, field: str) -> None:
@@ -43,6 +46,18 @@ def test_a_bad_setting_is_reported_with_its_field(text: str, field: str) -> None
         parse_node_config(text, "n", "cfg.yaml")
     assert info.value.field == field
     assert info.value.source == "cfg.yaml"
+
+
+def test_sm_policy_is_cap_unless_set_and_may_differ_per_node() -> None:
+    assert NodeConfig().sm_policy == "cap"
+    text = "smPolicy: elastic\nnodes:\n  strict: {smPolicy: cap}\n"
+    assert parse_node_config(text, "any", "c").sm_policy == "elastic"
+    assert parse_node_config(text, "strict", "c").sm_policy == "cap"
+
+
+def test_a_bad_sm_policy_names_both_choices() -> None:
+    with pytest.raises(ConfigError, match="cap .*elastic"):
+        parse_node_config("smPolicy: fair", "n", "c")
 
 
 def test_memory_scaling_above_one_needs_oversubscription() -> None:

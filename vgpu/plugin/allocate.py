@@ -20,10 +20,12 @@ patch) happen outside it, so pods never wait on each other's I/O.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Protocol
 
 import grpc
@@ -377,11 +379,17 @@ class Allocator:
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
             "CUDA_TASK_PRIORITY": w.priorities.get(container.name, DEFAULT_PRIORITY),
         }
+        scaling = Fraction(repr(self.config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
+        spill = self.config.oversubscribe and scaling > 1
         for i, d in enumerate(container.devices):
             envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
             envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
+            if spill:
+                # The card's share of the (scaled-up) grant stays on the card; the rest spills.
+                envs[f"CUDA_DEVICE_MEMORY_BUDGET_{i}"] = f"{math.floor(d.memory_mib / scaling)}m"
         if self.config.oversubscribe:
             envs["CUDA_OVERSUBSCRIBE"] = "true"
+        envs["CUDA_SM_POLICY"] = self.config.sm_policy
         mounts = [api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False)]
         if self.hook is not None:
             mounts += [

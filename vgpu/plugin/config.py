@@ -6,6 +6,8 @@ The file (``--config``; every key optional)::
     deviceMemoryScaling: 1.0   # advertised memory = real memory x this; > 1 needs oversubscribe
     deviceCoreScaling: 1.0     # advertised cores = 100 x this
     oversubscribe: false       # spill device memory beyond the card to host RAM (CUDA_OVERSUBSCRIBE)
+    smPolicy: cap              # cap: hold every container to its SM share; elastic: a container alone
+                               # on its card may use idle SMs past its share (CUDA_SM_POLICY)
     resourceName: nvidia.com/gpu
     nodes:                     # per-node overrides of the keys above, by node name
       gpu-node-7: {split: 4}
@@ -35,6 +37,7 @@ class NodeConfig:
     device_core_scaling: float = 1.0
     oversubscribe: bool = False
     resource_name: str = "nvidia.com/gpu"
+    sm_policy: str = "cap"
 
 
 _FIELDS = {
@@ -43,7 +46,9 @@ _FIELDS = {
     "deviceCoreScaling": "device_core_scaling",
     "oversubscribe": "oversubscribe",
     "resourceName": "resource_name",
+    "smPolicy": "sm_policy",
 }
+SM_POLICIES = ("cap", "elastic")
 
 
 def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> NodeConfig:
@@ -67,6 +72,14 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
             if not isinstance(value, str) or not _RESOURCE.match(value):
                 raise ConfigError(
                     source, path, f"must be an extended resource name like nvidia.com/gpu, got {value!r}"
+                )
+        elif key == "smPolicy":
+            if value not in SM_POLICIES:
+                raise ConfigError(
+                    source,
+                    path,
+                    f"must be cap (hold each container to its SM share) or elastic (a container alone on its "
+                    f"card may use idle SMs), got {value!r}",
                 )
         cfg = replace(cfg, **{_FIELDS[key]: value})
     return cfg
