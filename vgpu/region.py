@@ -22,7 +22,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,7 +220,12 @@ def _u(code: str, buf: bytes | mmap.mmap, offset: int) -> int:
 
 
 class Region:
-    """An open region file. Use as a context manager or call close()."""
+    """An open region file. Use as a context manager or call close().
+
+    Every store the monitor makes (limits, budget, flags, arbiter_ns) is one aligned 4- or
+    8-byte store through a typed view of the map, never a byte-wise copy: the hook reads these
+    words without the lock, and a torn limit (half old, half new bytes) could read as 0, no limit.
+    """
 
     def __init__(self, path: str | os.PathLike[str], writable: bool = False) -> None:
         self.path = Path(path)
@@ -230,16 +235,23 @@ class Region:
         except OSError as err:
             raise RegionError(f"cannot open region file {self.path}: {err.strerror}") from err
         try:
-            size = os.fstat(fd).st_size
-            if size < REGION_SIZE:
+            st = os.fstat(fd)
+            if st.st_size < REGION_SIZE:
                 raise RegionError(
-                    f"{self.path} holds {size} bytes, a layout-{LAYOUT_VERSION} region needs {REGION_SIZE}: "
+                    f"{self.path} holds {st.st_size} bytes, "
+                    f"a layout-{LAYOUT_VERSION} region needs {REGION_SIZE}: "
                     "it is not a vgpu region or was cut short; remove it and restart the container"
                 )
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
             self._map = mmap.mmap(fd, REGION_SIZE, access=access)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
+        self.inode = st.st_ino
+        self._u32 = memoryview(self._map).cast("I")
+        self._u64 = memoryview(self._map).cast("Q")
+        self._i64 = memoryview(self._map).cast("q")
         self._check()
 
     def _check(self) -> None:
@@ -268,9 +280,17 @@ class Region:
                 self.close()
                 raise RegionError(f"{self.path}: header field {name} is {got}, expected {want}")
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
     def close(self) -> None:
         if not self._map.closed:
+            self._u32.release()
+            self._u64.release()
+            self._i64.release()
             self._map.close()
+            os.close(self._fd)
 
     def __enter__(self) -> Region:
         return self
@@ -278,9 +298,33 @@ class Region:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def intact(self) -> bool:
+        """Whether the file still holds a whole region (and is the file at its path).
+
+        Touching a mapped page past the end of a file that was cut short kills the process
+        with SIGBUS, so a long-lived reader checks this before each pass over the map.
+        """
+        try:
+            return os.fstat(self._fd).st_size >= REGION_SIZE
+        except OSError:
+            return False
+
     def _header(self, name: str, index: int = 0) -> int:
         code, size = _CTYPES[next(f.ctype for f in HEADER if f.name == name)]
         return _u(code, self._map, HEADER_LAYOUT.offsets[name] + index * size)
+
+    def word(self, name: str, index: int = 0) -> int:
+        """One 4- or 8-byte header word (of an array: entry ``index``), read with one load."""
+        return _WORD_GET[name](self, index)
+
+    @property
+    def num_devices(self) -> int:
+        return min(self._u32[_H["num_devices"] // 4], MAX_DEVICES)
+
+    def uuid(self, index: int) -> str:
+        start = _H["uuid"] + index * UUID_BYTES
+        raw = bytes(self._map[start : start + UUID_BYTES])
+        return raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
     def snapshot(self, attempts: int = 1000) -> Snapshot:
         """A consistent copy of limits and usage (retries while a writer is mid-update)."""
@@ -294,20 +338,172 @@ class Region:
             time.sleep(0.0001)
         raise RegionError(f"{self.path}: a writer held the region mid-update for too long; try again")
 
+    def _device(self, index: int) -> None:
+        if not 0 <= index < MAX_DEVICES:
+            raise RegionError(f"device index {index} is out of range 0..{MAX_DEVICES - 1}")
+
     def set_limit(self, index: int, limit_bytes: int) -> None:
         """Change one device's memory limit (0 = none); running processes see it at their next allocation."""
-        if not 0 <= index < MAX_DEVICES:
-            raise RegionError(f"device index {index} is out of range 0..{MAX_DEVICES - 1}")
+        self._device(index)
         if limit_bytes < 0:
             raise RegionError(f"limit {limit_bytes} is negative; give bytes >= 0 (0 = no limit)")
-        struct.pack_into("<Q", self._map, HEADER_LAYOUT.offsets["limit"] + 8 * index, limit_bytes)
+        self._u64[_H["limit"] // 8 + index] = limit_bytes
 
     def set_sm_limit(self, index: int, percent: int) -> None:
-        if not 0 <= index < MAX_DEVICES:
-            raise RegionError(f"device index {index} is out of range 0..{MAX_DEVICES - 1}")
+        self._device(index)
         if not 0 <= percent <= 100:
             raise RegionError(f"SM limit {percent} must be a percent 0..100 (0 = no cap)")
-        struct.pack_into("<I", self._map, HEADER_LAYOUT.offsets["sm_limit"] + 4 * index, percent)
+        self._u32[_H["sm_limit"] // 4 + index] = percent
+
+    def set_budget(self, index: int, budget_bytes: int) -> None:
+        """Change one device's spill point (0 = the card's free memory); from the next allocation on."""
+        self._device(index)
+        if budget_bytes < 0:
+            raise RegionError(
+                f"budget {budget_bytes} is negative; give bytes >= 0 (0 = the card's free memory)"
+            )
+        self._u64[_H["budget"] // 8 + index] = budget_bytes
+
+    def set_flags(self, index: int, flags: int) -> None:
+        """The monitor's per-card word for device ``index`` (FLAG_YIELD, FLAG_ALONE)."""
+        self._u32[_H["flags"] // 4 + index] = flags
+
+    def set_arbiter_ns(self, now_ns: int) -> None:
+        """When the monitor last wrote the flags (CLOCK_MONOTONIC ns); the hook ignores older than 1 s."""
+        self._u64[_H["arbiter_ns"] // 8] = now_ns
+
+
+_H = HEADER_LAYOUT.offsets
+
+
+def _word_getter(field: Field) -> Callable[[Region, int], int]:
+    size = _CTYPES[field.ctype][1]
+    at = HEADER_LAYOUT.offsets[field.name] // size
+    if field.ctype == "int64_t":
+        return lambda r, i: int(r._i64[at + i])
+    if size == 8:
+        return lambda r, i: int(r._u64[at + i])
+    return lambda r, i: int(r._u32[at + i])
+
+
+_WORD_GET: dict[str, Callable[[Region, int], int]] = {
+    f.name: _word_getter(f) for f in HEADER if f.ctype in ("uint32_t", "int32_t", "uint64_t", "int64_t")
+}
+
+
+@dataclass(frozen=True)
+class LimitChange:
+    """What ``apply_limits`` wrote, and what the operator should know about it."""
+
+    device: int
+    notes: tuple[str, ...]
+
+
+class LimitError(RegionError):
+    """A refused limit change; ``flag`` names the input at fault (``--device``, ``--memory``, ...)."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def apply_limits(
+    path: str | os.PathLike[str],
+    device: int,
+    *,
+    memory_bytes: int | None = None,
+    sm_percent: int | None = None,
+    budget_bytes: int | None = None,
+) -> LimitChange:
+    """Live resize: the one code path that changes a running container's limits.
+
+    Everything is checked before anything is written, so a refused change leaves the region as
+    it was. The hook reads these words on every call: a new memory limit or budget holds from
+    the next allocation, a new SM limit from the next launch. Memory already taken is never
+    taken back: a limit below usage refuses new allocations until usage falls under it.
+    """
+    if memory_bytes is None and sm_percent is None and budget_bytes is None:
+        raise LimitError("--memory/--cores/--budget", "nothing to change; give at least one of them")
+    if memory_bytes is not None and memory_bytes < 0:
+        raise LimitError("--memory", f"{memory_bytes} is negative; give MiB >= 0 (0 = no limit)")
+    if budget_bytes is not None and budget_bytes < 0:
+        raise LimitError(
+            "--budget", f"{budget_bytes} is negative; give MiB >= 0 (0 = the card's free memory)"
+        )
+    if sm_percent is not None and not 0 <= sm_percent <= 100:
+        raise LimitError("--cores", f"{sm_percent} is not a percent; give 0..100 (0 = no cap)")
+    with Region(path, writable=True) as region:
+        count = region.num_devices
+        if not 0 <= device < count:
+            have = f"devices 0..{count - 1}" if count else "no devices"
+            raise LimitError(
+                "--device", f"{device} is out of range: the container has {have}; give one of those"
+            )
+        notes: list[str] = []
+        used = region.word("used", device)
+        if memory_bytes:
+            if memory_bytes < used:
+                notes.append(
+                    f"device {device}: the new limit {_mib(memory_bytes)} is below the {_mib(used)} in use; "
+                    "nothing is taken back, new allocations are refused until usage falls under it"
+                )
+            budget = budget_bytes if budget_bytes is not None else region.word("budget", device)
+            if budget and budget > memory_bytes:
+                notes.append(
+                    f"device {device}: the budget {_mib(budget)} is above the limit: nothing will spill"
+                )
+        if memory_bytes is not None:
+            region.set_limit(device, memory_bytes)
+        if budget_bytes is not None:
+            region.set_budget(device, budget_bytes)
+        if sm_percent is not None:
+            region.set_sm_limit(device, sm_percent)
+        return LimitChange(device, tuple(notes))
+
+
+def _mib(value: int) -> str:
+    return f"{value / (1 << 20):.0f} MiB"
+
+
+def format_region(
+    path: str | os.PathLike[str],
+    uuids: Sequence[str],
+    *,
+    limits: Sequence[int] = (),
+    sm_limits: Sequence[int] = (),
+    budgets: Sequence[int] = (),
+    priority: int = 1,
+    sm_policy: int = 0,
+) -> None:
+    """Write a fresh region file as the hook's ``init_header`` lays it out, for tests and tools.
+
+    The hook creates the real ones (it alone can set up the process-shared robust mutex; here
+    its bytes stay zero), so a CUDA process should never attach to a file made by this.
+    """
+    buf = bytearray(REGION_SIZE)
+    struct.pack_into("=Q", buf, _H["magic"], MAGIC)
+    for name, value in (
+        ("version", LAYOUT_VERSION),
+        ("header_size", HEADER_LAYOUT.size),
+        ("slot_size", SLOT_LAYOUT.size),
+        ("max_devices", MAX_DEVICES),
+        ("max_procs", MAX_PROCS),
+        ("num_devices", len(uuids)),
+        ("priority", priority),
+        ("sm_policy", sm_policy),
+    ):
+        struct.pack_into("=I", buf, _H[name], value)
+    for i, uuid in enumerate(uuids):
+        raw = uuid.encode()[: UUID_BYTES - 1]
+        buf[_H["uuid"] + i * UUID_BYTES : _H["uuid"] + i * UUID_BYTES + len(raw)] = raw
+    for name, values, code in (
+        ("limit", limits, "Q"),
+        ("sm_limit", sm_limits, "I"),
+        ("budget", budgets, "Q"),
+    ):
+        for i, value in enumerate(values):
+            struct.pack_into("=" + code, buf, _H[name] + struct.calcsize(code) * i, value)
+    Path(path).write_bytes(bytes(buf))
 
 
 def _decode(data: bytes) -> Snapshot:
