@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu import region
+from vgpu.plugin.arbiter import Arbiter
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
@@ -127,3 +128,49 @@ def test_a_file_that_is_not_a_region_is_skipped_not_fatal(tmp_path: Path) -> Non
     got = scrape(tmp_path)
     assert not any(dict(labels).get("pod_uid") == "uid-2" for _, labels in got)
     assert any(name == "vgpu_card_healthy" for name, _ in got)
+
+
+def test_spill_budget_compute_time_priority_and_yield_are_reported(tmp_path: Path) -> None:
+    path = HostPaths(tmp_path).container_dir("uid-1", "train") / REGION_FILE_NAME
+    write_region(path, [("GPU-a", 3000 * MIB, 30)], [(101, [100 * MIB]), (102, [50 * MIB])])
+    h, s = region.HEADER_LAYOUT.offsets, region.SLOT_LAYOUT.offsets
+    data = bytearray(path.read_bytes())
+    for name, value in (("budget", 2000 * MIB), ("spilled", 40 * MIB), ("busy_ns", 1_500_000_000)):
+        struct.pack_into("=Q", data, h[name], value)
+    struct.pack_into("=Q", data, h["throttled_ns"], 250_000_000)
+    struct.pack_into("=I", data, h["flags"], region.FLAG_YIELD | region.FLAG_ALONE)
+    struct.pack_into("=I", data, h["priority"], 1)
+    struct.pack_into("=Q", data, region.HEADER_LAYOUT.size + s["spilled"], 40 * MIB)  # process 101's share
+    path.write_bytes(bytes(data))
+    got = scrape(tmp_path, [{"metadata": {"uid": "uid-1", "namespace": "ml", "name": "job"}}])
+    c = {"container": "train", "namespace": "ml", "node": "n1", "pod": "job", "pod_uid": "uid-1"}
+    assert got[key("vgpu_container_memory_budget_bytes", uuid="GPU-a", **c)] == 2000 * MIB
+    assert got[key("vgpu_container_memory_spilled_bytes", uuid="GPU-a", **c)] == 40 * MIB
+    assert got[key("vgpu_container_sm_busy_seconds_total", uuid="GPU-a", **c)] == 1.5
+    assert got[key("vgpu_container_sm_throttled_seconds_total", uuid="GPU-a", **c)] == 0.25
+    assert got[key("vgpu_container_yielding", uuid="GPU-a", **c)] == 1.0
+    assert got[key("vgpu_container_priority", **c)] == 1.0
+    assert got[key("vgpu_process_memory_spilled_bytes", uuid="GPU-a", pid="101", **c)] == 40 * MIB
+    assert got[key("vgpu_process_memory_spilled_bytes", uuid="GPU-a", pid="102", **c)] == 0
+
+
+def test_bad_regions_are_counted_once_and_the_arbiter_reports_its_passes(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    bad = paths.container_dir("uid-2", "c") / REGION_FILE_NAME
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"\0" * 10)
+    write_region(paths.container_dir("uid-1", "a") / REGION_FILE_NAME, [("GPU-a", 0, 0)], [])
+    arbiter = Arbiter(paths.containers_dir)
+    arbiter.rescan()
+    arbiter.run_pass()
+    discovery = Cards()
+    collector = NodeCollector(
+        "n1", DeviceState(discovery.cards(), NodeConfig()), discovery, paths, arbiter=arbiter
+    )
+    for _ in range(2):
+        text = generate_latest(make_registry(collector)).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["vgpu_monitor_bad_regions_total"] == 1
+    assert samples["vgpu_arbiter_passes_total"] == 1 and samples["vgpu_arbiter_regions"] == 1
+    assert "vgpu_arbiter_pass_seconds" in samples
+    arbiter.stop()

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from vgpu.errors import ConfigError, KubeError
+from vgpu.plugin.arbiter import add_arguments as add_arbiter_arguments
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.paths import HookInstall, HostPaths, install_hook
 
@@ -37,6 +38,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
         help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
     )
+    add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 

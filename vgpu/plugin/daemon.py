@@ -12,6 +12,8 @@ from wsgiref.simple_server import WSGIServer
 
 from vgpu.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
+from vgpu.plugin.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
+from vgpu.plugin.arbiter import settings as arbiter_settings
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
@@ -38,6 +40,8 @@ class Daemon:
     client: NodeClient
     hook: HookInstall | None
     monitor_listen: tuple[str, int] | None = None
+    # The arbiter's pass interval and activity window (vgpu.plugin.arbiter); None: no arbiter.
+    arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)
 
     def __post_init__(self) -> None:
         self.state = DeviceState(self.discovery.cards(), self.config)
@@ -52,8 +56,18 @@ class Daemon:
         )
         self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
         self.reporter = NodeReporter(self.node, self.namespace, self.state, self.client)
+        self.arbiter_thread = (
+            Arbiter(self.paths.containers_dir, interval_s=self.arbiter[0], window_s=self.arbiter[1])
+            if self.arbiter is not None
+            else None
+        )
         self.collector = NodeCollector(
-            self.node, self.state, self.discovery, self.paths, list_pods=self.client.list_node_pods
+            self.node,
+            self.state,
+            self.discovery,
+            self.paths,
+            list_pods=self.client.list_node_pods,
+            arbiter=self.arbiter_thread,
         )
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
@@ -70,11 +84,12 @@ class Daemon:
 
         config = load_node_config(args.config, args.node)
         listen = parse_listen(args.monitor_listen, "--monitor-listen")
+        arbiter = arbiter_settings(args)
         paths = HostPaths(args.root)
         discovery = open_discovery(args)
         hook = hook_install(args, paths)
         client = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None)
-        return cls(args.node, args.namespace, paths, config, discovery, client, hook, listen)
+        return cls(args.node, args.namespace, paths, config, discovery, client, hook, listen, arbiter)
 
     def start(self) -> None:
         self.paths.containers_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +100,8 @@ class Daemon:
         self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
         self._health.start()
         threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
+        if self.arbiter_thread is not None:
+            self.arbiter_thread.start()
         if self.monitor_listen is not None:
             host, port = self.monitor_listen
             self._http = serve_metrics(host, port, make_registry(self.collector))
@@ -121,6 +138,8 @@ class Daemon:
         if self.arrival_watch is not None:
             self.arrival_watch.stop()
         self.reporter.stop()
+        if self.arbiter_thread is not None:
+            self.arbiter_thread.stop()
         if self._health is not None:
             self._health.join(5)
         self.discovery.close()

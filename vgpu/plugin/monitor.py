@@ -2,9 +2,13 @@
 
 Per card, from discovery (NVML): memory total and used, utilization, health. Per container,
 from the hook's region files (contract 5) under ``<root>/var/lib/vgpu/containers/<pod-uid>_<container>/``:
-memory used and limit per device, SM limit, live processes. Pod names come from the API server
-(the node's pods, looked up at most every ``pod_cache_s``); without it the ``pod_uid`` label
-still identifies the pod.
+memory used, limit, budget and spilled per device, SM limit, GPU busy and throttled time,
+priority, whether the arbiter (``vgpu.plugin.arbiter``, a thread of the same monitor) tells it
+to yield, live processes. Pod names come from the API server (the node's pods, looked up at most
+every ``pod_cache_s``); without it the ``pod_uid`` label still identifies the pod.
+
+``resize_container`` is the monitor's way to change a running container's limits (live
+resize); ``vgpu limits set`` goes through the same ``vgpu.region.apply_limits``.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
 from vgpu.errors import KubeError
+from vgpu.plugin.arbiter import Arbiter, BadRegions
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
-from vgpu.region import Region, RegionError
+from vgpu.region import FLAG_YIELD, LimitChange, Region, RegionError, apply_limits
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -43,6 +48,8 @@ class NodeCollector(Collector):
         paths: HostPaths,
         list_pods: PodLister | None = None,
         pod_cache_s: float = 10.0,
+        arbiter: Arbiter | None = None,
+        bad: BadRegions | None = None,
     ) -> None:
         self.node = node
         self.state = state
@@ -50,6 +57,8 @@ class NodeCollector(Collector):
         self.paths = paths
         self.list_pods = list_pods
         self.pod_cache_s = pod_cache_s
+        self.arbiter = arbiter
+        self.bad = bad if bad is not None else (arbiter.bad if arbiter is not None else BadRegions())
         self._pods: dict[str, tuple[str, str]] = {}
         self._pods_at = -1e9
         self._lock = threading.Lock()
@@ -73,10 +82,10 @@ class NodeCollector(Collector):
                 self._pods_at = time.monotonic()
             return self._pods
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         return iter(())  # collected fresh on every scrape
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         card_labels = ["node", "uuid", "index", "model"]
         total = GaugeMetricFamily(
             "vgpu_card_memory_total_bytes", "Device memory of the card", labels=card_labels
@@ -114,10 +123,43 @@ class NodeCollector(Collector):
             "Share of the card's SMs a container may use (0 = no cap)",
             labels=c_labels,
         )
+        c_budget = GaugeMetricFamily(
+            "vgpu_container_memory_budget_bytes",
+            "Device memory a container may hold on the card before it spills to host memory "
+            "(0 = the card's free memory)",
+            labels=c_labels,
+        )
+        c_spilled = GaugeMetricFamily(
+            "vgpu_container_memory_spilled_bytes",
+            "Of the container's memory, bytes served from mapped host memory",
+            labels=c_labels,
+        )
+        c_busy = CounterMetricFamily(
+            "vgpu_container_sm_busy_seconds",
+            "GPU time the container's work took on the card",
+            labels=c_labels,
+        )
+        c_throttled = CounterMetricFamily(
+            "vgpu_container_sm_throttled_seconds",
+            "Time the container's launches waited (SM cap or a higher-priority neighbour)",
+            labels=c_labels,
+        )
+        c_yield = GaugeMetricFamily(
+            "vgpu_container_yielding",
+            "1 while the monitor tells the container to hold launches for a priority-0 neighbour on the card",
+            labels=c_labels,
+        )
+        p_labels = ["node", "namespace", "pod", "pod_uid", "container"]
         c_procs = GaugeMetricFamily(
-            "vgpu_container_processes",
-            "CUDA processes of the container",
-            labels=["node", "namespace", "pod", "pod_uid", "container"],
+            "vgpu_container_processes", "CUDA processes of the container", labels=p_labels
+        )
+        c_prio = GaugeMetricFamily(
+            "vgpu_container_priority", "The container's task priority: 0 high, 1 normal", labels=p_labels
+        )
+        p_spilled = GaugeMetricFamily(
+            "vgpu_process_memory_spilled_bytes",
+            "Bytes one process of the container holds in mapped host memory",
+            labels=[*c_labels, "pid"],
         )
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
         for folder in sorted(self._region_dirs()):
@@ -125,17 +167,63 @@ class NodeCollector(Collector):
             namespace, pod = names.get(pod_uid, ("", ""))
             try:
                 with Region(folder / REGION_FILE_NAME) as region:
+                    if not region.intact():
+                        raise RegionError(f"{folder / REGION_FILE_NAME} was cut short")
                     snap = region.snapshot()
             except RegionError as err:
-                log.warning("skipping region %s: %s", folder, err)
+                self.bad.report(folder / REGION_FILE_NAME, err)
                 continue
-            c_procs.add_metric([self.node, namespace, pod, pod_uid, container], float(len(snap.processes)))
+            per_container = [self.node, namespace, pod, pod_uid, container]
+            c_procs.add_metric(per_container, float(len(snap.processes)))
+            c_prio.add_metric(per_container, float(snap.priority))
             for dev in snap.devices:
                 labels = [self.node, dev.uuid, namespace, pod, pod_uid, container]
                 c_used.add_metric(labels, float(dev.used_bytes))
                 c_limit.add_metric(labels, float(dev.limit_bytes))
                 c_sm.add_metric(labels, dev.sm_limit / 100.0)
-        yield from (c_used, c_limit, c_sm, c_procs)
+                c_budget.add_metric(labels, float(dev.budget_bytes))
+                c_spilled.add_metric(labels, float(dev.spilled_bytes))
+                c_busy.add_metric(labels, dev.busy_ns / 1e9)
+                c_throttled.add_metric(labels, dev.throttled_ns / 1e9)
+                c_yield.add_metric(labels, 1.0 if dev.flags & FLAG_YIELD else 0.0)
+                for proc in snap.processes:
+                    if dev.index < len(proc.spilled_bytes):
+                        p_spilled.add_metric([*labels, str(proc.pid)], float(proc.spilled_bytes[dev.index]))
+        yield from (c_used, c_limit, c_sm, c_budget, c_spilled, c_busy, c_throttled, c_yield)
+        yield from (c_procs, c_prio, p_spilled)
+        yield from self._own_metrics()
+
+    def _own_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        bad = CounterMetricFamily(
+            "vgpu_monitor_bad_regions",
+            "Region files skipped as unreadable (not a region, another layout version, cut short), "
+            "once per file and reason",
+            labels=["node"],
+        )
+        bad.add_metric([self.node], float(self.bad.total))
+        yield bad
+        if self.arbiter is None:
+            return
+        stats = self.arbiter.stats
+        passes = CounterMetricFamily(
+            "vgpu_arbiter_passes", "Passes of the monitor's arbiter", labels=["node"]
+        )
+        passes.add_metric([self.node], float(stats.passes))
+        regions = GaugeMetricFamily(
+            "vgpu_arbiter_regions", "Region files the arbiter keeps mapped", labels=["node"]
+        )
+        regions.add_metric([self.node], float(stats.regions))
+        took = GaugeMetricFamily(
+            "vgpu_arbiter_pass_seconds", "How long the arbiter's latest pass took", labels=["node"]
+        )
+        took.add_metric([self.node], stats.last_pass_s)
+        writes = CounterMetricFamily(
+            "vgpu_arbiter_flag_writes",
+            "Flag words the arbiter changed (yield or alone set or cleared)",
+            labels=["node"],
+        )
+        writes.add_metric([self.node], float(stats.flag_writes))
+        yield from (passes, regions, took, writes)
 
     def _region_dirs(self) -> Iterator[Path]:
         try:
@@ -144,6 +232,26 @@ class NodeCollector(Collector):
                     yield folder
         except OSError:
             return
+
+
+def resize_container(
+    paths: HostPaths,
+    pod_uid: str,
+    container: str,
+    device: int,
+    *,
+    memory_bytes: int | None = None,
+    sm_percent: int | None = None,
+    budget_bytes: int | None = None,
+) -> LimitChange:
+    """Change one device's limits of a running container; raises LimitError/RegionError, writing nothing."""
+    return apply_limits(
+        paths.container_dir(pod_uid, container) / REGION_FILE_NAME,
+        device,
+        memory_bytes=memory_bytes,
+        sm_percent=sm_percent,
+        budget_bytes=budget_bytes,
+    )
 
 
 def make_registry(collector: NodeCollector) -> CollectorRegistry:

@@ -1,7 +1,8 @@
 """``vgpu monitor``: the node monitor alone (``/metrics``), for nodes where the plugin runs elsewhere.
 
-The device plugin already serves the same metrics on ``--monitor-listen``; this command is for
-reading a node's regions without registering with kubelet.
+The device plugin already serves the same metrics on ``--monitor-listen`` and runs the same
+arbiter (priority flags in the regions); this command is for a node where the plugin runs
+elsewhere. Run only one arbiter per node: two would write the same words, harmlessly but twice.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 
 from vgpu.errors import ConfigError, KubeError
+from vgpu.plugin.arbiter import add_arguments as add_arbiter_arguments
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
     parser.add_argument("--config", type=Path, help="node config YAML (split, scaling...)")
     parser.add_argument("--listen", default="0.0.0.0:9394", help="HOST:PORT of /metrics")
+    add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 
@@ -34,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from vgpu.plugin.arbiter import Arbiter
+    from vgpu.plugin.arbiter import settings as arbiter_settings
     from vgpu.plugin.cli import open_discovery
     from vgpu.plugin.config import load_node_config
     from vgpu.plugin.devices import DeviceState
@@ -43,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_node_config(args.config, args.node)
         host, port = parse_listen(args.listen, "--listen")
+        arbitration = arbiter_settings(args)
         discovery = open_discovery(args)
         list_pods = None
         if not args.no_kube:
@@ -53,7 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"vgpu monitor: {err}", file=sys.stderr)
         return 2
     state = DeviceState(discovery.cards(), config)
-    collector = NodeCollector(args.node, state, discovery, HostPaths(args.root), list_pods=list_pods)
+    paths = HostPaths(args.root)
+    arbiter = None
+    if arbitration is not None:
+        arbiter = Arbiter(paths.containers_dir, interval_s=arbitration[0], window_s=arbitration[1])
+        arbiter.start()
+    collector = NodeCollector(args.node, state, discovery, paths, list_pods=list_pods, arbiter=arbiter)
 
     def health() -> None:
         while True:
@@ -68,4 +79,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.shutdown()
+    if arbiter is not None:
+        arbiter.stop()
     return 0

@@ -1,0 +1,135 @@
+"""`vgpu monitor`'s arbiter on region files the hook created: flags per card, fresh, and in /metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from hook_harness import Built, Holder, build, env
+
+from vgpu import region
+from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+
+# the stub's device N has a UUID made of bytes 0x10+N
+UUID0 = "GPU-10101010-1010-1010-1010-101010101010"
+UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
+Y, A = region.FLAG_YIELD, region.FLAG_ALONE
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    return build()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def containers(built: Built, tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """Three containers whose CUDA processes made their regions: hi (priority 0) on card 0, lo
+    (priority 1) on cards 0 and 1, and peer (priority 1) on card 1."""
+    paths = HostPaths(tmp_path)
+    spec = {
+        "uid-1_hi": (UUID0, "0"),
+        "uid-2_lo": (f"{UUID0},{UUID1}", "1"),
+        "uid-3_peer": (UUID1, "1"),
+    }
+    holders, regions = [], {}
+    try:
+        for name, (visible, priority) in spec.items():
+            folder = paths.containers_dir / name
+            folder.mkdir(parents=True)
+            environ = env(
+                built,
+                STUB_CUDA_DEVICES="2",
+                NVIDIA_VISIBLE_DEVICES=visible,
+                CUDA_TASK_PRIORITY=priority,
+                CUDA_DEVICE_MEMORY_LIMIT="1g",
+                CUDA_DEVICE_MEMORY_SHARED_CACHE=str(folder / REGION_FILE_NAME),
+            )
+            holders.append(Holder(built, 0, environ))
+            regions[name.partition("_")[2]] = folder / REGION_FILE_NAME
+        yield regions
+    finally:
+        for holder in holders:
+            holder.release()
+
+
+def launched(path: Path, index: int) -> None:
+    """Stamp a launch the way the hook's limiter does: last_launch_ns, CLOCK_MONOTONIC."""
+    with region.Region(path, writable=True) as r:
+        r._u64[region.HEADER_LAYOUT.offsets["last_launch_ns"] // 8 + index] = time.monotonic_ns()
+
+
+def flags(path: Path) -> tuple[int, ...]:
+    with region.Region(path) as r:
+        snap = r.snapshot()
+    return tuple(d.flags for d in snap.devices)
+
+
+def wait_for(check: object, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.01)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy(
+    containers: dict[str, Path], tmp_path: Path
+) -> None:
+    hi, lo, peer = containers["hi"], containers["lo"], containers["peer"]
+    with region.Region(hi) as r:
+        assert (r.word("priority"), r.uuid(0)) == (0, UUID0)  # the hook wrote them from the env
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(
+        yaml.safe_dump({"gpus": [{"uuid": UUID0, "memoryMiB": 8192}, {"uuid": UUID1, "memoryMiB": 8192}]})
+    )
+    port = free_port()
+    monitor = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
+        + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "10"]
+        # a window wide enough to see a launch's effect on a busy CI machine
+        + ["--activity-window-ms", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # nobody launched: every container is alone on each of its cards, nobody yields
+        wait_for(lambda: flags(hi) == (A,) and flags(lo) == (A, A) and flags(peer) == (A,), "all alone")
+        with region.Region(lo) as r:
+            assert time.monotonic_ns() - r.word("arbiter_ns") < region.ARBITER_STALE_NS
+
+        launched(hi, 0)  # the high-priority container is busy on card 0
+        wait_for(lambda: flags(lo)[0] == Y, "lo to yield on card 0")
+        assert flags(lo)[1] == A and flags(peer) == (A,)  # card 1 is not held back
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert (
+            'vgpu_container_yielding{container="lo",namespace="",node="n1",pod="",pod_uid="uid-2",'
+            f'uuid="{UUID0}"}} 1.0' in metrics
+        )
+        assert (
+            'vgpu_container_priority{container="hi",namespace="",node="n1",pod="",pod_uid="uid-1"} 0.0'
+            in metrics
+        )
+
+        launched(peer, 0)  # card 1 now has lo and peer: lo is no longer alone there
+        wait_for(lambda: flags(lo)[1] == 0, "lo not alone on card 1")
+        # once the launches fall out of the window, the flags go back
+        wait_for(lambda: flags(lo) == (A, A) and flags(peer) == (A,), "flags to clear", timeout=10)
+    finally:
+        monitor.terminate()
+        out, _ = monitor.communicate(timeout=10)
+    assert monitor.returncode == 0, out

@@ -1,0 +1,296 @@
+"""The monitor's arbiter: which container on a card must yield and which is alone there.
+
+Each container's hook knows only its own region, so nothing inside a container can tell that a
+high-priority neighbour is busy on the same card. The arbiter, a thread of the node monitor
+(the device plugin's and ``vgpu monitor``'s), looks at every region on the node every
+``interval_s`` (default 25 ms) and writes one word per container and device, ``flags``:
+
+- ``FLAG_YIELD`` on a priority-1 container's entry for a card where a priority-0 container is
+  active: the hook holds that container's launches until the flag clears;
+- ``FLAG_ALONE`` on an entry for a card where no other container is active: a container with
+  ``sm_policy`` elastic may then run past its SM cap (work-conserving);
+
+and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The hook ignores
+flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a container
+held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
+within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
+
+The region files stay mapped between passes; the folder is listed again every ``rescan_s``
+(new containers, removed ones, a file replaced). A file that is not a readable layout-2 region
+is skipped, logged once and counted (``BadRegions``); the arbiter writes nothing but ``flags``
+and ``arbiter_ns``, each with one aligned store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vgpu.errors import ConfigError
+from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.region import FLAG_ALONE, FLAG_YIELD, Region, RegionError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.025
+DEFAULT_WINDOW_S = 0.1
+DEFAULT_RESCAN_S = 1.0
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One container's entry for one card, as the decision sees it."""
+
+    container: str  # anything that tells containers apart (the region's folder name)
+    index: int  # the card's device index inside that container
+    priority: int  # 0 high, anything else normal
+    active: bool
+
+
+def decide(cards: Mapping[str, Sequence[Activity]]) -> dict[tuple[str, int], int]:
+    """The flags word of every (container, device index), from the activity per card UUID.
+
+    An entry whose card is unknown (empty UUID) is left with no flags: it neither yields nor
+    counts as alone, so it simply holds to its own cap.
+    """
+    flags: dict[tuple[str, int], int] = {}
+    for uuid, entries in cards.items():
+        if not uuid:
+            for e in entries:
+                flags[(e.container, e.index)] = 0
+            continue
+        active = {e.container for e in entries if e.active}
+        high = {e.container for e in entries if e.active and e.priority == 0}
+        for e in entries:
+            word = 0
+            if e.priority != 0 and high - {e.container}:
+                word |= FLAG_YIELD
+            if not active - {e.container}:
+                word |= FLAG_ALONE
+            flags[(e.container, e.index)] = word
+    return flags
+
+
+class BadRegions:
+    """Region files the monitor could not use: each logged once (per file and reason) and counted."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def report(self, path: Path, err: object) -> None:
+        key = (str(path), str(err))
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+            self.total += 1
+        log.warning("skipping region %s: %s", path, err)
+
+    def forget(self, path: Path) -> None:
+        """The file is gone or readable again: a later problem with it is logged anew."""
+        with self._lock:
+            self._seen = {k for k in self._seen if k[0] != str(path)}
+
+
+@dataclass
+class _Tracked:
+    region: Region
+    uuids: tuple[str, ...]
+    busy: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ArbiterStats:
+    passes: int = 0
+    regions: int = 0
+    last_pass_s: float = 0.0
+    flag_writes: int = 0
+
+
+class Arbiter:
+    """Runs ``run_pass`` every ``interval_s`` on a thread; ``run_pass`` alone for tests."""
+
+    def __init__(
+        self,
+        containers_dir: Path,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        window_s: float = DEFAULT_WINDOW_S,
+        rescan_s: float = DEFAULT_RESCAN_S,
+        bad: BadRegions | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.containers_dir = Path(containers_dir)
+        self.interval_s = interval_s
+        self.window_ns = int(window_s * 1e9)
+        self.rescan_s = rescan_s
+        self.bad = bad if bad is not None else BadRegions()
+        self.clock = clock
+        self.stats = ArbiterStats()
+        self._tracked: dict[Path, _Tracked] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rescanned_at = -1e18
+
+    # -- the folder ---------------------------------------------------------------------------
+
+    def rescan(self) -> None:
+        """Open new region files, drop removed or replaced ones."""
+        seen: dict[Path, int] = {}
+        try:
+            folders = list(self.containers_dir.iterdir())
+        except OSError:
+            folders = []
+        for folder in folders:
+            path = folder / REGION_FILE_NAME
+            try:
+                seen[path] = os.stat(path).st_ino
+            except OSError:
+                continue
+        for path in list(self._tracked):
+            t = self._tracked[path]
+            if seen.get(path) != t.region.inode or not t.region.intact():
+                self._drop(path)
+        for path in seen:
+            if path in self._tracked:
+                continue
+            try:
+                region = Region(path, writable=True)
+            except RegionError as err:
+                self.bad.report(path, err)
+                continue
+            try:
+                count = region.num_devices
+                uuids = tuple(region.uuid(i) for i in range(count))
+                busy = [region.word("busy_ns", i) for i in range(count)]
+            except (ValueError, IndexError, OSError) as err:
+                region.close()
+                self.bad.report(path, err)
+                continue
+            self.bad.forget(path)
+            self._tracked[path] = _Tracked(region, uuids, busy)
+        self.stats.regions = len(self._tracked)
+
+    def _drop(self, path: Path) -> None:
+        t = self._tracked.pop(path, None)
+        if t is not None:
+            try:
+                t.region.close()
+            except (BufferError, OSError):
+                pass
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def run_pass(self) -> dict[tuple[str, int], int]:
+        """Read activity, decide, write flags and arbiter_ns; returns the decision by (folder, index)."""
+        started = time.monotonic()
+        now = self.clock()
+        cards: dict[str, list[Activity]] = defaultdict(list)
+        live: dict[str, _Tracked] = {}
+        for path, t in list(self._tracked.items()):
+            r = t.region
+            name = path.parent.name
+            try:
+                if not r.intact():
+                    raise RegionError(f"{path} was cut short while mapped")
+                priority = r.word("priority")
+                for i, uuid in enumerate(t.uuids):
+                    last = r.word("last_launch_ns", i)
+                    busy = r.word("busy_ns", i)
+                    active = (last != 0 and now - last <= self.window_ns) or busy > t.busy[i]
+                    t.busy[i] = busy
+                    cards[uuid].append(Activity(name, i, priority, active))
+            except (RegionError, ValueError, IndexError, OSError) as err:
+                self.bad.report(path, err)
+                self._drop(path)
+                continue
+            live[name] = t
+        decision = decide(cards)
+        now = self.clock()
+        for name, t in live.items():
+            r = t.region
+            try:
+                if not r.intact():
+                    continue
+                for i in range(len(t.uuids)):
+                    word = decision.get((name, i), 0)
+                    if r.word("flags", i) != word:
+                        r.set_flags(i, word)
+                        self.stats.flag_writes += 1
+                r.set_arbiter_ns(now)
+            except (ValueError, IndexError, OSError) as err:
+                self.bad.report(r.path, err)
+        self.stats.passes += 1
+        self.stats.regions = len(self._tracked)
+        self.stats.last_pass_s = time.monotonic() - started
+        return decision
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() - self._rescanned_at >= self.rescan_s:
+                    self.rescan()
+                    self._rescanned_at = time.monotonic()
+                if self._tracked:
+                    self.run_pass()
+            except Exception:  # the arbiter must outlive any one bad pass
+                log.exception("arbiter pass failed; continuing")
+            # With no region on the node there is nothing to arbitrate until the next rescan.
+            self._stop.wait(self.interval_s if self._tracked else self.rescan_s)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="arbiter", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+        for path in list(self._tracked):
+            self._drop(path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arbiter's flags, the same on ``vgpu device-plugin`` and ``vgpu monitor``."""
+    parser.add_argument(
+        "--arbiter-interval-ms",
+        type=float,
+        default=DEFAULT_INTERVAL_S * 1000,
+        help="how often the arbiter writes the priority flags into the regions (default 25; 0 = no arbiter)",
+    )
+    parser.add_argument(
+        "--activity-window-ms",
+        type=float,
+        default=DEFAULT_WINDOW_S * 1000,
+        help="a container launched within this long ago counts as active on its card (default 100)",
+    )
+
+
+def settings(args: argparse.Namespace) -> tuple[float, float] | None:
+    """(interval_s, window_s) from the flags, None for no arbiter; raises ConfigError naming the flag."""
+    interval = float(getattr(args, "arbiter_interval_ms", DEFAULT_INTERVAL_S * 1000))
+    window = float(getattr(args, "activity_window_ms", DEFAULT_WINDOW_S * 1000))
+    if not 0 <= interval <= 1000:
+        raise ConfigError(
+            "--arbiter-interval-ms",
+            "",
+            f"{interval:g} is out of range: give 1..1000 ms (the hook ignores "
+            "flags older than 1 s), or 0 to run no arbiter",
+        )
+    if not 0 < window <= 10_000:
+        raise ConfigError("--activity-window-ms", "", f"{window:g} is out of range: give 1..10000 ms")
+    if interval == 0:
+        return None
+    return interval / 1000, window / 1000
