@@ -22,6 +22,7 @@ from chart_support import (
     kube_scheduler_checks,
     render,
     scenario_id,
+    template,
 )
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
@@ -370,3 +371,22 @@ def test_kube_schedulers_leader_lease_can_never_be_taken_for_a_plugins_lease() -
     assert not lease.startswith(LEASE_PREFIX)
     role = find(objs, "Role", "vgpu-scheduler")
     assert [lease] in [rule.get("resourceNames") for rule in role["rules"]]
+
+
+def test_the_sm_policy_reaches_the_plugin_per_node_and_a_bad_one_is_refused() -> None:
+    objs = render(
+        "--set", "devicePlugin.smPolicy=elastic", "--set", "devicePlugin.nodeOverrides[0].name=strict"
+    )
+    assert node_config(objs, "gpu-node-1").sm_policy == "elastic"
+    assert node_config(render(), "gpu-node-1").sm_policy == "cap"
+    strict = render(
+        "--set",
+        "devicePlugin.smPolicy=elastic",
+        "--set",
+        "devicePlugin.nodeOverrides[0].name=strict",
+        "--set",
+        "devicePlugin.nodeOverrides[0].smPolicy=cap",
+    )
+    assert node_config(strict, "strict").sm_policy == "cap"
+    refused = template("--set", "devicePlugin.smPolicy=greedy")
+    assert refused.returncode != 0 and "smPolicy" in refused.stderr
