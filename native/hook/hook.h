@@ -56,6 +56,12 @@ HIDDEN void vgpu_config_load(struct vgpu_config *cfg);
 HIDDEN int vgpu_enabled(void);               /* attaches on first use; 0 = pass everything through */
 HIDDEN int vgpu_charge(int idx, uint64_t bytes, int force); /* 0 = granted, -1 = over the limit */
 HIDDEN void vgpu_uncharge(int idx, uint64_t bytes);
+/* virtual device memory: like vgpu_charge (not forced), and *over_budget = 1 when the bytes on the
+ * device (used - spilled, this charge included) pass budget[idx] (0 = no budget) */
+HIDDEN int vgpu_charge_budget(int idx, uint64_t bytes, int *over_budget);
+HIDDEN void vgpu_spill_move(int idx, uint64_t bytes);       /* charged bytes now live in host memory */
+HIDDEN void vgpu_uncharge_spilled(int idx, uint64_t bytes); /* a spilled allocation was given back */
+HIDDEN uint64_t vgpu_budget(int idx);
 HIDDEN uint64_t vgpu_limit(int idx);
 HIDDEN uint64_t vgpu_used(int idx);
 HIDDEN const char *vgpu_uuid(int idx);      /* "" when the region holds none */
@@ -65,9 +71,11 @@ HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL 
 HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
 
 /* track.c: what this process allocated, so frees can be uncharged */
-enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4 };
+enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4, VGPU_KIND_SPILL = 5 };
 HIDDEN void vgpu_track_add(int kind, uint64_t key, uint64_t size, int idx);
 HIDDEN int vgpu_track_take(int kind, uint64_t key, uint64_t *size, int *idx); /* 1 = found and removed */
+HIDDEN void vgpu_track_add_aux(int kind, uint64_t key, uint64_t size, uint64_t aux, int idx);
+HIDDEN int vgpu_track_take_aux(int kind, uint64_t key, uint64_t *size, uint64_t *aux, int *idx);
 HIDDEN void vgpu_track_reset(void);
 
 /* devmap.c: CUDA ordinals and NVML handles to region device indexes */

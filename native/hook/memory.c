@@ -1,7 +1,14 @@
 /* Policy: every way device memory is taken is charged against the device's limit before the
  * driver is asked, and uncharged when the driver gives it back. Over the limit the call returns
  * CUDA_ERROR_OUT_OF_MEMORY and the driver is never asked. Frees of anything libvgpu did not
- * see go to the driver untouched. */
+ * see go to the driver untouched.
+ *
+ * Virtual device memory: the budget (budget[i], 0 = none) caps the bytes on the device itself
+ * (used - spilled). cuMemAlloc_v2 and cuMemAllocPitch_v2 past the budget, or refused by the
+ * driver for want of memory, are served from pinned host memory mapped into the device
+ * (cuMemHostAlloc DEVICEMAP|PORTABLE) when CUDA_OVERSUBSCRIBE is on; the limit still counts
+ * them. Without it, and on every other path, the budget is a device cap: past it,
+ * CUDA_ERROR_OUT_OF_MEMORY. Never managed memory. */
 #include <string.h>
 
 #include "hook.h"
@@ -12,13 +19,33 @@
 #define GUARDED(name, args) \
     ({ vgpu_in_hook++; CUresult r_ = CU_REAL(name, args); vgpu_in_hook--; r_; })
 
+#define LOG_ONCE(level, ...)                                               \
+    do {                                                                   \
+        static int told_;                                                  \
+        if (!__atomic_exchange_n(&told_, 1, __ATOMIC_RELAXED)) VGPU_LOG(level, __VA_ARGS__); \
+    } while (0)
+
+/* Past the budget without a way to spill: refused, said once. */
+static CUresult over_budget(int idx, uint64_t bytes, const char *call) {
+    vgpu_uncharge(idx, bytes);
+    LOG_ONCE(VGPU_LOG_WARN, "device %d: %s of %llu bytes refused (CUDA_ERROR_OUT_OF_MEMORY): the container's device "
+             "memory budget of %llu bytes is reached. %s", idx, call, (unsigned long long)bytes,
+             (unsigned long long)vgpu_budget(idx),
+             vgpu_oversubscribe() ? "Only cuMemAlloc and cuMemAllocPitch (cudaMalloc) spill to host memory; "
+                                    "raise CUDA_DEVICE_MEMORY_BUDGET or allocate through cudaMalloc"
+                                  : "Set CUDA_OVERSUBSCRIBE=true to spill past it into host memory, or raise "
+                                    "CUDA_DEVICE_MEMORY_BUDGET");
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 /* charge, allocate, keep or roll back */
 #define ALLOC(name, args, idx_expr, bytes_expr, kind, key_expr)            \
     do {                                                                   \
         if (!ACTIVE()) return CU_REAL(name, args);                         \
-        int idx_ = (idx_expr);                                             \
+        int idx_ = (idx_expr), over_ = 0;                                  \
         uint64_t bytes_ = (bytes_expr);                                    \
-        if (vgpu_charge(idx_, bytes_, 0) != 0) return CUDA_ERROR_OUT_OF_MEMORY; \
+        if (vgpu_charge_budget(idx_, bytes_, &over_) != 0) return CUDA_ERROR_OUT_OF_MEMORY; \
+        if (over_) return over_budget(idx_, bytes_, #name);                \
         CUresult rc_ = GUARDED(name, args);                                \
         if (rc_ == CUDA_SUCCESS) vgpu_track_add(kind, (uint64_t)(key_expr), bytes_, idx_); \
         else vgpu_uncharge(idx_, bytes_);                                  \
@@ -38,8 +65,68 @@
         return rc_;                                                        \
     } while (0)
 
+/* Spilled allocations this process holds; frees look in the table for them only while there are some. */
+static int spills_live;
+
+/* Serves `bytes`, already charged, from pinned host memory mapped into the device's address
+ * space. The caller uncharges when this fails. */
+static CUresult spill(int idx, uint64_t bytes, CUdeviceptr *dptr, int over) {
+    void *host = NULL;
+    CUresult rc = GUARDED(cuMemHostAlloc, (&host, (size_t)bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+    if (rc != CUDA_SUCCESS) {
+        LOG_ONCE(VGPU_LOG_ERROR, "device %d: cannot spill %llu bytes to host memory: cuMemHostAlloc returned %d. "
+                 "Pinned host memory is bounded by the host's RAM, the container's memory limit and, on some "
+                 "systems, RLIMIT_MEMLOCK (ulimit -l); free host memory or raise those limits, or lower "
+                 "CUDA_DEVICE_MEMORY_LIMIT toward the budget. The allocation fails with "
+                 "CUDA_ERROR_OUT_OF_MEMORY", idx, (unsigned long long)bytes, (int)rc);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUdeviceptr d = 0;
+    rc = GUARDED(cuMemHostGetDevicePointer_v2, (&d, host, 0));
+    if (rc != CUDA_SUCCESS) {
+        GUARDED(cuMemFreeHost, (host));
+        LOG_ONCE(VGPU_LOG_ERROR, "device %d: host memory for a spill cannot be mapped into the device "
+                 "(cuMemHostGetDevicePointer returned %d): the device or driver does not map host memory. "
+                 "The allocation fails with CUDA_ERROR_OUT_OF_MEMORY; unset CUDA_OVERSUBSCRIBE for this card",
+                 idx, (int)rc);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    vgpu_spill_move(idx, bytes);
+    vgpu_track_add_aux(VGPU_KIND_SPILL, d, bytes, (uint64_t)(uintptr_t)host, idx);
+    __atomic_fetch_add(&spills_live, 1, __ATOMIC_RELAXED);
+    LOG_ONCE(VGPU_LOG_WARN, "device %d: spilling to mapped host memory (%s); kernels reach spilled data over the "
+             "host link, far slower than device memory. Raise CUDA_DEVICE_MEMORY_BUDGET or use less memory to "
+             "keep data on the card", idx,
+             over ? "the device memory budget is reached" : "the card is out of free memory");
+    *dptr = d;
+    return CUDA_SUCCESS;
+}
+
+/* After the device part was refused (past the budget, or the driver's `rc`): spill or give up. */
+static CUresult spill_or_refuse(int idx, uint64_t bytes, CUdeviceptr *dptr, int over, CUresult rc, const char *call) {
+    if ((over || rc == CUDA_ERROR_OUT_OF_MEMORY) && idx >= 0 && vgpu_oversubscribe()) {
+        rc = spill(idx, bytes, dptr, over);
+        if (rc == CUDA_SUCCESS) return rc;
+    } else if (over) {
+        return over_budget(idx, bytes, call);
+    }
+    vgpu_uncharge(idx, bytes); /* the driver's own error, untouched */
+    return rc;
+}
+
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
-    ALLOC(cuMemAlloc_v2, (dptr, bytesize), vgpu_index_current(), bytesize, VGPU_KIND_PTR, *dptr);
+    if (!ACTIVE() || !dptr || !bytesize) return CU_REAL(cuMemAlloc_v2, (dptr, bytesize));
+    int idx = vgpu_index_current(), over = 0;
+    if (vgpu_charge_budget(idx, bytesize, &over) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!over) {
+        rc = GUARDED(cuMemAlloc_v2, (dptr, bytesize));
+        if (rc == CUDA_SUCCESS) {
+            vgpu_track_add(VGPU_KIND_PTR, *dptr, bytesize, idx);
+            return rc;
+        }
+    }
+    return spill_or_refuse(idx, bytesize, dptr, over, rc, "cuMemAlloc");
 }
 
 EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
@@ -65,16 +152,23 @@ EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
           VGPU_KIND_PTR, *dptr);
 }
 
-/* The pitch is the driver's choice: charge a 512-byte-aligned guess, then settle on the truth. */
+/* The pitch is the driver's choice: charge a 512-byte-aligned guess, then settle on the truth.
+ * A spilled pitched allocation gets that guess as its pitch. Arguments the driver would refuse
+ * go to it untouched. */
 EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
                                    unsigned int ElementSizeBytes) {
-    if (!ACTIVE()) return CU_REAL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
-    int idx = vgpu_index_current();
-    uint64_t guess = (uint64_t)((WidthInBytes + 511) & ~(size_t)511) * Height;
-    if (vgpu_charge(idx, guess, 0) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = GUARDED(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
+    if (!ACTIVE() || !dptr || !pPitch || !WidthInBytes || !Height ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CU_REAL(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
+    int idx = vgpu_index_current(), over = 0;
+    size_t pitch = (WidthInBytes + 511) & ~(size_t)511;
+    uint64_t guess = (uint64_t)pitch * Height;
+    if (vgpu_charge_budget(idx, guess, &over) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = over ? CUDA_ERROR_OUT_OF_MEMORY
+                       : GUARDED(cuMemAllocPitch_v2, (dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
     if (rc != CUDA_SUCCESS) {
-        vgpu_uncharge(idx, guess);
+        rc = spill_or_refuse(idx, guess, dptr, over, rc, "cuMemAllocPitch");
+        if (rc == CUDA_SUCCESS) *pPitch = pitch;
         return rc;
     }
     uint64_t real = (uint64_t)*pPitch * Height;
@@ -84,11 +178,38 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t Wid
     return rc;
 }
 
-EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) { FREE(cuMemFree_v2, (dptr), VGPU_KIND_PTR, dptr); }
+/* A spilled pointer goes back with cuMemFreeHost, after the work queued on the context is done
+ * (a free, even a stream-ordered one, must not pull pages from under a running kernel). 1 = it
+ * was a spilled pointer and *rc says how its free went. */
+static int free_spilled(CUdeviceptr dptr, CUresult *rc) {
+    if (!__atomic_load_n(&spills_live, __ATOMIC_RELAXED)) return 0;
+    uint64_t size = 0, host = 0;
+    int idx = 0;
+    if (!vgpu_track_take_aux(VGPU_KIND_SPILL, dptr, &size, &host, &idx)) return 0;
+    GUARDED(cuCtxSynchronize, ()); /* its error, if any, is the next call's to report */
+    *rc = GUARDED(cuMemFreeHost, ((void *)(uintptr_t)host));
+    if (*rc == CUDA_SUCCESS) {
+        vgpu_uncharge_spilled(idx, size);
+        __atomic_fetch_sub(&spills_live, 1, __ATOMIC_RELAXED);
+    } else {
+        vgpu_track_add_aux(VGPU_KIND_SPILL, dptr, size, host, idx);
+    }
+    return 1;
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    CUresult rc;
+    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
+    FREE(cuMemFree_v2, (dptr), VGPU_KIND_PTR, dptr);
+}
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    CUresult rc;
+    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
     FREE(cuMemFreeAsync, (dptr, hStream), VGPU_KIND_PTR, dptr);
 }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
+    CUresult rc;
+    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
     FREE(cuMemFreeAsync_ptsz, (dptr, hStream), VGPU_KIND_PTR, dptr);
 }
 
@@ -188,7 +309,9 @@ EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreatePara
     return rc;
 }
 
-/* What the process sees: the vGPU, total = its limit, free = what is left of it. */
+/* What the process sees: the vGPU, total = its limit, free = what is left of it. With
+ * CUDA_OVERSUBSCRIBE the card's own free memory no longer bounds it (spills serve the rest), so
+ * the limit is shown even where it is larger than the card. */
 EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     CUresult rc = CU_REAL(cuMemGetInfo_v2, (free_bytes, total_bytes));
     if (rc != CUDA_SUCCESS || !ACTIVE()) return rc;
@@ -197,6 +320,11 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
     if (!limit) return rc;
     uint64_t used = vgpu_used(idx);
     uint64_t left = used < limit ? limit - used : 0;
+    if (vgpu_oversubscribe()) {
+        if (free_bytes) *free_bytes = (size_t)left;
+        if (total_bytes) *total_bytes = (size_t)limit;
+        return rc;
+    }
     if (free_bytes && left < *free_bytes) *free_bytes = (size_t)left;
     if (total_bytes && limit < *total_bytes) *total_bytes = (size_t)limit;
     return rc;
@@ -206,6 +334,6 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     CUresult rc = CU_REAL(cuDeviceTotalMem_v2, (bytes, dev));
     if (rc != CUDA_SUCCESS || !bytes || !ACTIVE()) return rc;
     uint64_t limit = vgpu_limit(vgpu_index_of_cu(dev));
-    if (limit && limit < *bytes) *bytes = (size_t)limit;
+    if (limit && (limit < *bytes || vgpu_oversubscribe())) *bytes = (size_t)limit;
     return rc;
 }

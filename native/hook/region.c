@@ -73,8 +73,9 @@ static void seq_end(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_RELEASE); 
 static void drop_slot_locked(int k) {
     struct vgpu_region_slot *s = &R.slots[k];
     for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
-        uint64_t u = s->used[i];
+        uint64_t u = s->used[i], sp = s->spilled[i];
         R.h->used[i] = R.h->used[i] > u ? R.h->used[i] - u : 0;
+        R.h->spilled[i] = R.h->spilled[i] > sp ? R.h->spilled[i] - sp : 0; /* the driver unpins a dead process's memory */
     }
     memset(s, 0, sizeof *s);
 }
@@ -87,8 +88,9 @@ static int reap_locked(void) {
         struct vgpu_region_slot *s = &R.slots[k];
         if (!s->active || k == R.slot) continue;
         if (!alive(s)) {
-            VGPU_LOG(VGPU_LOG_INFO, "reaping process %d, which died holding %llu bytes on device 0",
-                     s->pid, (unsigned long long)s->used[0]);
+            VGPU_LOG(VGPU_LOG_INFO, "reaping process %d, which died holding %llu bytes on device 0 "
+                     "(%llu of them spilled to host memory)",
+                     s->pid, (unsigned long long)s->used[0], (unsigned long long)s->spilled[0]);
             drop_slot_locked(k);
             reaped++;
         }
@@ -102,12 +104,16 @@ static void repair_locked(void) {
     VGPU_LOG(VGPU_LOG_INFO, "a process died holding the region lock; recovering");
     if (R.h->seq & 1) R.h->seq++; /* it died mid-update: readers must not wait for it */
     reap_locked();
-    uint64_t sum[VGPU_MAX_DEVICES] = {0};
+    uint64_t sum[VGPU_MAX_DEVICES] = {0}, spill[VGPU_MAX_DEVICES] = {0};
     for (int k = 0; k < VGPU_MAX_PROCS; k++)
         if (R.slots[k].active)
-            for (int i = 0; i < VGPU_MAX_DEVICES; i++) sum[i] += R.slots[k].used[i];
+            for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
+                sum[i] += R.slots[k].used[i];
+                spill[i] += R.slots[k].spilled[i];
+            }
     seq_begin();
     memcpy(R.h->used, sum, sizeof sum);
+    memcpy(R.h->spilled, spill, sizeof spill);
     seq_end();
 }
 
@@ -132,6 +138,7 @@ static void unlock(int locked) {
 
 static int my_slot_locked(void) {
     if (R.slot >= 0 || R.exiting) return R.slot;
+    reap_locked(); /* a process joining clears what dead ones left (their spilled host memory too) */
     pid_t pid = getpid();
     uint64_t start = proc_start(pid);
     int free_slot = -1;
@@ -281,20 +288,34 @@ int vgpu_enabled(void) {
     return R.enabled && !R.exiting;
 }
 
-int vgpu_charge(int idx, uint64_t bytes, int force) {
+static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
+    if (over_budget) *over_budget = 0;
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
     int locked = lock();
     int k = my_slot_locked();
+    /* limit and budget are live-resizable: read on every call, never cached */
     uint64_t limit = __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
     if (!force && limit) {
         int over = bytes > limit || R.h->used[idx] > limit - bytes;
         if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;
         if (over) {
+            uint64_t used = R.h->used[idx];
             unlock(locked);
+            static int told_below;
+            if (used > limit && !__atomic_exchange_n(&told_below, 1, __ATOMIC_RELAXED))
+                VGPU_LOG(VGPU_LOG_WARN, "device %d: the limit (%llu bytes) is below the %llu bytes in use, so it was "
+                         "lowered while this container ran; new allocations are refused until enough is freed, "
+                         "and memory already held stays valid", idx, (unsigned long long)limit,
+                         (unsigned long long)used);
             VGPU_LOG(VGPU_LOG_DEBUG, "refused %llu bytes on device %d: %llu of %llu in use", (unsigned long long)bytes,
-                     idx, (unsigned long long)R.h->used[idx], (unsigned long long)limit);
+                     idx, (unsigned long long)used, (unsigned long long)limit);
             return -1;
         }
+    }
+    if (over_budget) {
+        uint64_t budget = __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
+        uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
+        *over_budget = budget && (bytes > budget || resident > budget - bytes);
     }
     seq_begin();
     R.h->used[idx] += bytes;
@@ -302,6 +323,40 @@ int vgpu_charge(int idx, uint64_t bytes, int force) {
     seq_end();
     unlock(locked);
     return 0;
+}
+
+int vgpu_charge(int idx, uint64_t bytes, int force) { return charge(idx, bytes, force, NULL); }
+
+int vgpu_charge_budget(int idx, uint64_t bytes, int *over_budget) { return charge(idx, bytes, 0, over_budget); }
+
+void vgpu_spill_move(int idx, uint64_t bytes) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return;
+    int locked = lock();
+    seq_begin();
+    R.h->spilled[idx] += bytes;
+    if (R.slot >= 0) R.slots[R.slot].spilled[idx] += bytes;
+    seq_end();
+    unlock(locked);
+}
+
+void vgpu_uncharge_spilled(int idx, uint64_t bytes) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return;
+    int locked = lock();
+    seq_begin();
+    R.h->used[idx] = R.h->used[idx] > bytes ? R.h->used[idx] - bytes : 0;
+    R.h->spilled[idx] = R.h->spilled[idx] > bytes ? R.h->spilled[idx] - bytes : 0;
+    if (R.slot >= 0) {
+        uint64_t *u = &R.slots[R.slot].used[idx], *sp = &R.slots[R.slot].spilled[idx];
+        *u = *u > bytes ? *u - bytes : 0;
+        *sp = *sp > bytes ? *sp - bytes : 0;
+    }
+    seq_end();
+    unlock(locked);
+}
+
+uint64_t vgpu_budget(int idx) {
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
+    return __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
 }
 
 void vgpu_uncharge(int idx, uint64_t bytes) {

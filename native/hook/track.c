@@ -10,6 +10,7 @@
 struct slot {
     uint64_t key;
     uint64_t size;
+    uint64_t aux; /* VGPU_KIND_SPILL: the host pointer to give back */
     int32_t idx;
     uint8_t kind; /* 0 empty; 0xff deleted */
 };
@@ -26,10 +27,10 @@ static size_t hash(int kind, uint64_t key) {
     return (size_t)x;
 }
 
-static void put(struct slot *tab, size_t n, int kind, uint64_t key, uint64_t size, int idx) {
+static void put(struct slot *tab, size_t n, int kind, uint64_t key, uint64_t size, uint64_t aux, int idx) {
     size_t i = hash(kind, key) & (n - 1);
     while (tab[i].kind != 0 && tab[i].kind != 0xff) i = (i + 1) & (n - 1);
-    tab[i] = (struct slot){key, size, idx, (uint8_t)kind};
+    tab[i] = (struct slot){key, size, aux, idx, (uint8_t)kind};
 }
 
 /* Rebuilds the table without its deleted slots, twice as large when it is half full of live ones. */
@@ -39,7 +40,7 @@ static int rebuild(void) {
     if (!tab) return -1;
     for (size_t i = 0; i < cap; i++)
         if (slots[i].kind != 0 && slots[i].kind != 0xff)
-            put(tab, n, slots[i].kind, slots[i].key, slots[i].size, slots[i].idx);
+            put(tab, n, slots[i].kind, slots[i].key, slots[i].size, slots[i].aux, slots[i].idx);
     free(slots);
     slots = tab;
     cap = n;
@@ -47,18 +48,25 @@ static int rebuild(void) {
     return 0;
 }
 
-void vgpu_track_add(int kind, uint64_t key, uint64_t size, int idx) {
+void vgpu_track_add(int kind, uint64_t key, uint64_t size, int idx) { vgpu_track_add_aux(kind, key, size, 0, idx); }
+
+void vgpu_track_add_aux(int kind, uint64_t key, uint64_t size, uint64_t aux, int idx) {
     pthread_mutex_lock(&mu);
     if ((used_slots + deleted + 1) * 2 > cap && rebuild() != 0) {
         pthread_mutex_unlock(&mu);
         return;
     }
-    put(slots, cap, kind, key, size, idx);
+    put(slots, cap, kind, key, size, aux, idx);
     used_slots++;
     pthread_mutex_unlock(&mu);
 }
 
 int vgpu_track_take(int kind, uint64_t key, uint64_t *size, int *idx) {
+    uint64_t aux;
+    return vgpu_track_take_aux(kind, key, size, &aux, idx);
+}
+
+int vgpu_track_take_aux(int kind, uint64_t key, uint64_t *size, uint64_t *aux, int *idx) {
     int found = 0;
     pthread_mutex_lock(&mu);
     if (cap) {
@@ -66,6 +74,7 @@ int vgpu_track_take(int kind, uint64_t key, uint64_t *size, int *idx) {
         while (slots[i].kind != 0) {
             if (slots[i].kind == kind && slots[i].key == key) {
                 *size = slots[i].size;
+                *aux = slots[i].aux;
                 *idx = slots[i].idx;
                 slots[i].kind = 0xff;
                 used_slots--;

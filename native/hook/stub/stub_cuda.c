@@ -5,6 +5,13 @@
  * driver would (the _v2 of a name for version >= 3020, the _ptsz one for flag 2).
  *
  * STUB_CUDA_DEVICES (1), STUB_CUDA_MEMORY_MIB (8192): the fake devices.
+ * STUB_CUDA_HOST_MIB (0 = no cap): pinned host memory cuMemHostAlloc hands out before it says
+ * CUDA_ERROR_OUT_OF_MEMORY (as a host out of pinnable memory would).
+ * Device pointers are backed by lazily mapped memory (untouched pages cost nothing) and host
+ * allocations by malloc, so cuMemcpyHtoD/DtoH move real bytes; a host allocation's device
+ * pointer is the host pointer (unified addressing).
+ * STUB_CUDA_KERNEL_US (2): how long each launch occupies its stream on the simulated GPU
+ * timeline (stub_launch.c), also settable with stubSetKernelNs().
  * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
@@ -12,6 +19,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "../api.h"
 
@@ -43,7 +51,7 @@ static struct CUctx_st { int dev; } ctxs[MAX_DEV];
 static __thread CUcontext current;
 
 enum { K_PTR = 1, K_HANDLE, K_ARRAY, K_MIPMAP };
-static struct alloc { unsigned long long key, size; int dev, kind; } *allocs;
+static struct alloc { unsigned long long key, size; int dev, kind, backed; } *allocs;
 static size_t nallocs, capallocs;
 static unsigned long long next_addr = 0x7f0000000000ULL, next_handle = 1;
 
@@ -60,12 +68,16 @@ static CUresult take(int dev, unsigned long long size, int kind, unsigned long l
         capallocs = capallocs ? capallocs * 2 : 256;
         allocs = realloc(allocs, capallocs * sizeof *allocs);
     }
+    int backed = 0;
+    void *m = kind == K_PTR ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                            : MAP_FAILED;
     if (kind == K_HANDLE) *key = next_handle++;
+    else if (m != MAP_FAILED) *key = (uintptr_t)m, backed = 1;
     else {
         *key = next_addr;
         next_addr += ((size + (2u << 20) - 1) & ~((2ULL << 20) - 1)) + (2u << 20);
     }
-    allocs[nallocs++] = (struct alloc){*key, size, dev, kind};
+    allocs[nallocs++] = (struct alloc){*key, size, dev, kind, backed};
     dev_used[dev] += size;
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
@@ -77,6 +89,7 @@ static CUresult give(unsigned long long key, int kind) {
     for (size_t i = 0; i < nallocs; i++)
         if (allocs[i].key == key && allocs[i].kind == kind) {
             dev_used[allocs[i].dev] -= allocs[i].size;
+            if (allocs[i].backed) munmap((void *)(uintptr_t)allocs[i].key, allocs[i].size);
             allocs[i] = allocs[--nallocs];
             pthread_mutex_unlock(&mu);
             return CUDA_SUCCESS;
@@ -331,6 +344,109 @@ CUresult impl_cuCtxSynchronize(void) {
     if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
     return CUDA_SUCCESS;
 }
+
+/* Pinned host memory, mapped into the device's address space with CU_MEMHOSTALLOC_DEVICEMAP. */
+static struct host { void *p; size_t size; unsigned int flags; } *hosts;
+static size_t nhosts, caphosts;
+static unsigned long long host_used;
+
+static struct host *host_find(unsigned long long addr, size_t len, int exact) {
+    for (size_t i = 0; i < nhosts; i++) {
+        unsigned long long start = (uintptr_t)hosts[i].p;
+        if (exact ? addr == start : addr >= start && addr - start <= hosts[i].size && len <= hosts[i].size - (addr - start))
+            return &hosts[i];
+    }
+    return NULL;
+}
+
+CUresult impl_cuMemHostAlloc(void **pp, size_t bytesize, unsigned int flags) {
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    if (!pp || !bytesize || (flags & ~0x7u)) return CUDA_ERROR_INVALID_VALUE;
+    const char *cap = getenv("STUB_CUDA_HOST_MIB");
+    unsigned long long limit = cap ? strtoull(cap, NULL, 10) << 20 : 0;
+    pthread_mutex_lock(&mu);
+    void *p = limit && host_used + bytesize > limit ? NULL : malloc(bytesize);
+    if (p && nhosts == caphosts) {
+        caphosts = caphosts ? caphosts * 2 : 64;
+        hosts = realloc(hosts, caphosts * sizeof *hosts);
+    }
+    if (p) {
+        hosts[nhosts++] = (struct host){p, bytesize, flags};
+        host_used += bytesize;
+    }
+    pthread_mutex_unlock(&mu);
+    *pp = p;
+    return p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult impl_cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int flags) {
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    if (!pdptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct host *h = host_find((uintptr_t)p, 0, 0);
+    int mapped = h && (h->flags & CU_MEMHOSTALLOC_DEVICEMAP);
+    pthread_mutex_unlock(&mu);
+    if (!mapped) return CUDA_ERROR_INVALID_VALUE;
+    *pdptr = (uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult impl_cuMemFreeHost(void *p) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&mu);
+    struct host *h = host_find((uintptr_t)p, 0, 1);
+    if (h) {
+        host_used -= h->size;
+        free(h->p);
+        *h = hosts[--nhosts];
+    }
+    pthread_mutex_unlock(&mu);
+    return h ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Where [addr, addr+len) lives: 1 device memory, 2 mapped host memory, 0 neither (or unbacked). */
+static int kind_of(unsigned long long addr, size_t len, void **at) {
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].kind == K_PTR && allocs[i].backed && addr >= allocs[i].key &&
+            addr - allocs[i].key <= allocs[i].size && len <= allocs[i].size - (addr - allocs[i].key)) {
+            *at = (void *)(uintptr_t)addr;
+            return 1;
+        }
+    struct host *h = host_find(addr, len, 0);
+    if (h && (h->flags & CU_MEMHOSTALLOC_DEVICEMAP)) {
+        *at = (void *)(uintptr_t)addr;
+        return 2;
+    }
+    return 0;
+}
+
+static CUresult copy(unsigned long long dev_addr, void *host, size_t n, int to_device) {
+    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
+    if (!host && n) return CUDA_ERROR_INVALID_VALUE;
+    void *at = NULL;
+    pthread_mutex_lock(&mu);
+    int kind = kind_of(dev_addr, n, &at);
+    if (kind) {
+        if (to_device) memcpy(at, host, n);
+        else memcpy(host, at, n);
+    }
+    pthread_mutex_unlock(&mu);
+    return kind ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult impl_cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { return copy(dst, (void *)(uintptr_t)src, n, 1); }
+CUresult impl_cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) { return copy(src, dst, n, 0); }
+
+/* For the tests: where a pointer lives (1 device, 2 mapped host, 0 unknown), and the host side. */
+STUB_EXPORT int stubMemKind(unsigned long long addr) {
+    void *at;
+    pthread_mutex_lock(&mu);
+    int kind = kind_of(addr, 1, &at);
+    pthread_mutex_unlock(&mu);
+    return kind;
+}
+STUB_EXPORT unsigned long long stubHostUsed(void) { return host_used; }
+STUB_EXPORT unsigned long long stubHostAllocs(void) { return nhosts; }
 
 /* For the tests: memory taken behind libvgpu's back, and what the fake device holds. */
 STUB_EXPORT CUresult stubAllocUntracked(CUdeviceptr *dptr, size_t size) { return alloc_current(dptr, size); }
