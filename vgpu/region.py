@@ -17,8 +17,10 @@ words, so the monitor may change them while processes run (live resize) without 
 from __future__ import annotations
 
 import argparse
+import errno
 import mmap
 import os
+import stat
 import struct
 import sys
 import time
@@ -229,13 +231,18 @@ class Region:
 
     def __init__(self, path: str | os.PathLike[str], writable: bool = False) -> None:
         self.path = Path(path)
-        flags = os.O_RDWR if writable else os.O_RDONLY
+        # The folder is writable from inside the container, and the monitor opens the file as
+        # root on the host: never follow a link out of the folder, never block on a FIFO.
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags)
         except OSError as err:
-            raise RegionError(f"cannot open region file {self.path}: {err.strerror}") from err
+            why = "it is a symbolic link" if err.errno == errno.ELOOP else err.strerror
+            raise RegionError(f"cannot open region file {self.path}: {why}") from err
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RegionError(f"{self.path} is not a regular file; remove it and restart the container")
             if st.st_size < REGION_SIZE:
                 raise RegionError(
                     f"{self.path} holds {st.st_size} bytes, "

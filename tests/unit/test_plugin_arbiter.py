@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import struct
 from pathlib import Path
 
@@ -218,3 +219,17 @@ def test_arbiter_flags_default_to_25_ms_passes_and_a_100_ms_window_and_0_turns_i
     add_arguments(parser)
     assert settings(parser.parse_args([])) == (0.025, 0.1)
     assert settings(parser.parse_args(["--arbiter-interval-ms", "0"])) is None
+
+
+def test_a_link_or_a_fifo_in_place_of_the_region_is_refused_without_blocking(tmp_path: Path) -> None:
+    """The folder is the container's: as root on the host, follow no link out of it, open no FIFO."""
+    target = container(tmp_path / "elsewhere", "uid-9_x", ["GPU-a"], 0)
+    (tmp_path / "c" / "uid-1_link").mkdir(parents=True)
+    (tmp_path / "c" / "uid-1_link" / REGION_FILE_NAME).symlink_to(target)
+    (tmp_path / "c" / "uid-2_fifo").mkdir()
+    os.mkfifo(tmp_path / "c" / "uid-2_fifo" / REGION_FILE_NAME)
+    arbiter = Arbiter(tmp_path / "c", clock=Clock())
+    arbiter.rescan()
+    arbiter.run_pass()
+    assert arbiter.stats.regions == 0 and arbiter.bad.total == 2
+    assert word(target, "arbiter_ns") == 0

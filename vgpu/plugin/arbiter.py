@@ -152,7 +152,7 @@ class Arbiter:
         for folder in folders:
             path = folder / REGION_FILE_NAME
             try:
-                seen[path] = os.stat(path).st_ino
+                seen[path] = os.lstat(path).st_ino
             except OSError:
                 continue
         for path in list(self._tracked):
