@@ -17,7 +17,12 @@ typedef enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
     CUDA_ERROR_UNKNOWN = 999
 } CUresult;
 
@@ -99,6 +104,42 @@ typedef struct {
         unsigned char reserved[4];
     } allocFlags;
 } CUmemAllocationProp;
+
+/* launches, events and streams (limiter.c) */
+typedef struct CUevent_st *CUevent;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUlaunchAttribute_st CUlaunchAttribute; /* only passed through by pointer */
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX;
+    unsigned int gridDimY;
+    unsigned int gridDimZ;
+    unsigned int blockDimX;
+    unsigned int blockDimY;
+    unsigned int blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+typedef enum {
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+    CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
+} CUstreamCaptureStatus;
+
+typedef enum {
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+} CUstreamCaptureMode;
+
+#define CU_EVENT_DEFAULT 0x0
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_STREAM_DEFAULT 0x0
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_STREAM_LEGACY ((CUstream)0x1)
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
 /* NVML */
 typedef enum {

@@ -178,6 +178,13 @@ CUresult impl_cuCtxSetCurrent(CUcontext ctx) {
     return CUDA_SUCCESS;
 }
 
+CUresult impl_cuCtxGetCurrent(CUcontext *pctx) {
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = current;
+    return CUDA_SUCCESS;
+}
+
 CUresult impl_cuCtxGetDevice(CUdevice *device) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (!current) return CUDA_ERROR_INVALID_CONTEXT;
@@ -332,15 +339,11 @@ CUresult impl_cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
     *f = &the_function;
     return CUDA_SUCCESS;
 }
-CUresult impl_cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                             unsigned int by, unsigned int bz, unsigned int shared, CUstream s, void **params,
-                             void **extra) {
-    (void)shared, (void)s, (void)params, (void)extra;
-    if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
-    if (f != &the_function || !gx || !gy || !gz || !bx || !by || !bz) return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
-}
-CUresult impl_cuCtxSynchronize(void) {
+/* Launches, streams and events live in stub_launch.c (a simulated GPU timeline, included at the
+ * end: the exported aliases need their definitions in this file); it asks these. */
+__attribute__((visibility("hidden"))) int stub_is_function(CUfunction f) { return f == &the_function; }
+__attribute__((visibility("hidden"))) CUresult stub_current_ctx(CUcontext *ctx) {
+    *ctx = current;
     if (!current) return initialized ? CUDA_ERROR_INVALID_CONTEXT : CUDA_ERROR_NOT_INITIALIZED;
     return CUDA_SUCCESS;
 }
@@ -451,3 +454,5 @@ STUB_EXPORT unsigned long long stubHostAllocs(void) { return nhosts; }
 /* For the tests: memory taken behind libvgpu's back, and what the fake device holds. */
 STUB_EXPORT CUresult stubAllocUntracked(CUdeviceptr *dptr, size_t size) { return alloc_current(dptr, size); }
 STUB_EXPORT unsigned long long stubDeviceUsed(int dev) { return dev >= 0 && dev < MAX_DEV ? dev_used[dev] : 0; }
+
+#include "stub_launch.c"

@@ -1,6 +1,7 @@
 /* Built twice on a machine with the CUDA toolkit: once against the real cuda.h/nvml.h (-DREAL),
  * once against cuda_min.h. `make abi-check` diffs the two outputs. */
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #ifdef REAL
 #include <cuda.h>
@@ -28,6 +29,13 @@ int main(void) {
     VAL(CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) VAL(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
     VAL(CU_MEMHOSTALLOC_PORTABLE) VAL(CU_MEMHOSTALLOC_DEVICEMAP)
     VAL(CU_AD_FORMAT_FLOAT) VAL(CU_AD_FORMAT_HALF) VAL(CU_AD_FORMAT_SIGNED_INT16)
+    SZ(CUlaunchConfig) OFF(CUlaunchConfig, sharedMemBytes) OFF(CUlaunchConfig, hStream) OFF(CUlaunchConfig, attrs)
+    OFF(CUlaunchConfig, numAttrs) SZ(CUevent) SZ(CUgraphExec) SZ(CUstreamCaptureStatus) SZ(CUstreamCaptureMode)
+    VAL(CUDA_ERROR_NOT_READY) VAL(CUDA_ERROR_CONTEXT_IS_DESTROYED) VAL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    VAL(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) VAL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+    VAL(CU_STREAM_CAPTURE_STATUS_ACTIVE) VAL(CU_STREAM_CAPTURE_STATUS_INVALIDATED) VAL(CU_STREAM_CAPTURE_MODE_RELAXED)
+    VAL(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) VAL(CU_EVENT_DEFAULT) VAL(CU_EVENT_DISABLE_TIMING)
+    VAL(CU_STREAM_NON_BLOCKING) VAL((uintptr_t)CU_STREAM_LEGACY) VAL((uintptr_t)CU_STREAM_PER_THREAD)
     SZ(nvmlMemory_t) SZ(nvmlMemory_v2_t) OFF(nvmlMemory_v2_t, total) OFF(nvmlMemory_v2_t, used) VAL(nvmlMemory_v2)
     SZ(nvmlProcessInfo_t) OFF(nvmlProcessInfo_t, usedGpuMemory) OFF(nvmlProcessInfo_t, computeInstanceId)
     SZ(nvmlProcessInfo_v1_t)

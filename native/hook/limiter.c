@@ -1,0 +1,590 @@
+/* Compute (SM) limits and priority: a duty-cycle limiter over every kernel launch path.
+ *
+ * The limit is a cap on the container's share of the card's time, measured from its own work and
+ * held for the sum of its processes, which share the region:
+ *   - a token bucket per device in the region (tokens[i], ns of GPU time) is refilled at
+ *     sm_limit[i]% of wall time since refill_ns[i], up to a burst, with atomics only: every
+ *     process refills and debits it without the region lock;
+ *   - GPU time is measured with timing events on the launch streams: a start event before a launch
+ *     that finds its stream idle, an end event after each launch (re-recorded for the launches of
+ *     the next 0.5 ms, so a busy stream holds a few events, not one per launch); completed
+ *     intervals are harvested on later launches (cuEventQuery, never blocking) and
+ *     cuEventElapsedTime between them is debited from the bucket and added to busy_ns[i];
+ *   - each launch is charged a prediction at once (this process's recent GPU time per launch on
+ *     the device), settled against the measurement when its interval completes, so the queue of
+ *     launched-but-unfinished work cannot run far past the limit;
+ *   - before each launch: while the bucket is empty (or a priority-0 container holds the card),
+ *     wait; waits are added to throttled_ns[i].
+ * With no limit and no yield flag a launch costs a few relaxed loads and, at most once a
+ * millisecond, a store of last_launch_ns[i]. Launches into a capturing stream are forwarded
+ * untouched; the limiter's own driver calls run in relaxed capture mode. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "hook.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+#define BURST_NS 20000000LL        /* bucket size at 100 %: 20 ms, scaled by the limit */
+#define REFILL_MIN_NS 20000ULL     /* refills closer together than this are skipped (CAS traffic) */
+#define SEAL_NS 500000ULL          /* an end event takes the launches of 0.5 ms, then a new one */
+#define SEAL_LAUNCHES 32
+#define QUEUE_MAX 64               /* events per stream */
+#define INFLIGHT_MAX 256           /* launches per stream not measured yet: wait beyond */
+#define WAIT_MIN_NS 200000ULL
+#define WAIT_MAX_NS 5000000ULL
+#define YIELD_WAIT_NS 1000000ULL
+#define DEPTH_WAIT_NS 100000ULL
+#define DEPTH_WAIT_MAX_NS 1000000000ULL
+#define STAMP_NS 1000000ULL        /* last_launch_ns is refreshed when older than this */
+#define POOL_MAX 128               /* idle events kept per context */
+#define STREAMS_MAX 1024
+#define POOLS_MAX 32
+
+/* The one clock: CLOCK_MONOTONIC ns, the monitor's clock too. */
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec t = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
+    while (nanosleep(&t, &t) == -1 && errno == EINTR) {}
+}
+
+struct ev {
+    CUevent e;
+    uint8_t end;       /* 0 start (the stream was idle before it), 1 end of the launches before it */
+    uint8_t done;      /* seen complete */
+    uint32_t launches; /* launches between the previous event and this one */
+    int64_t predicted; /* ns charged for them in advance */
+    uint64_t first_ns; /* when it was first recorded */
+};
+
+struct stream {
+    int used;
+    int idx;
+    CUcontext ctx;
+    CUstream h;      /* NULL = legacy stream, CU_STREAM_PER_THREAD = the thread's own */
+    uint64_t thread; /* owner of a per-thread stream, else 0 */
+    uint32_t inflight;
+    int n;
+    struct ev q[QUEUE_MAX];
+};
+
+struct pool {
+    CUcontext ctx;
+    int n;
+    CUevent free[POOL_MAX];
+};
+
+static struct {
+    pthread_mutex_t mu;
+    struct stream *streams[STREAMS_MAX];
+    int nstreams;
+    struct pool pools[POOLS_MAX];
+    int npools;
+    int64_t avg[VGPU_MAX_DEVICES]; /* ns of GPU time per launch, recent; 0 = not measured yet */
+} L = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t next_thread = 1;
+static __thread uint64_t my_thread;
+
+static uint64_t thread_id(void) {
+    if (!my_thread) my_thread = __atomic_fetch_add(&next_thread, 1, __ATOMIC_RELAXED);
+    return my_thread;
+}
+
+/* once-only log lines */
+enum { TOLD_LIMIT, TOLD_YIELD, TOLD_EVENTS, TOLD_BROKEN, TOLD_STREAMS, TOLD_NO_EVENTS, TOLD_MAX };
+static int told[TOLD_MAX];
+static int first_time(int what) { return !__atomic_exchange_n(&told[what], 1, __ATOMIC_RELAXED); }
+
+/* after fork the child's CUDA state is not the parent's: forget the events, keep nothing */
+static void child_after_fork(void) {
+    pthread_mutex_init(&L.mu, NULL);
+    for (int i = 0; i < L.nstreams; i++) free(L.streams[i]);
+    L.nstreams = 0;
+    L.npools = 0;
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(NULL, NULL, child_after_fork); }
+
+/* ---- the region's bucket: atomics only ---- */
+
+static int64_t burst_of(uint32_t limit) { return BURST_NS * (int64_t)limit / 100; }
+
+static void refill(struct vgpu_region_header *h, int i, uint64_t now, uint32_t limit) {
+    uint64_t last = __atomic_load_n(&h->refill_ns[i], __ATOMIC_ACQUIRE);
+    int64_t burst = burst_of(limit);
+    if (last == 0) {
+        if (__atomic_compare_exchange_n(&h->refill_ns[i], &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&h->tokens[i], burst, __ATOMIC_RELEASE);
+        return;
+    }
+    if (now <= last || now - last < REFILL_MIN_NS) return;
+    if (!__atomic_compare_exchange_n(&h->refill_ns[i], &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
+    uint64_t gap = now - last;
+    if (gap > 1000000000000ULL) gap = 1000000000000ULL; /* an hour idle: the bucket is full anyway */
+    int64_t add = (int64_t)(gap * limit / 100);
+    int64_t old = __atomic_load_n(&h->tokens[i], __ATOMIC_RELAXED), want;
+    do {
+        want = old + add > burst ? burst : old + add; /* also trims a bucket the limit shrank */
+    } while (!__atomic_compare_exchange_n(&h->tokens[i], &old, want, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+}
+
+static void floor_tokens(struct vgpu_region_header *h, int i) {
+    int64_t old = __atomic_load_n(&h->tokens[i], __ATOMIC_RELAXED);
+    while (old < 0 && !__atomic_compare_exchange_n(&h->tokens[i], &old, 0, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {}
+}
+
+static int arbiter_fresh(struct vgpu_region_header *h, uint64_t now) {
+    uint64_t a = __atomic_load_n(&h->arbiter_ns, __ATOMIC_ACQUIRE);
+    if (!a) return 0;
+    return a > now ? a - now < VGPU_ARBITER_STALE_NS : now - a < VGPU_ARBITER_STALE_NS;
+}
+
+static void stamp(struct vgpu_region_header *h, int i, uint64_t now) {
+    uint64_t last = __atomic_load_n(&h->last_launch_ns[i], __ATOMIC_RELAXED);
+    if (now > last + STAMP_NS) __atomic_store_n(&h->last_launch_ns[i], now, __ATOMIC_RELAXED);
+}
+
+/* ---- the limiter's own driver calls, in relaxed capture mode ---- */
+
+static int relaxed_enter(CUstreamCaptureMode *saved) {
+    *saved = CU_STREAM_CAPTURE_MODE_RELAXED;
+    return real_cuThreadExchangeStreamCaptureMode && real_cuThreadExchangeStreamCaptureMode(saved) == CUDA_SUCCESS;
+}
+
+static void relaxed_leave(int entered, CUstreamCaptureMode saved) {
+    if (entered) real_cuThreadExchangeStreamCaptureMode(&saved);
+}
+
+static CUresult elapsed(float *ms, CUevent a, CUevent b) {
+    if (real_cuEventElapsedTime_v2) return real_cuEventElapsedTime_v2(ms, a, b);
+    if (real_cuEventElapsedTime) return real_cuEventElapsedTime(ms, a, b);
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+static int have_event_api(void) {
+    return real_cuEventCreate && real_cuEventRecord && real_cuEventQuery && real_cuEventDestroy_v2 &&
+           (real_cuEventElapsedTime_v2 || real_cuEventElapsedTime) && real_cuCtxGetCurrent;
+}
+
+/* ---- per-context event pools (under L.mu) ---- */
+
+static struct pool *pool_of(CUcontext ctx) {
+    for (int i = 0; i < L.npools; i++)
+        if (L.pools[i].ctx == ctx) return &L.pools[i];
+    if (L.npools == POOLS_MAX) return NULL;
+    struct pool *p = &L.pools[L.npools++];
+    p->ctx = ctx;
+    p->n = 0;
+    return p;
+}
+
+static CUevent event_get(CUcontext ctx) {
+    struct pool *p = pool_of(ctx);
+    if (p && p->n > 0) return p->free[--p->n];
+    CUevent e = NULL;
+    CUresult rc = real_cuEventCreate(&e, CU_EVENT_DEFAULT); /* timing on: no DISABLE_TIMING */
+    if (rc != CUDA_SUCCESS) {
+        if (first_time(TOLD_EVENTS))
+            VGPU_LOG(VGPU_LOG_WARN, "cannot create a timing event (CUDA error %d): the compute limit does not see "
+                     "this work; check that the driver supports cuEventCreate in this context", rc);
+        return NULL;
+    }
+    return e;
+}
+
+static void event_put(CUcontext ctx, CUevent e) {
+    struct pool *p = pool_of(ctx);
+    if (p && p->n < POOL_MAX) p->free[p->n++] = e;
+    else real_cuEventDestroy_v2(e);
+}
+
+/* a context that fails event calls is gone: its events are dropped, never reused or destroyed */
+static void forget_context(CUcontext ctx) {
+    for (int i = 0; i < L.npools; i++)
+        if (L.pools[i].ctx == ctx) {
+            L.pools[i] = L.pools[--L.npools];
+            break;
+        }
+}
+
+/* ---- streams (under L.mu) ---- */
+
+static struct stream *stream_find(CUcontext ctx, CUstream h, uint64_t thread) {
+    for (int i = 0; i < L.nstreams; i++) {
+        struct stream *s = L.streams[i];
+        if (s->used && s->ctx == ctx && s->h == h && s->thread == thread) return s;
+    }
+    return NULL;
+}
+
+static void stream_drop(struct stream *s, struct vgpu_region_header *hd, int broken) {
+    for (int k = 0; k < s->n; k++) {
+        if (s->q[k].predicted) __atomic_add_fetch(&hd->tokens[s->idx], s->q[k].predicted, __ATOMIC_RELAXED);
+        if (!broken) event_put(s->ctx, s->q[k].e);
+    }
+    if (broken) forget_context(s->ctx);
+    s->n = 0;
+    s->used = 0;
+}
+
+static struct stream *stream_get(CUcontext ctx, CUstream h, uint64_t thread, int idx, struct vgpu_region_header *hd) {
+    struct stream *s = stream_find(ctx, h, thread);
+    if (s) return s;
+    for (int i = 0; i < L.nstreams; i++)
+        if (!L.streams[i]->used) s = L.streams[i];
+    if (!s && L.nstreams < STREAMS_MAX) {
+        s = calloc(1, sizeof *s);
+        if (s) L.streams[L.nstreams++] = s;
+    }
+    if (!s) { /* full: take over one whose work is done */
+        for (int i = 0; i < L.nstreams && !s; i++) {
+            struct stream *o = L.streams[i];
+            if (o->n == 0 || (o->n == 1 && real_cuEventQuery(o->q[0].e) != CUDA_ERROR_NOT_READY)) {
+                stream_drop(o, hd, 0);
+                s = o;
+            }
+        }
+    }
+    if (!s) {
+        if (first_time(TOLD_STREAMS))
+            VGPU_LOG(VGPU_LOG_WARN, "more than %d streams are busy at once: launches on further streams are not "
+                     "measured for the compute limit", STREAMS_MAX);
+        return NULL;
+    }
+    memset(s, 0, sizeof *s);
+    s->used = 1;
+    s->ctx = ctx;
+    s->h = h;
+    s->thread = thread;
+    s->idx = idx;
+    return s;
+}
+
+static void broken(struct stream *s, struct vgpu_region_header *hd, CUresult rc) {
+    if (first_time(TOLD_BROKEN))
+        VGPU_LOG(VGPU_LOG_INFO, "a timing event failed (CUDA error %d), most likely because its context was "
+                 "destroyed: that stream's unfinished work is not counted", rc);
+    stream_drop(s, hd, 1);
+}
+
+static int capped(struct vgpu_region_header *hd, int idx) {
+    uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+    return limit > 0 && limit < 100;
+}
+
+static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, const struct ev *b) {
+    /* the bucket only runs under a cap: work done without one leaves no debt behind */
+    __atomic_add_fetch(&hd->tokens[idx], capped(hd, idx) ? b->predicted - busy : b->predicted, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hd->busy_ns[idx], (uint64_t)busy, __ATOMIC_RELAXED);
+    if (b->launches) {
+        int64_t per = busy / (int64_t)b->launches;
+        if (per < 1) per = 1;
+        L.avg[idx] = L.avg[idx] ? (7 * L.avg[idx] + per) / 8 : per;
+    }
+}
+
+/* counts every completed interval of a stream; 0 = it is broken and was dropped */
+static int harvest(struct stream *s, struct vgpu_region_header *hd) {
+    while (s->n >= 2) {
+        struct ev *a = &s->q[0], *b = &s->q[1];
+        CUresult rc = real_cuEventQuery(b->e);
+        if (rc == CUDA_ERROR_NOT_READY) break;
+        if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 0;
+        b->done = 1;
+        if (b->end) {
+            float ms = 0;
+            rc = elapsed(&ms, a->e, b->e);
+            if (rc == CUDA_ERROR_NOT_READY) break;
+            if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 0;
+            int64_t busy = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
+            settle(hd, s->idx, busy, b);
+            s->inflight = s->inflight > b->launches ? s->inflight - b->launches : 0;
+        }
+        event_put(s->ctx, a->e);
+        memmove(&s->q[0], &s->q[1], (size_t)(s->n - 1) * sizeof s->q[0]);
+        s->n--;
+    }
+    return 1;
+}
+
+/* idle = nothing recorded, or the newest event done; an idle stream's events go back to the pool */
+static int idle(struct stream *s, struct vgpu_region_header *hd) {
+    if (s->n >= 2) return 0;
+    if (s->n == 1) {
+        struct ev *t = &s->q[0];
+        if (!t->done) {
+            CUresult rc = real_cuEventQuery(t->e);
+            if (rc == CUDA_ERROR_NOT_READY) return 0;
+            if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 1;
+        }
+        event_put(s->ctx, t->e);
+        s->n = 0;
+        s->inflight = 0;
+    }
+    return 1;
+}
+
+static void harvest_all(struct vgpu_region_header *hd) {
+    pthread_mutex_lock(&L.mu);
+    for (int i = 0; i < L.nstreams; i++)
+        if (L.streams[i]->used) harvest(L.streams[i], hd);
+    pthread_mutex_unlock(&L.mu);
+}
+
+/* ---- the gate ---- */
+
+static void gate(struct vgpu_region_header *hd, int idx, uint64_t now) {
+    uint64_t t0 = now;
+    int waited = 0;
+    for (;;) {
+        uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+        uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+        int fresh = flags ? arbiter_fresh(hd, now) : 0;
+        uint64_t wait;
+        if (fresh && (flags & VGPU_FLAG_YIELD) && __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0) {
+            if (first_time(TOLD_YIELD))
+                VGPU_LOG(VGPU_LOG_INFO, "device %d: a priority-0 container is busy on this card; launches wait "
+                         "until it is done (CUDA_TASK_PRIORITY=0 never waits)", idx);
+            harvest_all(hd);
+            wait = YIELD_WAIT_NS;
+        } else if (limit == 0 || limit >= 100) {
+            floor_tokens(hd, idx);
+            break;
+        } else if (fresh && (flags & VGPU_FLAG_ALONE) && __atomic_load_n(&hd->sm_policy, __ATOMIC_RELAXED) == 1) {
+            floor_tokens(hd, idx); /* work-conserving while alone; the cap resumes from an empty bucket */
+            break;
+        } else {
+            refill(hd, idx, now, limit);
+            if (__atomic_load_n(&hd->tokens[idx], __ATOMIC_ACQUIRE) > 0) break;
+            harvest_all(hd);
+            int64_t tok = __atomic_load_n(&hd->tokens[idx], __ATOMIC_ACQUIRE);
+            if (tok > 0) break;
+            if (first_time(TOLD_LIMIT))
+                VGPU_LOG(VGPU_LOG_INFO, "device %d: compute limit %u%% reached; launches wait for their share "
+                         "(CUDA_DEVICE_SM_LIMIT)", idx, limit);
+            wait = (uint64_t)(-tok) * 100 / limit;
+            if (wait < WAIT_MIN_NS) wait = WAIT_MIN_NS;
+            if (wait > WAIT_MAX_NS) wait = WAIT_MAX_NS;
+        }
+        sleep_ns(wait);
+        waited = 1;
+        now = now_ns();
+    }
+    if (waited && now > t0) __atomic_add_fetch(&hd->throttled_ns[idx], now - t0, __ATOMIC_RELAXED);
+}
+
+/* ---- one launch ---- */
+
+struct launch {
+    struct vgpu_region_header *hd;
+    int idx;
+    int relaxed;
+    CUstreamCaptureMode saved;
+    CUcontext ctx;
+    CUstream h;
+    uint64_t thread;
+    int64_t predicted;
+};
+
+static int device_index(void) {
+    static int single = -1; /* the index of the process's only device; -2: several */
+    int s = __atomic_load_n(&single, __ATOMIC_RELAXED);
+    if (s >= 0) return s;
+    if (s == -1) {
+        int n = 0;
+        vgpu_in_hook++;
+        CUresult rc = CU_REAL(cuDeviceGetCount, (&n));
+        vgpu_in_hook--;
+        if (rc == CUDA_SUCCESS) {
+            s = n == 1 ? vgpu_index_of_cu(0) : -2;
+            if (s == -1) s = -2;
+            __atomic_store_n(&single, s, __ATOMIC_RELAXED);
+            if (s >= 0) return s;
+        }
+    }
+    return vgpu_index_current();
+}
+
+/* the stream a handle names, as one key: legacy = NULL, per-thread = CU_STREAM_PER_THREAD */
+static CUstream normal(CUstream h, int ptds) {
+    if (h == CU_STREAM_LEGACY) return NULL;
+    if (h == NULL && ptds) return CU_STREAM_PER_THREAD;
+    return h;
+}
+
+static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, CUstream h, uint64_t now) {
+    pthread_once(&fork_once, register_fork);
+    vgpu_cuda_ready();
+    if (!have_event_api()) {
+        if (first_time(TOLD_NO_EVENTS))
+            VGPU_LOG(VGPU_LOG_WARN, "the driver lacks the event functions the compute limit measures with; "
+                     "the limit is not enforced");
+        return 0;
+    }
+    l->hd = hd;
+    l->idx = idx;
+    l->relaxed = relaxed_enter(&l->saved);
+    /* a launch into a capturing stream does not run now: forward it untouched, no events */
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult rc = real_cuStreamIsCapturing ? real_cuStreamIsCapturing(h, &cs) : CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS || cs != CU_STREAM_CAPTURE_STATUS_NONE || real_cuCtxGetCurrent(&l->ctx) != CUDA_SUCCESS ||
+        !l->ctx) {
+        relaxed_leave(l->relaxed, l->saved);
+        return 0;
+    }
+    l->h = h;
+    l->thread = h == CU_STREAM_PER_THREAD ? thread_id() : 0;
+    l->predicted = 0;
+    gate(hd, idx, now);
+
+    pthread_mutex_lock(&L.mu);
+    struct stream *s = stream_get(l->ctx, h, l->thread, idx, hd);
+    uint64_t waited = 0;
+    while (s && harvest(s, hd)) {
+        /* bounded look-ahead: an unmeasured device, or too much queued, waits for the GPU */
+        if (!(s->inflight >= INFLIGHT_MAX || (!L.avg[idx] && s->inflight > 0 && !idle(s, hd))) ||
+            waited >= DEPTH_WAIT_MAX_NS)
+            break;
+        pthread_mutex_unlock(&L.mu);
+        sleep_ns(DEPTH_WAIT_NS);
+        waited += DEPTH_WAIT_NS;
+        pthread_mutex_lock(&L.mu);
+        s = stream_find(l->ctx, h, l->thread);
+    }
+    if (s && s->used && idle(s, hd) && s->used) {
+        CUevent e = event_get(l->ctx);
+        if (e) {
+            rc = real_cuEventRecord(e, h);
+            if (rc == CUDA_SUCCESS)
+                s->q[s->n++] = (struct ev){.e = e, .end = 0, .first_ns = now};
+            else
+                broken(s, hd, rc);
+        }
+    }
+    if (s && s->used) {
+        l->predicted = capped(hd, idx) ? L.avg[idx] : 0;
+        if (l->predicted) __atomic_sub_fetch(&hd->tokens[idx], l->predicted, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&L.mu);
+    return 1;
+}
+
+static void slow_leave(struct launch *l, CUresult launched) {
+    struct vgpu_region_header *hd = l->hd;
+    pthread_mutex_lock(&L.mu);
+    struct stream *s = stream_find(l->ctx, l->h, l->thread);
+    if (s && launched == CUDA_SUCCESS) {
+        uint64_t now = now_ns();
+        struct ev *t = s->n ? &s->q[s->n - 1] : NULL;
+        CUresult rc;
+        /* never the first event: it is where the next interval starts */
+        if (t && s->n >= 2 && t->end && !t->done &&
+            ((now - t->first_ns < SEAL_NS && t->launches < SEAL_LAUNCHES) || s->n == QUEUE_MAX)) {
+            rc = real_cuEventRecord(t->e, l->h); /* the end moves past this launch */
+            if (rc == CUDA_SUCCESS) {
+                t->launches++;
+                t->predicted += l->predicted;
+                s->inflight++;
+            }
+        } else if (s->n < QUEUE_MAX) {
+            CUevent e = event_get(l->ctx);
+            rc = e ? real_cuEventRecord(e, l->h) : CUDA_SUCCESS;
+            if (e && rc == CUDA_SUCCESS) {
+                s->q[s->n++] = (struct ev){.e = e, .end = 1, .launches = 1, .predicted = l->predicted, .first_ns = now};
+                s->inflight++;
+            } else if (e) {
+                event_put(l->ctx, e);
+            }
+        } else {
+            rc = CUDA_SUCCESS;
+        }
+        if (rc != CUDA_SUCCESS) {
+            __atomic_add_fetch(&hd->tokens[l->idx], l->predicted, __ATOMIC_RELAXED);
+            broken(s, hd, rc);
+        }
+    } else if (l->predicted) {
+        __atomic_add_fetch(&hd->tokens[l->idx], l->predicted, __ATOMIC_RELAXED); /* not launched: refund */
+    }
+    pthread_mutex_unlock(&L.mu);
+    relaxed_leave(l->relaxed, l->saved);
+}
+
+/* 0 = forward untouched (no limit, no yield, capture); 1 = measured, call slow_leave after */
+static inline int enter(struct launch *l, CUstream h, int ptds) {
+    if (__builtin_expect(vgpu_in_hook, 0)) return 0;
+    struct vgpu_region_header *hd = vgpu_header();
+    if (!hd) return 0;
+    int idx = device_index();
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
+    uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+    uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+    uint64_t now = now_ns();
+    stamp(hd, idx, now);
+    if ((limit == 0 || limit >= 100) && !(flags & VGPU_FLAG_YIELD)) return 0;
+    return slow_enter(l, hd, idx, normal(h, ptds), now);
+}
+
+#define LAUNCH(name, args, stream, ptds)                        \
+    do {                                                        \
+        struct launch l_;                                       \
+        if (!enter(&l_, (stream), (ptds))) return CU_REAL(name, args); \
+        CUresult rc_ = CU_REAL(name, args);                     \
+        slow_leave(&l_, rc_);                                   \
+        return rc_;                                             \
+    } while (0)
+
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                               unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) {
+    LAUNCH(cuLaunchKernel, (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                            kernelParams, extra), hStream, 0);
+}
+
+EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                    unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) {
+    LAUNCH(cuLaunchKernel_ptsz, (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                                 hStream, kernelParams, extra), hStream, 1);
+}
+
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    LAUNCH(cuLaunchKernelEx, (config, f, kernelParams, extra), config ? config->hStream : NULL, 0);
+}
+
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    LAUNCH(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra), config ? config->hStream : NULL, 1);
+}
+
+EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                          unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                          unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                          void **kernelParams) {
+    LAUNCH(cuLaunchCooperativeKernel, (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                       sharedMemBytes, hStream, kernelParams), hStream, 0);
+}
+
+EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                               unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                               void **kernelParams) {
+    LAUNCH(cuLaunchCooperativeKernel_ptsz, (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                            sharedMemBytes, hStream, kernelParams), hStream, 1);
+}
+
+EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    LAUNCH(cuGraphLaunch, (hGraphExec, hStream), hStream, 0);
+}
+
+EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    LAUNCH(cuGraphLaunch_ptsz, (hGraphExec, hStream), hStream, 1);
+}

@@ -1,0 +1,175 @@
+"""libvgpu's compute limit over the stub driver's simulated GPU timeline: 1 ms kernels, the share
+of wall time the stub's device was busy, and the region's counters as the node monitor reads them.
+
+Shares are measured over 0.5-2 s of work; bounds hold on a loaded 2-core machine (a late wake-up
+only lowers the share a little: the bucket keeps the time it was owed, up to its burst)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from hook_harness import Built, Result, build, env, parse, run
+
+MODES = ["link", "dlsym", "procaddr", "procaddr_ptds"]
+PATHS = ["kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "graph", "graph_ptsz"]
+BASE_PATHS = ["kernel", "ex", "coop", "graph"]  # through cuGetProcAddress the flags pick _ptsz
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    return build()
+
+
+def limited(built: Built, region: Path, **extra: str) -> dict[str, str]:
+    return env(built, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region), **extra)
+
+
+def share(r: Result, key: str = "share") -> float:
+    assert r.returncode == 0, r.stderr
+    return float(r.values[key])
+
+
+@pytest.mark.parametrize("limit", [25, 50, 75])
+def test_the_busy_share_holds_to_the_limit_and_the_region_counts_it(
+    built: Built, tmp_path: Path, limit: int
+) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT=str(limit))
+    r = run(built, "t_sm", "link", "rate", "kernel", "1.5", environ=environ)
+    assert limit / 100 - 0.06 <= share(r) <= limit / 100 + 0.04, r.values
+    # the hook measured what the stub's device did, within timing-event noise
+    assert abs(r.int("region_busy_ns") - r.int("busy_ns")) <= 0.05 * r.int("busy_ns")
+    # launches waited for the rest of the time, give or take the kernels' own run time
+    assert r.int("throttled_ns") >= (1 - limit / 100 - 0.15) * r.int("wall_ns")
+    assert r.int("last_launch_ns") >= r.int("start_ns")
+
+
+def test_without_a_limit_nothing_waits_and_nothing_is_debited(built: Built, tmp_path: Path) -> None:
+    r = run(built, "t_sm", "link", "rate", "kernel", "1", environ=limited(built, tmp_path / "region"))
+    assert share(r) >= 0.85
+    assert r.int("throttled_ns") == 0 and r.int("region_busy_ns") == 0 and r.int("tokens") == 0
+    # the monitor still sees the container launching
+    assert r.int("last_launch_ns") >= r.int("start_ns")
+
+
+@pytest.mark.parametrize(
+    ("mode", "path"),
+    [(m, p) for m in ["link", "dlsym"] for p in PATHS] + [(m, p) for m in ["procaddr", "procaddr_ptds"] for p in BASE_PATHS],
+)
+def test_every_launch_path_goes_through_the_gate(built: Built, tmp_path: Path, mode: str, path: str) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30")
+    r = run(built, "t_sm", mode, "rate", path, "0.6", "created", environ=environ)
+    assert 0.22 <= share(r) <= 0.36, r.values
+    assert r.int("region_busy_ns") > 0
+
+
+@pytest.mark.parametrize("stream", ["legacy", "ptds", "created"])
+@pytest.mark.parametrize("mode", ["link", "procaddr_ptds"])
+def test_default_per_thread_and_created_streams_are_all_measured(
+    built: Built, tmp_path: Path, stream: str, mode: str
+) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30")
+    r = run(built, "t_sm", mode, "rate", "kernel", "0.6", stream, environ=environ)
+    assert 0.22 <= share(r) <= 0.36, r.values
+
+
+def test_threads_on_their_own_streams_share_one_limit(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="50")
+    r = run(built, "t_sm", "link", "rate", "kernel", "1.5", "created", "4", environ=environ)
+    assert 0.44 <= share(r) <= 0.54, r.values
+
+
+def test_two_processes_of_one_container_get_the_limit_together(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="50")
+    procs = [
+        subprocess.Popen(
+            [built.prog("t_sm"), "link", "rate", "kernel", "2"],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    shares = []
+    for p in procs:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err
+        shares.append(float(parse(out)[0]["share"]))
+    assert 0.42 <= sum(shares) <= 0.56, shares
+    assert min(shares) >= 0.12  # neither process is starved
+
+
+def test_a_private_region_still_holds_the_limit(built: Built) -> None:
+    r = run(built, "t_sm", "link", "rate", "kernel", "0.8", environ=env(built, CUDA_DEVICE_SM_LIMIT="40"))
+    assert 0.32 <= share(r) <= 0.46, r.values
+
+
+def test_a_live_resize_takes_effect_on_the_next_launches(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="25")
+    r = run(built, "t_sm", "link", "phases", "kernel", "1.2:limit=25,1.2:limit=75,0.8:limit=0", environ=environ)
+    assert 0.19 <= share(r, "step0_share") <= 0.29, r.values
+    assert 0.67 <= share(r, "step1_share") <= 0.79, r.values
+    assert share(r, "step2_share") >= 0.85, r.values
+
+
+YIELD_STEPS = "0.4,0.6:flags=1+fresh=1,0.4:flags=0,0.6:flags=1+fresh=1,0.3:fresh=0,1.2"
+
+
+def test_a_normal_priority_container_yields_while_the_monitor_says_so(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="1")
+    r = run(built, "t_sm", "link", "phases", "kernel", YIELD_STEPS, environ=environ)
+    assert r.int("step0_launches") > 200
+    assert r.int("step1_launches") <= 2  # held (a launch already past the gate may finish)
+    assert r.int("step2_launches") > 200  # the flag cleared: it resumes
+    assert r.int("step3_launches") <= 2
+    assert r.int("step4_launches") <= 2  # the monitor went quiet, but less than a second ago
+    # arbiter_ns older than a second: the flag is ignored, a dead monitor freezes nobody
+    assert r.int("step5_launches") > 150
+    assert r.int("throttled_ns") >= 1_200_000_000
+
+
+def test_a_high_priority_container_never_yields(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="0")
+    r = run(built, "t_sm", "link", "phases", "kernel", YIELD_STEPS, environ=environ)
+    for step in range(6):
+        assert share(r, f"step{step}_share") >= 0.75, r.values
+    assert r.int("throttled_ns") == 0
+
+
+def test_elastic_runs_free_while_alone_and_holds_the_cap_otherwise(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="25", CUDA_SM_POLICY="elastic")
+    r = run(built, "t_sm", "link", "phases", "kernel", "1:flags=2+fresh=1,1.2:flags=0,0.8:flags=2", environ=environ)
+    assert share(r, "step0_share") >= 0.85, r.values
+    assert 0.19 <= share(r, "step1_share") <= 0.30, r.values  # back to the cap, no debt from the free run
+    assert share(r, "step2_share") >= 0.85, r.values
+
+
+def test_the_cap_policy_ignores_alone(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="25")
+    r = run(built, "t_sm", "link", "phases", "kernel", "1.2:flags=2+fresh=1", environ=environ)
+    assert 0.19 <= share(r, "step0_share") <= 0.30, r.values
+
+
+def test_a_capturing_stream_is_forwarded_untouched_and_the_capture_stays_valid(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="10")
+    r = run(built, "t_sm", "link", "capture", environ=environ)
+    assert r.returncode == 0, r.stderr
+    assert r.int("captured") == 2000
+    assert float(r.values["capture_ms"]) < 500  # 2 s of kernels at 10 % would wait 20 s
+    assert r.int("throttled_ns") == 0 and r.int("region_busy_ns") == 0
+    # another stream, launched while the capture is open, is limited, and the limiter's own event
+    # calls (relaxed capture mode) neither land in the capture nor invalidate it
+    assert 0.05 <= share(r, "other_share") <= 0.16, r.values
+    assert r.int("events_on_capturing") == 0 and r.int("violations") == 0
+
+
+def test_failing_timing_events_leave_launches_working_and_the_limit_comes_back(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30", VGPU_LOG_LEVEL="info")
+    r = run(built, "t_sm", "link", "events_fail", environ=environ)
+    assert r.returncode == 0, r.stderr
+    assert r.int("failing_launches") > 0  # unmeasured, not refused
+    assert "a timing event failed (CUDA error 709)" in r.stderr
+    assert r.stderr.count("a timing event failed") == 1  # logged once
+    assert 0.22 <= share(r, "after_share") <= 0.38, r.values
