@@ -287,3 +287,19 @@ def test_a_budget_changed_at_run_time_moves_the_spill_point(
         assert s(f"free {i}")["rc"] == 0
     assert device(region_path) == (0, 0)
     assert s("info")["host_allocs"] == 0
+
+
+@pytest.mark.parametrize("mode", ["procaddr", "link"])
+def test_threads_allocating_at_once_keep_the_books_straight(
+    built: Built, region_path: Path, spillers: list[Spiller], mode: str
+) -> None:
+    # 8 threads of 1 GiB chunks under a 3 GiB budget and a 6 GiB limit: some land on the device,
+    # some spill, some are refused; every one that was handed out reads back what was written
+    s = start(spillers, built, vmem(built, region_path, limit="6g", budget="3g"), mode)
+    r = s("storm 8 400 1024")
+    assert r["done"] == 3200 and r["failed"] == 0
+    assert r["device"] > 0 and r["spilled"] > 0
+    assert r["device"] + r["spilled"] + r["refused"] == 3200
+    assert device(region_path) == (0, 0)
+    info = s("info")
+    assert (info["driver_used"], info["host_used"], info["host_allocs"]) == (0, 0, 0)

@@ -5,8 +5,12 @@
  *   free ID       cuMemFree_v2 (freeasync ID: cuMemFreeAsync on the default stream) -> rc=
  *   check         reads every live chunk's pattern back -> ok= bad=
  *   info          cuMemGetInfo and the stub's own view -> free= total= driver_used= host_used= host_allocs=
+ *   storm T N MIB T threads each allocate, write, read back and free N chunks (PyTorch allocates
+ *                 from several threads) -> done= failed= refused= device= spilled=
  * kind: 1 device memory, 2 mapped host memory, 0 unknown to the stub, -1 not the stub.
  * usage: t_spill MODE */
+#include <pthread.h>
+
 #include "common.h"
 
 #define MAXC 4096
@@ -55,6 +59,30 @@ static void added(CUresult rc, CUdeviceptr p, size_t size, const char *extra) {
     printf("rc=%d id=%d kind=%d write=%d%s\n", rc, id, mem_kind ? mem_kind(p) : -1, w, extra);
 }
 
+static struct storm { long iters; size_t size; CUcontext ctx; int failed, refused, device, spilled; } storm;
+
+static void *storm_thread(void *arg) {
+    (void)arg;
+    unsigned char out[256], in[256];
+    R(cuCtxSetCurrent, "cuCtxSetCurrent")(storm.ctx);
+    for (long i = 0; i < storm.iters; i++) {
+        CUdeviceptr p = 0;
+        CUresult rc = R(cuMemAlloc_v2, "cuMemAlloc")(&p, storm.size);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+            __atomic_fetch_add(&storm.refused, 1, __ATOMIC_RELAXED);
+            continue;
+        }
+        int kind = mem_kind ? mem_kind(p) : 0;
+        __atomic_fetch_add(kind == 2 ? &storm.spilled : &storm.device, 1, __ATOMIC_RELAXED);
+        for (int k = 0; k < 256; k++) out[k] = (unsigned char)(p + (CUdeviceptr)(i + k));
+        int bad = rc != CUDA_SUCCESS || R(cuMemcpyHtoD_v2, "cuMemcpyHtoD")(p + storm.size - 256, out, 256) ||
+                  R(cuMemcpyDtoH_v2, "cuMemcpyDtoH")(in, p + storm.size - 256, 256) || memcmp(in, out, 256) != 0 ||
+                  R(cuMemFree_v2, "cuMemFree")(p);
+        if (bad) __atomic_fetch_add(&storm.failed, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
 int main(int argc, char **argv) {
     setup(argc > 1 ? argv[1] : "procaddr");
     CUdevice dev = open_device(0);
@@ -99,6 +127,22 @@ int main(int argc, char **argv) {
             CUresult rc = R(cuMemGetInfo_v2, "cuMemGetInfo")(&fr, &total);
             printf("rc=%d free=%zu total=%zu driver_used=%llu host_used=%llu host_allocs=%llu\n", rc, fr, total,
                    driver_used(dev), host_used ? host_used() : 0, host_allocs ? host_allocs() : 0);
+        } else if (strcmp(cmd, "storm") == 0) {
+            int threads = 0;
+            long iters = 0, mib = 0;
+            if (sscanf(line, "%*s %d %ld %ld", &threads, &iters, &mib) != 3 || threads < 1 || threads > 64) {
+                printf("error=usage: storm THREADS ITERS MIB\n");
+            } else {
+                memset(&storm, 0, sizeof storm);
+                storm.iters = iters;
+                storm.size = (size_t)mib << 20;
+                R(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")(&storm.ctx, dev);
+                pthread_t t[64];
+                for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, storm_thread, NULL);
+                for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+                printf("done=%ld failed=%d refused=%d device=%d spilled=%d\n", iters * threads, storm.failed,
+                       storm.refused, storm.device, storm.spilled);
+            }
         } else if (strcmp(cmd, "quit") == 0) {
             break;
         } else {
