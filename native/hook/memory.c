@@ -180,7 +180,8 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t Wid
 
 /* A spilled pointer goes back with cuMemFreeHost, after the work queued on the context is done
  * (a free, even a stream-ordered one, must not pull pages from under a running kernel). 1 = it
- * was a spilled pointer and *rc says how its free went. */
+ * was a spilled pointer and *rc says how its free went. Also while the process exits (its
+ * region slot already dropped): the driver's cuMemFree would refuse a host pointer. */
 static int free_spilled(CUdeviceptr dptr, CUresult *rc) {
     if (!__atomic_load_n(&spills_live, __ATOMIC_RELAXED)) return 0;
     uint64_t size = 0, host = 0;
@@ -199,17 +200,17 @@ static int free_spilled(CUdeviceptr dptr, CUresult *rc) {
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult rc;
-    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
+    if (!vgpu_in_hook && free_spilled(dptr, &rc)) return rc;
     FREE(cuMemFree_v2, (dptr), VGPU_KIND_PTR, dptr);
 }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     CUresult rc;
-    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
+    if (!vgpu_in_hook && free_spilled(dptr, &rc)) return rc;
     FREE(cuMemFreeAsync, (dptr, hStream), VGPU_KIND_PTR, dptr);
 }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
     CUresult rc;
-    if (ACTIVE() && free_spilled(dptr, &rc)) return rc;
+    if (!vgpu_in_hook && free_spilled(dptr, &rc)) return rc;
     FREE(cuMemFreeAsync_ptsz, (dptr, hStream), VGPU_KIND_PTR, dptr);
 }
 
