@@ -52,6 +52,14 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
 }
 
+/* The same clock at tick resolution (1-4 ms) for about a fifth of the cost: for last_launch_ns on
+ * the no-limit path, where the monitor needs to know only that the container launched lately. */
+static uint64_t coarse_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
 static void sleep_ns(uint64_t ns) {
     struct timespec t = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
     while (nanosleep(&t, &t) == -1 && errno == EINTR) {}
@@ -528,9 +536,12 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
     uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+    if ((limit == 0 || limit >= 100) && !(flags & VGPU_FLAG_YIELD)) {
+        stamp(hd, idx, coarse_ns());
+        return 0;
+    }
     uint64_t now = now_ns();
-    stamp(hd, idx, now);
-    if ((limit == 0 || limit >= 100) && !(flags & VGPU_FLAG_YIELD)) return 0;
+    __atomic_store_n(&hd->last_launch_ns[idx], now, __ATOMIC_RELAXED);
     return slow_enter(l, hd, idx, normal(h, ptds), now);
 }
 
