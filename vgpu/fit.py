@@ -17,6 +17,7 @@ import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vgpu.annotations import Allocation, ContainerAllocation, Device, DeviceAllocation, NodeInventory
 from vgpu.config import BINPACK
@@ -307,6 +308,56 @@ def quick_fits(
         if found >= c.count:
             return True
     return False
+
+
+class CardSummary(NamedTuple):
+    """What a node could still take, in four numbers: enough to turn most nodes away without a fit.
+
+    Over the node's healthy cards: ``open`` cards that can take one more vGPU (not held
+    exclusively, a free ``split`` slot), ``empty`` cards among them (nothing committed: only those
+    can take an exclusive vGPU), and the most memory and cores still free on one open card.
+    """
+
+    open: int
+    empty: int
+    memory_mib: int
+    cores: int
+
+
+def card_summary(inventory: NodeInventory, usage: Mapping[str, Usage]) -> CardSummary:
+    """The node's :class:`CardSummary` given what is committed on it (``usage``, per card uuid)."""
+    open_ = empty = mem = cores = 0
+    for card in inventory.devices:
+        if not card.healthy or card.split < 1:
+            continue
+        o = usage.get(card.uuid)
+        if o is None:
+            om = oc = on = 0
+        elif o[3] > 0 or o[2] + 1 > card.split:
+            continue
+        else:
+            om, oc, on = o[0], o[1], o[2]
+        open_ += 1
+        if on == 0:
+            empty += 1
+        if card.memory_mib - om > mem:
+            mem = card.memory_mib - om
+        if card.cores - oc > cores:
+            cores = card.cores - oc
+    return CardSummary(open_, empty, mem, cores)
+
+
+def may_fit(summary: CardSummary, c: ContainerRequest) -> bool:
+    """False when the node surely cannot take ``c`` (the pod's only container with vGPUs).
+
+    A necessary condition of :func:`quick_fits`: every card that passes it is open, has at
+    least the container's memory and cores free, and is empty when the vGPU is exclusive.
+    """
+    if summary.open < c.count or summary.cores < c.cores:
+        return False
+    if c.cores >= 100 and summary.empty < c.count:
+        return False
+    return c.memory_mib is None or summary.memory_mib >= c.memory_mib
 
 
 def quick_utilization(inventory: NodeInventory, usage: Mapping[str, Usage], c: ContainerRequest) -> float:

@@ -92,13 +92,18 @@ class Ledger:
         self._nodes: dict[str, dict[str, Usage]] = {}
         self.version = 0  # bumped on every change; lets readers cache what they derive
         self._node_versions: dict[str, int] = {}
+        self._totals: dict[str, tuple[int, int]] = {}  # node -> (memory MiB, vGPUs) over its cards
 
     def commit(self, uid: str, node: str, fp: Footprint) -> None:
         """Record (or replace) what pod ``uid`` holds on ``node``."""
         self.release(uid)
         cards = self._nodes.setdefault(node, {})
+        mem, count = self._totals.get(node, (0, 0))
         for uuid, u in fp.items():
             cards[uuid] = cards.get(uuid, ZERO) + u
+            mem += u[0]
+            count += u[2]
+        self._totals[node] = (mem, count)
         self._pods[uid] = (node, dict(fp))
         self.version += 1
         self._node_versions[node] = self.version
@@ -110,14 +115,20 @@ class Ledger:
             return False
         node, fp = entry
         cards = self._nodes[node]
+        mem, count = self._totals[node]
         for uuid, u in fp.items():
             left = cards[uuid] - u
+            mem -= u[0]
+            count -= u[2]
             if left.empty:
                 del cards[uuid]
             else:
                 cards[uuid] = left
         if not cards:
             del self._nodes[node]
+            del self._totals[node]
+        else:
+            self._totals[node] = (mem, count)
         self.version += 1
         self._node_versions[node] = self.version
         return True
@@ -125,6 +136,10 @@ class Ledger:
     def node_version(self, node: str) -> int:
         """Changes whenever what ``node`` holds changes: a key for caching per-node results."""
         return self._node_versions.get(node, 0)
+
+    def totals(self, node: str) -> tuple[int, int]:
+        """(memory MiB, vGPUs) committed on ``node`` over all its cards, kept as pods come and go."""
+        return self._totals.get(node, (0, 0))
 
     def node_of(self, uid: str) -> str | None:
         entry = self._pods.get(uid)

@@ -21,10 +21,20 @@ from typing import Any, Protocol
 from vgpu import annotations as ann
 from vgpu.config import BINPACK, SchedulerConfig
 from vgpu.errors import AnnotationError, KubeError, RequestError
-from vgpu.fit import Plan, Rejection, fit_node, quick_fits, quick_utilization, utilization
+from vgpu.fit import (
+    CardSummary,
+    Plan,
+    Rejection,
+    card_summary,
+    fit_node,
+    may_fit,
+    quick_fits,
+    quick_utilization,
+    utilization,
+)
 from vgpu.ledger import Ledger, Usage, footprint
 from vgpu.policy import node_scores
-from vgpu.requests import PodRequest, parse_pod
+from vgpu.requests import ContainerRequest, PodRequest, parse_pod
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,14 @@ class NodeEntry:
     inventory: ann.NodeInventory | None = None
     error: str | None = None  # why the inventory is unusable
     raw: str | None = None  # the annotation text it was decoded from
+    # (memory MiB, vGPU slots) over all cards, and the first card's memory: the node policy's terms
+    shape: tuple[int, int, int] = (0, 0, 0)
+
+
+def _shape(inventory: ann.NodeInventory) -> tuple[int, int, int]:
+    devices = inventory.devices
+    first = devices[0].memory_mib if devices else 0
+    return sum(d.memory_mib for d in devices), sum(d.split for d in devices), first
 
 
 @dataclass
@@ -98,6 +116,9 @@ class SchedulerState:
         # per node, for the pod filtered last: (ledger node version, inventory, utilisation with it)
         self._filtered: tuple[str, dict[str, tuple[int, Any, float]]] = ("", {})
         self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
+        # node -> (ledger node version, inventory, what its cards can still take); see _summary
+        self._summaries: dict[str, tuple[int, ann.NodeInventory, CardSummary]] = {}
+        self.indexed = True  # filter visits nodes in policy order (False: the full scan, for tests)
         self.synced = threading.Event()
         self.leader = threading.Event()
         self.inventory_errors = 0
@@ -119,7 +140,8 @@ class SchedulerState:
                 )
                 return
             try:
-                self.nodes[name] = NodeEntry(inventory=ann.decode_devices(raw), raw=raw)
+                inventory = ann.decode_devices(raw)
+                self.nodes[name] = NodeEntry(inventory=inventory, raw=raw, shape=_shape(inventory))
             except AnnotationError as err:
                 self.nodes[name] = NodeEntry(error=f"malformed inventory, node skipped: {err}", raw=raw)
                 self.inventory_errors += 1
@@ -131,6 +153,7 @@ class SchedulerState:
     def forget_node(self, name: str) -> None:
         with self.lock:
             self.nodes.pop(name, None)
+            self._summaries.pop(name, None)
 
     def replace_nodes(self, nodes: Iterable[Obj]) -> None:
         names = set()
@@ -141,6 +164,7 @@ class SchedulerState:
             for name in list(self.nodes):
                 if name not in names:
                     del self.nodes[name]
+                    self._summaries.pop(name, None)
 
     # -- feeding: device plugin Leases ---------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
@@ -257,7 +281,6 @@ class SchedulerState:
         uid = (pod.get("metadata") or {}).get("uid")
         if not request.wants_vgpu:
             return FilterResult(nodes=list(node_names))
-        result = FilterResult()
         now = self.clock()
         single = request.single_container  # the usual pod: a quick exact check, no plan built
         cache: dict[str, tuple[int, Any, float]] = {}
@@ -267,33 +290,115 @@ class SchedulerState:
                 self.recent_pods[uid] = pod
                 if len(self.recent_pods) > 4096:
                     self.recent_pods.pop(next(iter(self.recent_pods)))
-            for name in node_names:
-                problem = self.node_problem(name, now)
-                if problem is not None:
-                    result.unresolvable[name] = problem
-                    continue
-                entry = self.nodes[name]
-                assert entry.inventory is not None
-                usage = self.ledger.usage(name, excluding=uid)
-                if single is not None and quick_fits(entry.inventory, usage, single, request.selection):
-                    result.nodes.append(name)
-                    util = quick_utilization(entry.inventory, usage, single)
-                    cache[name] = (self.ledger.node_version(name), entry.inventory, util)
-                    continue
-                outcome = fit_node(
-                    name, entry.inventory, usage, request, self.config.gpu_policy, decide=False
-                )
-                if isinstance(outcome, Plan):
-                    result.nodes.append(name)
-                    util = utilization(entry.inventory, usage, outcome.footprint)
-                    cache[name] = (self.ledger.node_version(name), entry.inventory, util)
-                elif outcome.unresolvable:
-                    result.unresolvable[name] = outcome.reason
-                else:
-                    result.failed[name] = outcome.reason
-            if len(result.nodes) > self.filter_keep:
-                result.nodes = self._best(result.nodes, request, cache)
+            if self.indexed and single is not None and (not uid or self.ledger.node_of(uid) is None):
+                kept = self._filter_in_policy_order(request, single, node_names, now, cache)
+                if kept is not None:
+                    return FilterResult(nodes=kept)
+            return self._filter_every_node(request, uid, node_names, now, cache)
+
+    def _filter_every_node(
+        self,
+        request: PodRequest,
+        uid: str | None,
+        node_names: list[str],
+        now: float,
+        cache: dict[str, tuple[int, Any, float]],
+    ) -> FilterResult:
+        """Fit the pod on every node (with each one's reason), then keep the best. Caller holds the lock."""
+        result = FilterResult()
+        single = request.single_container
+        for name in node_names:
+            problem = self.node_problem(name, now)
+            if problem is not None:
+                result.unresolvable[name] = problem
+                continue
+            entry = self.nodes[name]
+            assert entry.inventory is not None
+            usage = self.ledger.usage(name, excluding=uid)
+            if single is not None and quick_fits(entry.inventory, usage, single, request.selection):
+                result.nodes.append(name)
+                util = quick_utilization(entry.inventory, usage, single)
+                cache[name] = (self.ledger.node_version(name), entry.inventory, util)
+                continue
+            outcome = fit_node(name, entry.inventory, usage, request, self.config.gpu_policy, decide=False)
+            if isinstance(outcome, Plan):
+                result.nodes.append(name)
+                util = utilization(entry.inventory, usage, outcome.footprint)
+                cache[name] = (self.ledger.node_version(name), entry.inventory, util)
+            elif outcome.unresolvable:
+                result.unresolvable[name] = outcome.reason
+            else:
+                result.failed[name] = outcome.reason
+        if len(result.nodes) > self.filter_keep:
+            result.nodes = self._best(result.nodes, request, cache)
         return result
+
+    def _filter_in_policy_order(
+        self,
+        request: PodRequest,
+        c: ContainerRequest,
+        node_names: list[str],
+        now: float,
+        cache: dict[str, tuple[int, Any, float]],
+    ) -> list[str] | None:
+        """The nodes :meth:`_filter_every_node` keeps, found by fitting only the best candidates.
+
+        For a pod whose vGPUs are all in one container ``c`` and that holds nothing yet. Each
+        node's utilisation with the pod on it comes from the ledger's running totals and the
+        node's capacity (the same integers and the same arithmetic as ``quick_utilization``, so
+        the same floats); candidates are visited best first by the node policy, ties in the order
+        given, and the first ``filter_keep`` that fit are the answer: exactly the full scan's
+        choice. A node is turned away by its :class:`CardSummary` when that shows it cannot take
+        ``c``, before any card is looked at. None when fewer than ``filter_keep`` nodes fit: then
+        the full scan runs, for every node's reason. Caller holds the lock.
+        """
+        binpack = (request.node_policy or self.config.node_policy) == BINPACK
+        nodes, totals, count = self.nodes, self.ledger.totals, c.count
+        percent = c.memory_percent or 0
+        heap: list[tuple[float, int, str, float]] = []
+        for i, name in enumerate(node_names):
+            entry = nodes.get(name)
+            if entry is None or entry.inventory is None:
+                continue  # node_problem names it; only the full scan reports reasons
+            total_mem, total_slots, first = entry.shape
+            if not total_mem or not total_slots:
+                util = 1.0
+            else:
+                mem = c.memory_mib if c.memory_mib is not None else first * percent // 100
+                used_mem, used_slots = totals(name)
+                util = ((used_mem + mem * count) / total_mem + (used_slots + count) / total_slots) / 2
+            heap.append((-util if binpack else util, i, name, util))
+        heapq.heapify(heap)
+        kept: list[tuple[int, str]] = []
+        while heap and len(kept) < self.filter_keep:
+            _, i, name, util = heapq.heappop(heap)
+            if self.node_problem(name, now) is not None:
+                continue
+            inventory = nodes[name].inventory
+            assert inventory is not None
+            version = self.ledger.node_version(name)
+            usage = self.ledger.usage(name)
+            if not may_fit(self._summary(name, inventory, version, usage), c):
+                continue
+            if not quick_fits(inventory, usage, c, request.selection):
+                continue
+            kept.append((i, name))
+            cache[name] = (version, inventory, util)
+        if len(kept) < self.filter_keep:
+            return None
+        kept.sort()
+        return [name for _, name in kept]
+
+    def _summary(
+        self, name: str, inventory: ann.NodeInventory, version: int, usage: Mapping[str, Usage]
+    ) -> CardSummary:
+        """The node's :class:`CardSummary`, recomputed only when its ledger entry or inventory changed."""
+        hit = self._summaries.get(name)
+        if hit is not None and hit[0] == version and hit[1] is inventory:
+            return hit[2]
+        summary = card_summary(inventory, usage)
+        self._summaries[name] = (version, inventory, summary)
+        return summary
 
     def _best(
         self, feasible: list[str], request: PodRequest, cache: dict[str, tuple[int, Any, float]]
