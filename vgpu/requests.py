@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from vgpu import annotations as ann
@@ -61,18 +61,26 @@ def parse_quantity(value: Any, field: str) -> int:
         raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
     if isinstance(value, int):
         return value
-    text = str(value).strip()
+    number = _quantity(str(value).strip())
+    if number is None:
+        raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {value!r}")
+    if number.denominator != 1:
+        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
+    return int(number)
+
+
+@lru_cache(maxsize=4096)
+def _quantity(text: str) -> Fraction | None:
+    """The exact value of a quantity's text, or None when it is not one (cached: pods repeat them)."""
     m = _QUANTITY.match(text)
     if m is None:
-        raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {value!r}")
+        return None
     number = Fraction(m.group(1))
     if m.group(2):
         number *= Fraction(10) ** int(m.group(2)[1:])
     else:
         number *= _SUFFIX[m.group(3) or ""]
-    if number.denominator != 1:
-        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
-    return int(number)
+    return number
 
 
 @dataclass(frozen=True)
