@@ -16,9 +16,12 @@ import datetime as dt
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+from urllib.parse import quote
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 REQUEST_TIMEOUT_S = 15
+AUTH_HEADERS_TTL_S = 10.0
 
 
 class Gone(KubeError):
@@ -108,6 +112,7 @@ class Kube:
         self.core: Any = k8s.CoreV1Api(self.api_client)
         self.coord: Any = k8s.CoordinationV1Api(self.api_client)
         self._closed = threading.Event()
+        self._auth: tuple[float, dict[str, str]] | None = None  # (when built, request headers)
 
     def close(self) -> None:
         self._closed.set()
@@ -156,8 +161,8 @@ class Kube:
         The API server merges a Binding's annotations into the pod as it sets ``spec.nodeName``,
         in one update: the pod is never bound without them, nor annotated without being bound.
         The UID is a precondition: a pod deleted and re-created under the same name is not bound.
-        ``_preload_content=False``: the API server answers a Binding with a Status object, which
-        the generated client fails to read back as a V1Binding (a spurious ValueError).
+        The reply (a Status object, which the generated client would fail to read back as a
+        V1Binding) is not decoded; an HTTP error becomes a :class:`KubeError` as for every call.
         """
         meta: Obj = {"name": name, "namespace": namespace, "uid": uid}
         if annotations:
@@ -168,13 +173,39 @@ class Kube:
             "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
+        what = f"bind pod {namespace}/{name} to {node}"
+        url = f"{self.api_client.configuration.host}/api/v1/namespaces/{quote(namespace, safe='')}/bindings"
         try:
-            resp = self.core.create_namespaced_binding(
-                namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            # straight through the client's own connection pool: one bind per pod, and the
+            # generated method's argument validation and serialisation cost more than the call
+            resp = self.api_client.rest_client.pool_manager.request(
+                "POST",
+                url,
+                body=json.dumps(body, separators=(",", ":")).encode(),
+                headers=self._headers(),
+                timeout=urllib3.Timeout(total=REQUEST_TIMEOUT_S),
             )
-            resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"bind pod {namespace}/{name} to {node}", err) from err
+        except Urllib3Error as err:
+            raise KubeError(f"{what}: {err}") from err
+        if resp.status >= 400:
+            detail = resp.data.decode(errors="replace")
+            raise _wrap(what, ApiException(status=resp.status, reason=resp.reason, body=detail))
+
+    def _headers(self) -> dict[str, str]:
+        """A JSON request's headers as the client sends them (authentication included).
+
+        Built by the client itself, so a kubeconfig's token, exec plugin or the in-cluster
+        service-account token (re-read when it rotates) apply as for every other call; kept for
+        ``AUTH_HEADERS_TTL_S`` since building them re-reads the credentials.
+        """
+        now = time.monotonic()
+        cached = self._auth
+        if cached is None or now - cached[0] > AUTH_HEADERS_TTL_S:
+            headers = dict(self.api_client.default_headers)
+            self.api_client.update_params_for_auth(headers, [], ["BearerToken"], "", "POST", None)
+            headers["Content-Type"] = headers["Accept"] = "application/json"
+            cached = self._auth = (now, headers)
+        return cached[1]
 
     # -- nodes --------------------------------------------------------------------------------
     def list_nodes(self) -> tuple[list[Obj], str]:
