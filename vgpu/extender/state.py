@@ -501,6 +501,11 @@ class SchedulerState:
             error = self._create_binding(namespace, name, uid, node, annotations)
             if error:
                 self._undo(uid)
+            else:
+                with self.lock:
+                    if self.ledger.node_of(uid) == node:
+                        # what the watch will deliver: the bound pod then costs no second decode
+                        self._pod_raw[uid] = annotations[ann.ALLOCATION_ANNOTATION]
             return error, "error"
         finally:
             with self.lock:
