@@ -216,7 +216,7 @@ static void event_put(CUcontext ctx, CUevent e) {
     else real_cuEventDestroy_v2(e);
 }
 
-/* a context that fails event calls is gone: its events are dropped, never reused or destroyed */
+/* a context that is gone: its pooled events are dropped, never reused or destroyed */
 static void forget_context(CUcontext ctx) {
     for (int i = 0; i < L.npools; i++)
         if (L.pools[i].ctx == ctx) {
@@ -235,12 +235,14 @@ static struct stream *stream_find(CUcontext ctx, CUstream h, uint64_t thread) {
     return NULL;
 }
 
-static void stream_drop(struct stream *s, struct vgpu_region_header *hd, int broken) {
+/* broken: an event call failed, so the stream's events are dropped, not pooled (destroying a
+ * handle of a destroyed context is not safe); ctx_gone: the context's pool goes too */
+static void stream_drop(struct stream *s, struct vgpu_region_header *hd, int broken, int ctx_gone) {
     for (int k = 0; k < s->n; k++) {
         if (s->q[k].predicted) __atomic_add_fetch(&hd->tokens[s->idx], s->q[k].predicted, __ATOMIC_RELAXED);
         if (!broken) event_put(s->ctx, s->q[k].e);
     }
-    if (broken) forget_context(s->ctx);
+    if (ctx_gone) forget_context(s->ctx);
     s->n = 0;
     s->used = 0;
 }
@@ -258,7 +260,7 @@ static struct stream *stream_get(CUcontext ctx, CUstream h, uint64_t thread, int
         for (int i = 0; i < L.nstreams && !s; i++) {
             struct stream *o = L.streams[i];
             if (o->n == 0 || (o->n == 1 && real_cuEventQuery(o->q[0].e) != CUDA_ERROR_NOT_READY)) {
-                stream_drop(o, hd, 0);
+                stream_drop(o, hd, 0, 0);
                 s = o;
             }
         }
@@ -282,7 +284,8 @@ static void broken(struct stream *s, struct vgpu_region_header *hd, CUresult rc)
     if (first_time(TOLD_BROKEN))
         VGPU_LOG(VGPU_LOG_INFO, "a timing event failed (CUDA error %d), most likely because its context was "
                  "destroyed: that stream's unfinished work is not counted", rc);
-    stream_drop(s, hd, 1);
+    stream_drop(s, hd, 1,
+                rc == CUDA_ERROR_CONTEXT_IS_DESTROYED || rc == CUDA_ERROR_INVALID_CONTEXT || rc == CUDA_ERROR_DEINITIALIZED);
 }
 
 static int capped(struct vgpu_region_header *hd, int idx) {

@@ -7,12 +7,14 @@
  *                                         as the node monitor writes them; prints each step's share
  *   capture                               launches into a capturing stream, then on another stream
  *   events_fail                           every event call fails for a while (a destroyed context)
+ *   fork                                  a forked child launches on under the limit
  * PATH: kernel kernel_ptsz ex ex_ptsz coop coop_ptsz graph graph_ptsz
  * The GPU share is the stub's own busy time over wall time; the region's counters come from
  * CUDA_DEVICE_MEMORY_SHARED_CACHE, mapped here as the monitor maps it. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "common.h"
@@ -76,13 +78,13 @@ static CUstream make_stream(const char *kind) {
     return s;
 }
 
-/* launch, keeping at most 4 kernels queued, as an application that waits for its results */
+/* launch, keeping at most 16 kernels queued, as an application that waits for its results */
 static unsigned long run_for(CUstream s, uint64_t until) {
     unsigned long n = 0;
     while (now_ns() < until) {
         CUresult rc = launch(s);
         if (rc) die("launch", rc);
-        if (++n % 4 == 0) R(cuStreamSynchronize, "cuStreamSynchronize")(s);
+        if (++n % 16 == 0) R(cuStreamSynchronize, "cuStreamSynchronize")(s);
     }
     return n;
 }
@@ -176,7 +178,7 @@ static int phases(int argc, char **argv) {
     while (!done) {
         CUresult rc = launch(s);
         if (rc) die("launch", rc);
-        if (__atomic_add_fetch(&launched, 1, __ATOMIC_RELAXED) % 4 == 0) R(cuStreamSynchronize, "cuStreamSynchronize")(s);
+        if (__atomic_add_fetch(&launched, 1, __ATOMIC_RELAXED) % 16 == 0) R(cuStreamSynchronize, "cuStreamSynchronize")(s);
     }
     pthread_join(th, NULL);
     R(cuCtxSynchronize, "cuCtxSynchronize")();
@@ -230,6 +232,28 @@ static int events_fail(void) {
     return 0;
 }
 
+/* a forked child keeps launching under the limit (the stub, unlike a real driver, lets it): the
+ * hook's own state must not carry the parent's events or a lock held at the fork */
+static int forked(void) {
+    CUstream s = make_stream("created");
+    run_for(s, now_ns() + 300000000ULL);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        unsigned long long b0 = busy();
+        uint64_t t0 = now_ns();
+        run_for(s, t0 + 800000000ULL);
+        R(cuStreamSynchronize, "cuStreamSynchronize")(s);
+        printf("child_share=%.4f\n", (double)(busy() - b0) / (double)(now_ns() - t0));
+        fflush(stdout);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("child_status=%d\n", status);
+    return 0;
+}
+
 static const char ptx[] = ".version 7.0\n.target sm_50\n.address_size 64\n.visible .entry spin()\n{\n ret;\n}\n";
 
 int main(int argc, char **argv) {
@@ -253,6 +277,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[2], "phases") == 0) ret = phases(argc, argv);
     else if (strcmp(argv[2], "capture") == 0) ret = capture();
     else if (strcmp(argv[2], "events_fail") == 0) ret = events_fail();
+    else if (strcmp(argv[2], "fork") == 0) ret = forked();
     else die("unknown scenario", 0);
     printf("alive=1\n");
     return ret;
