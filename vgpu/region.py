@@ -12,6 +12,23 @@ set up by pthreads); this module opens an existing file. Readers take no lock: t
 ``seq`` to an odd value before it changes usage and to an even one after, so a reader retries
 until it sees the same even ``seq`` on both sides of its copy. Limits are single aligned 8-byte
 words, so the monitor may change them while processes run (live resize) without the lock.
+
+Two ways to open one (``Region(path, mapped=...)``):
+
+- ``mapped=False``, for the long-lived node monitor (the ``/metrics`` collector and the
+  arbiter, root in the device plugin's process). The file lives in a folder the container can
+  write, so the container can truncate it at any moment; a process that then touches a mapped
+  page past the new end of file dies of SIGBUS, and no ``fstat`` size check closes that race
+  (the file can shrink between the check and the load). So this mode never maps the file: it
+  reads with ``os.pread`` (a short read is a ``RegionError`` "cut short", never a signal) and
+  writes the arbiter's two words with ``os.pwrite``. Nothing a container does to its file can
+  take the monitor down; the worst is that its own region is skipped until it is whole again.
+- ``mapped=True`` (the default), for short-lived tools: ``vgpu limits set`` and tests. Limit
+  words must never be seen torn by the hook (half old, half new bytes could read as 0, no
+  limit), and only a single aligned store through a typed view of the map is one 4- or 8-byte
+  store the CPU makes atomically; ``pwrite`` copies bytes and promises no such thing. A
+  container that truncates its file under the CLI can at worst kill that one command (the
+  operator who runs it sees the signal), not the node's device plugin.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 MAGIC = int.from_bytes(b"VGPUREGN", "little")
 LAYOUT_VERSION = 2
@@ -221,16 +239,85 @@ def _u(code: str, buf: bytes | mmap.mmap, offset: int) -> int:
     return value
 
 
+_H = HEADER_LAYOUT.offsets
+_HEADER_FIELDS = {f.name: f for f in HEADER}
+
+
+class _Views(Protocol):
+    _u32: memoryview
+    _u64: memoryview
+    _i64: memoryview
+
+
+def _word_getter(field: Field) -> Callable[[_Views, int], int]:
+    size = _CTYPES[field.ctype][1]
+    at = HEADER_LAYOUT.offsets[field.name] // size
+    if field.ctype == "int64_t":
+        return lambda r, i: int(r._i64[at + i])
+    if size == 8:
+        return lambda r, i: int(r._u64[at + i])
+    return lambda r, i: int(r._u32[at + i])
+
+
+_WORD_GET: dict[str, Callable[[_Views, int], int]] = {
+    f.name: _word_getter(f) for f in HEADER if f.ctype in ("uint32_t", "int32_t", "uint64_t", "int64_t")
+}
+
+
+class Header:
+    """One copy of a region's header (``Region.read_header``); words are indexed, not unpacked."""
+
+    __slots__ = ("_data", "_u32", "_u64", "_i64")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        view = memoryview(data)
+        self._u32 = view.cast("I")
+        self._u64 = view.cast("Q")
+        self._i64 = view.cast("q")
+
+    def word(self, name: str, index: int = 0) -> int:
+        return _WORD_GET[name](self, index)
+
+    @property
+    def num_devices(self) -> int:
+        return min(self._u32[_H["num_devices"] // 4], MAX_DEVICES)
+
+    def uuid(self, index: int) -> str:
+        start = _H["uuid"] + index * UUID_BYTES
+        return _cstr(self._data[start : start + UUID_BYTES])
+
+
+def _cstr(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("ascii", "replace")
+
+
 class Region:
     """An open region file. Use as a context manager or call close().
 
-    Every store the monitor makes (limits, budget, flags, arbiter_ns) is one aligned 4- or
-    8-byte store through a typed view of the map, never a byte-wise copy: the hook reads these
-    words without the lock, and a torn limit (half old, half new bytes) could read as 0, no limit.
+    ``mapped=True`` (the default) maps the file: for short-lived tools (``vgpu limits set``).
+    Every store it makes (limits, budget, flags, arbiter_ns) is one aligned 4- or 8-byte store
+    through a typed view of the map, never a byte-wise copy: the hook reads these words without
+    the lock, and a torn limit (half old, half new bytes) could read as 0, no limit.
+
+    ``mapped=False`` never maps it: for the node monitor, which must survive whatever a
+    container does to its own file (see the module's docstring). Reads are ``os.pread``: a
+    whole-region copy for ``snapshot()`` between two reads of ``seq``, one header copy for
+    ``read_header()``; a read that comes back short (the file was cut) raises ``RegionError``.
+    It writes only the arbiter's words, each with one ``os.pwrite`` at its aligned offset
+    (limits are refused: see ``set_limit``). A ``pwrite`` is a kernel copy of bytes, so in
+    theory the hook, reading ``arbiter_ns`` at that very moment, may see half old, half new
+    bytes; it then judges the flags fresh or stale wrongly for that one read. The word in the
+    file is whole once the pwrite returns, and the next pass (25 ms later) writes a new one
+    anyway. ``flags`` cannot tear in meaning: its bits live in its lowest byte. A ``pwrite``
+    past the end of a file cut short extends it (zeros, a hole); the arbiter writes only after
+    a header read of the same pass succeeded, and only inside the 2.5 KB header, so at worst a
+    container that keeps cutting its file gets back a few zero bytes it took away; no signal.
     """
 
-    def __init__(self, path: str | os.PathLike[str], writable: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], writable: bool = False, mapped: bool = True) -> None:
         self.path = Path(path)
+        self.mapped = mapped
         # The folder is writable from inside the container, and the monitor opens the file as
         # root on the host: never follow a link out of the folder, never block on a FIFO.
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -239,6 +326,9 @@ class Region:
         except OSError as err:
             why = "it is a symbolic link" if err.errno == errno.ELOOP else err.strerror
             raise RegionError(f"cannot open region file {self.path}: {why}") from err
+        self._fd = fd
+        self._map: mmap.mmap | None = None
+        self._closed = False
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -249,29 +339,27 @@ class Region:
                     f"a layout-{LAYOUT_VERSION} region needs {REGION_SIZE}: "
                     "it is not a vgpu region or was cut short; remove it and restart the container"
                 )
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self._map = mmap.mmap(fd, REGION_SIZE, access=access)
+            self.inode = st.st_ino
+            if mapped:
+                access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+                self._map = mmap.mmap(fd, REGION_SIZE, access=access)
+                self._u32 = memoryview(self._map).cast("I")
+                self._u64 = memoryview(self._map).cast("Q")
+                self._i64 = memoryview(self._map).cast("q")
+            self._check(Header(self._copy(0, HEADER_LAYOUT.size)))
         except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self.inode = st.st_ino
-        self._u32 = memoryview(self._map).cast("I")
-        self._u64 = memoryview(self._map).cast("Q")
-        self._i64 = memoryview(self._map).cast("q")
-        self._check()
-
-    def _check(self) -> None:
-        magic = _u("Q", self._map, HEADER_LAYOUT.offsets["magic"])
-        version = _u("I", self._map, HEADER_LAYOUT.offsets["version"])
-        if magic != MAGIC:
             self.close()
+            raise
+
+    def _check(self, header: Header) -> None:
+        magic = header.word("magic")
+        version = header.word("version")
+        if magic != MAGIC:
             raise RegionError(
                 f"{self.path} is not a vgpu region (magic 0x{magic:016x}, expected 0x{MAGIC:016x}); "
                 "remove it and restart the container"
             )
         if version != LAYOUT_VERSION:
-            self.close()
             raise RegionError(
                 f"{self.path} has region layout version {version}, this vgpu reads {LAYOUT_VERSION}; "
                 "upgrade the node monitor and the hook together"
@@ -282,22 +370,24 @@ class Region:
             ("max_devices", MAX_DEVICES),
             ("max_procs", MAX_PROCS),
         ):
-            got = _u("I", self._map, HEADER_LAYOUT.offsets[name])
+            got = header.word(name)
             if got != want:
-                self.close()
                 raise RegionError(f"{self.path}: header field {name} is {got}, expected {want}")
 
     @property
     def closed(self) -> bool:
-        return self._map.closed
+        return self._closed
 
     def close(self) -> None:
-        if not self._map.closed:
+        if self._closed:
+            return
+        self._closed = True
+        if self._map is not None:
             self._u32.release()
             self._u64.release()
             self._i64.release()
             self._map.close()
-            os.close(self._fd)
+        os.close(self._fd)
 
     def __enter__(self) -> Region:
         return self
@@ -306,41 +396,83 @@ class Region:
         self.close()
 
     def intact(self) -> bool:
-        """Whether the file still holds a whole region (and is the file at its path).
+        """Whether the file still holds a whole region (by ``fstat``; a rescan's check).
 
-        Touching a mapped page past the end of a file that was cut short kills the process
-        with SIGBUS, so a long-lived reader checks this before each pass over the map.
+        A mapped reader must check this before each pass (touching a mapped page past the end
+        of a file cut short is SIGBUS), and even then the file may shrink right after the
+        check: that race is why the node monitor opens regions with ``mapped=False``.
         """
         try:
             return os.fstat(self._fd).st_size >= REGION_SIZE
         except OSError:
             return False
 
-    def _header(self, name: str, index: int = 0) -> int:
-        code, size = _CTYPES[next(f.ctype for f in HEADER if f.name == name)]
-        return _u(code, self._map, HEADER_LAYOUT.offsets[name] + index * size)
+    def _copy(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset``: a slice of the map, or one pread that must not come back short."""
+        if self._map is not None:
+            return bytes(self._map[offset : offset + size])
+        try:
+            data = os.pread(self._fd, size, offset)
+        except OSError as err:
+            raise RegionError(f"{self.path}: cannot read the region: {err.strerror}") from err
+        if len(data) != size:
+            raise RegionError(
+                f"{self.path} was cut short (a read at {offset} got {len(data)} of {size} bytes); "
+                "it is skipped until it is whole again"
+            )
+        return data
+
+    def read_header(self) -> Header:
+        """The header, copied at once (one pread unmapped), after a check that it is still a region.
+
+        No ``seq`` retry: the words read from it per arbiter pass (``priority``, ``busy_ns``,
+        ``last_launch_ns``, ``flags``) are each written by one store outside the seqlock, so
+        ``seq`` guards none of them. A pread copies bytes, so one of those words could in theory
+        come back torn if the hook stored it during the copy; the arbiter then misjudges that
+        container's activity on that card for one pass (25 ms).
+        """
+        header = Header(self._copy(0, HEADER_LAYOUT.size))
+        magic = header.word("magic")
+        if magic != MAGIC:
+            raise RegionError(
+                f"{self.path} is no longer a vgpu region (magic 0x{magic:016x}): it was cut short "
+                "or rewritten; it is skipped until it is whole again"
+            )
+        return header
 
     def word(self, name: str, index: int = 0) -> int:
-        """One 4- or 8-byte header word (of an array: entry ``index``), read with one load."""
-        return _WORD_GET[name](self, index)
+        """One 4- or 8-byte header word (of an array: entry ``index``): one load, or one small pread."""
+        if self._map is not None:
+            return _WORD_GET[name](self, index)
+        code, size = _CTYPES[_HEADER_FIELDS[name].ctype]
+        value: int = struct.unpack("=" + code, self._copy(_H[name] + index * size, size))[0]
+        return value
 
     @property
     def num_devices(self) -> int:
-        return min(self._u32[_H["num_devices"] // 4], MAX_DEVICES)
+        return min(self.word("num_devices"), MAX_DEVICES)
 
     def uuid(self, index: int) -> str:
-        start = _H["uuid"] + index * UUID_BYTES
-        raw = bytes(self._map[start : start + UUID_BYTES])
-        return raw.split(b"\0", 1)[0].decode("ascii", "replace")
+        return _cstr(self._copy(_H["uuid"] + index * UUID_BYTES, UUID_BYTES))
 
     def snapshot(self, attempts: int = 1000) -> Snapshot:
-        """A consistent copy of limits and usage (retries while a writer is mid-update)."""
-        seq_at = HEADER_LAYOUT.offsets["seq"]
+        """A consistent copy of limits and usage (retries while a writer is mid-update).
+
+        The seqlock: read ``seq``; if even, copy the whole region (one pread unmapped); read
+        ``seq`` again; the copy holds when both reads agree. A ``seq`` held odd for all
+        ``attempts`` (about 0.1 s by default) raises ``RegionError``.
+        """
         for _ in range(attempts):
-            before = _u("Q", self._map, seq_at)
+            before = self.word("seq")
             if before % 2 == 0:
-                data = bytes(self._map[:REGION_SIZE])
-                if _u("Q", self._map, seq_at) == before:
+                data = self._copy(0, REGION_SIZE)
+                if self.word("seq") == before:
+                    magic = _u("Q", data, _H["magic"])
+                    if magic != MAGIC:
+                        raise RegionError(
+                            f"{self.path} is no longer a vgpu region (magic 0x{magic:016x}): "
+                            "it was cut short or rewritten"
+                        )
                     return _decode(data)
             time.sleep(0.0001)
         raise RegionError(f"{self.path}: a writer held the region mid-update for too long; try again")
@@ -349,53 +481,61 @@ class Region:
         if not 0 <= index < MAX_DEVICES:
             raise RegionError(f"device index {index} is out of range 0..{MAX_DEVICES - 1}")
 
+    def _store(self, name: str, index: int, value: int) -> None:
+        """One aligned store: through the map's typed view, or one pwrite of the word's bytes."""
+        ctype = _HEADER_FIELDS[name].ctype
+        code, size = _CTYPES[ctype]
+        if self._map is not None:
+            view = self._i64 if ctype == "int64_t" else self._u64 if size == 8 else self._u32
+            view[_H[name] // size + index] = value
+            return
+        try:
+            wrote = os.pwrite(self._fd, struct.pack("=" + code, value), _H[name] + index * size)
+        except OSError as err:
+            raise RegionError(f"{self.path}: cannot write {name}: {err.strerror}") from err
+        if wrote != size:
+            raise RegionError(f"{self.path}: writing {name} stopped after {wrote} of {size} bytes")
+
+    def _limits_through_the_map(self, what: str) -> None:
+        if self._map is None:
+            raise RegionError(
+                f"{self.path}: {what} is written only through the map (a pwrite could be read torn); "
+                "open the region with mapped=True"
+            )
+
     def set_limit(self, index: int, limit_bytes: int) -> None:
         """Change one device's memory limit (0 = none); running processes see it at their next allocation."""
+        self._limits_through_the_map("a memory limit")
         self._device(index)
         if limit_bytes < 0:
             raise RegionError(f"limit {limit_bytes} is negative; give bytes >= 0 (0 = no limit)")
-        self._u64[_H["limit"] // 8 + index] = limit_bytes
+        self._store("limit", index, limit_bytes)
 
     def set_sm_limit(self, index: int, percent: int) -> None:
+        self._limits_through_the_map("an SM limit")
         self._device(index)
         if not 0 <= percent <= 100:
             raise RegionError(f"SM limit {percent} must be a percent 0..100 (0 = no cap)")
-        self._u32[_H["sm_limit"] // 4 + index] = percent
+        self._store("sm_limit", index, percent)
 
     def set_budget(self, index: int, budget_bytes: int) -> None:
         """Change one device's spill point (0 = the card's free memory); from the next allocation on."""
+        self._limits_through_the_map("a budget")
         self._device(index)
         if budget_bytes < 0:
             raise RegionError(
                 f"budget {budget_bytes} is negative; give bytes >= 0 (0 = the card's free memory)"
             )
-        self._u64[_H["budget"] // 8 + index] = budget_bytes
+        self._store("budget", index, budget_bytes)
 
     def set_flags(self, index: int, flags: int) -> None:
         """The monitor's per-card word for device ``index`` (FLAG_YIELD, FLAG_ALONE)."""
-        self._u32[_H["flags"] // 4 + index] = flags
+        self._device(index)
+        self._store("flags", index, flags)
 
     def set_arbiter_ns(self, now_ns: int) -> None:
         """When the monitor last wrote the flags (CLOCK_MONOTONIC ns); the hook ignores older than 1 s."""
-        self._u64[_H["arbiter_ns"] // 8] = now_ns
-
-
-_H = HEADER_LAYOUT.offsets
-
-
-def _word_getter(field: Field) -> Callable[[Region, int], int]:
-    size = _CTYPES[field.ctype][1]
-    at = HEADER_LAYOUT.offsets[field.name] // size
-    if field.ctype == "int64_t":
-        return lambda r, i: int(r._i64[at + i])
-    if size == 8:
-        return lambda r, i: int(r._u64[at + i])
-    return lambda r, i: int(r._u32[at + i])
-
-
-_WORD_GET: dict[str, Callable[[Region, int], int]] = {
-    f.name: _word_getter(f) for f in HEADER if f.ctype in ("uint32_t", "int32_t", "uint64_t", "int64_t")
-}
+        self._store("arbiter_ns", 0, now_ns)
 
 
 @dataclass(frozen=True)
