@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -133,3 +135,86 @@ def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy
         monitor.terminate()
         out, _ = monitor.communicate(timeout=10)
     assert monitor.returncode == 0, out
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: Path) -> None:
+    """The region file is the container's to truncate at any moment. Mapped, a monitor touching
+    a page past the new end would die of SIGBUS (and with it the device plugin); it reads with
+    pread instead: it lives, counts the bad region and takes it back once it is whole again."""
+    paths = HostPaths(tmp_path)
+    regions = {}
+    for name, prio in (("uid-1_good", 0), ("uid-2_evil", 1)):
+        (paths.containers_dir / name).mkdir(parents=True)
+        regions[name] = paths.containers_dir / name / REGION_FILE_NAME
+        region.format_region(regions[name], [UUID0], priority=prio)
+    good, evil = regions["uid-1_good"], regions["uid-2_evil"]
+    whole = evil.read_bytes()
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(yaml.safe_dump({"gpus": [{"uuid": UUID0, "memoryMiB": 8192}]}))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    monitor = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
+        + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def fresh(path: Path) -> bool:
+        with region.Region(path) as r:
+            return time.monotonic_ns() - r.word("arbiter_ns") < 200_000_000
+
+    try:
+        wait_for(lambda: fresh(good) and fresh(evil), "the arbiter to write both regions")
+        stop = time.monotonic() + 4
+        scrapes = 0
+        errors: list[BaseException] = []
+
+        def scrape() -> None:  # the collector's snapshot() races the cuts as well
+            nonlocal scrapes
+            while time.monotonic() < stop:
+                try:
+                    urllib.request.urlopen(url, timeout=5).read()
+                    scrapes += 1
+                except OSError as err:  # the monitor died
+                    errors.append(err)
+                    return
+
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        fd = os.open(evil, os.O_RDWR)  # the same inode the monitor holds open
+        cuts = 0
+        try:
+            while time.monotonic() < stop and monitor.poll() is None:
+                for size in (0, region.REGION_SIZE // 2, region.HEADER_LAYOUT.size // 2):
+                    os.ftruncate(fd, size)
+                    time.sleep(0.0005)  # long enough for a pass of the 1 ms arbiter to land in it
+                    os.pwrite(fd, whole, 0)  # whole again, the same bytes
+                    cuts += 1
+                    time.sleep(0.0005)
+        finally:
+            os.close(fd)
+        scraper.join()
+        assert monitor.poll() is None, f"the monitor died ({monitor.returncode}) after {cuts} cuts"
+        assert not errors and scrapes > 0 and cuts > 1000, (errors, scrapes, cuts)
+        metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert metric(metrics, "vgpu_monitor_bad_regions_total") >= 1
+        # the neighbour never went stale, and the cut file is taken back at a rescan (every 1 s)
+        assert fresh(good)
+        wait_for(lambda: fresh(evil), "the arbiter to take the whole file back")
+        metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert 'vgpu_container_processes{container="evil"' in metrics
+        assert metric(metrics, "vgpu_arbiter_regions") == 2
+    finally:
+        monitor.terminate()
+        out, _ = monitor.communicate(timeout=10)
+    assert monitor.returncode == 0, out
+    assert "skipping region" in out and str(evil) in out

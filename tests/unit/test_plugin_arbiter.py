@@ -168,16 +168,43 @@ def test_bad_files_are_skipped_logged_once_and_counted(
     assert word(good, "arbiter_ns") == Clock().ns
 
 
-def test_a_region_cut_short_while_mapped_is_dropped_not_fatal(tmp_path: Path) -> None:
+def test_a_region_cut_short_while_open_is_dropped_not_fatal_and_taken_back_when_whole(
+    tmp_path: Path,
+) -> None:
     path = container(tmp_path, "uid-1_a", ["GPU-a"], 1)
     other = container(tmp_path, "uid-2_b", ["GPU-a"], 1)
+    whole = path.read_bytes()
     arbiter = Arbiter(tmp_path, clock=Clock())
     arbiter.rescan()
     with open(path, "r+b") as f:
-        f.truncate(100)  # touching the lost pages through the map would be SIGBUS
+        f.truncate(100)  # touching the lost pages through a map would be SIGBUS
     arbiter.run_pass()
     assert arbiter.stats.regions == 1 and arbiter.bad.total == 1
     assert word(other, "flags") == A
+    arbiter.rescan()  # still short: refused again, for another reason
+    assert arbiter.stats.regions == 1 and arbiter.bad.total == 2
+    with open(path, "r+b") as f:
+        f.write(whole)  # the same file, whole again
+    arbiter.rescan()
+    arbiter.run_pass()
+    assert arbiter.stats.regions == 2 and word(path, "arbiter_ns") == Clock().ns
+    arbiter.stop()
+
+
+def test_the_arbiter_never_maps_a_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container can cut its file at any time: only reads that fail cleanly are safe."""
+    path = container(tmp_path, "uid-1_a", ["GPU-a"], 1)
+
+    def no_map(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the arbiter mapped a region")
+
+    arbiter = Arbiter(tmp_path, clock=Clock())
+    monkeypatch.setattr(region.mmap, "mmap", no_map)
+    arbiter.rescan()
+    arbiter.run_pass()
+    monkeypatch.undo()
+    assert arbiter.stats.regions == 1 and arbiter.bad.total == 0
+    assert (word(path, "flags"), word(path, "arbiter_ns")) == (A, Clock().ns)
     arbiter.stop()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -174,3 +176,33 @@ def test_bad_regions_are_counted_once_and_the_arbiter_reports_its_passes(tmp_pat
     assert samples["vgpu_arbiter_passes_total"] == 1 and samples["vgpu_arbiter_regions"] == 1
     assert "vgpu_arbiter_pass_seconds" in samples
     arbiter.stop()
+
+
+def test_the_collector_never_maps_a_region_and_skips_one_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container can cut its file between any two reads: mapped, that would be SIGBUS."""
+    paths = HostPaths(tmp_path)
+    write_region(paths.container_dir("uid-1", "a") / REGION_FILE_NAME, [("GPU-a", 5 * MIB, 0)], [])
+    cut = paths.container_dir("uid-2", "b") / REGION_FILE_NAME
+    write_region(cut, [("GPU-a", 0, 0)], [])
+    real_pread = os.pread
+
+    def pread(fd: int, size: int, offset: int) -> bytes:  # the file shrinks after the open
+        data = real_pread(fd, size, offset)
+        return data[: region.REGION_SIZE // 2] if os.readlink(f"/proc/self/fd/{fd}") == str(cut) else data
+
+    def no_map(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the collector mapped a region")
+
+    monkeypatch.setattr(region.mmap, "mmap", no_map)
+    monkeypatch.setattr(region.os, "pread", pread)
+    got = scrape(tmp_path)
+    monkeypatch.undo()
+    assert got[key("vgpu_container_memory_limit_bytes", uuid="GPU-a", **labels("uid-1", "a"))] == 5 * MIB
+    assert not any(dict(ls).get("pod_uid") == "uid-2" for _, ls in got)
+    assert got[key("vgpu_monitor_bad_regions_total", node="n1")] == 1
+
+
+def labels(pod_uid: str, container: str) -> dict[str, str]:
+    return {"container": container, "namespace": "", "node": "n1", "pod": "", "pod_uid": pod_uid}

@@ -15,10 +15,14 @@ flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a
 held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
 within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
 
-The region files stay mapped between passes; the folder is listed again every ``rescan_s``
-(new containers, removed ones, a file replaced). A file that is not a readable layout-2 region
-is skipped, logged once and counted (``BadRegions``); the arbiter writes nothing but ``flags``
-and ``arbiter_ns``, each with one aligned store.
+The region files stay open between passes, never mapped (``Region(..., mapped=False)``): the
+container can cut its file short at any moment, and a mapped page past the end of the file
+would kill the whole device plugin with SIGBUS. A pass costs one ``pread`` of each region's
+header, a ``pwrite`` of each flags word that changed and one of ``arbiter_ns``. The folder is
+listed again every ``rescan_s`` (new containers, removed ones, a file replaced). A file that is
+not a readable layout-2 region, or that comes back short from a read, is dropped, logged once
+and counted (``BadRegions``), and taken back at a later rescan once it is whole again; the
+arbiter writes nothing but ``flags`` and ``arbiter_ns``, each at its aligned offset.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 
 from vgpu.errors import ConfigError
 from vgpu.plugin.paths import REGION_FILE_NAME
-from vgpu.region import FLAG_ALONE, FLAG_YIELD, Region, RegionError
+from vgpu.region import FLAG_ALONE, FLAG_YIELD, Header, Region, RegionError
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +167,16 @@ class Arbiter:
             if path in self._tracked:
                 continue
             try:
-                region = Region(path, writable=True)
+                region = Region(path, writable=True, mapped=False)
             except RegionError as err:
                 self.bad.report(path, err)
                 continue
             try:
-                count = region.num_devices
-                uuids = tuple(region.uuid(i) for i in range(count))
-                busy = [region.word("busy_ns", i) for i in range(count)]
-            except (ValueError, IndexError, OSError) as err:
+                header = region.read_header()
+                count = header.num_devices
+                uuids = tuple(header.uuid(i) for i in range(count))
+                busy = [header.word("busy_ns", i) for i in range(count)]
+            except (RegionError, ValueError, IndexError, OSError) as err:
                 region.close()
                 self.bad.report(path, err)
                 continue
@@ -194,17 +199,15 @@ class Arbiter:
         started = time.monotonic()
         now = self.clock()
         cards: dict[str, list[Activity]] = defaultdict(list)
-        live: dict[str, _Tracked] = {}
+        live: dict[str, tuple[Path, _Tracked, Header]] = {}
         for path, t in list(self._tracked.items()):
-            r = t.region
             name = path.parent.name
             try:
-                if not r.intact():
-                    raise RegionError(f"{path} was cut short while mapped")
-                priority = r.word("priority")
+                h = t.region.read_header()  # one pread; a file cut short raises, never a signal
+                priority = h.word("priority")
                 for i, uuid in enumerate(t.uuids):
-                    last = r.word("last_launch_ns", i)
-                    busy = r.word("busy_ns", i)
+                    last = h.word("last_launch_ns", i)
+                    busy = h.word("busy_ns", i)
                     active = (last != 0 and now - last <= self.window_ns) or busy > t.busy[i]
                     t.busy[i] = busy
                     cards[uuid].append(Activity(name, i, priority, active))
@@ -212,22 +215,21 @@ class Arbiter:
                 self.bad.report(path, err)
                 self._drop(path)
                 continue
-            live[name] = t
+            live[name] = (path, t, h)
         decision = decide(cards)
         now = self.clock()
-        for name, t in live.items():
+        for name, (path, t, h) in live.items():
             r = t.region
             try:
-                if not r.intact():
-                    continue
                 for i in range(len(t.uuids)):
                     word = decision.get((name, i), 0)
-                    if r.word("flags", i) != word:
+                    if h.word("flags", i) != word:  # as read at the top of this pass
                         r.set_flags(i, word)
                         self.stats.flag_writes += 1
                 r.set_arbiter_ns(now)
-            except (ValueError, IndexError, OSError) as err:
-                self.bad.report(r.path, err)
+            except (RegionError, ValueError, IndexError, OSError) as err:
+                self.bad.report(path, err)
+                self._drop(path)
         self.stats.passes += 1
         self.stats.regions = len(self._tracked)
         self.stats.last_pass_s = time.monotonic() - started

@@ -166,9 +166,8 @@ class NodeCollector(Collector):
             pod_uid, _, container = folder.name.partition("_")
             namespace, pod = names.get(pod_uid, ("", ""))
             try:
-                with Region(folder / REGION_FILE_NAME) as region:
-                    if not region.intact():
-                        raise RegionError(f"{folder / REGION_FILE_NAME} was cut short")
+                # never mapped: a container cutting its file short mid-read must not SIGBUS us
+                with Region(folder / REGION_FILE_NAME, mapped=False) as region:
                     snap = region.snapshot()
             except RegionError as err:
                 self.bad.report(folder / REGION_FILE_NAME, err)
@@ -210,7 +209,7 @@ class NodeCollector(Collector):
         )
         passes.add_metric([self.node], float(stats.passes))
         regions = GaugeMetricFamily(
-            "vgpu_arbiter_regions", "Region files the arbiter keeps mapped", labels=["node"]
+            "vgpu_arbiter_regions", "Region files the arbiter keeps open", labels=["node"]
         )
         regions.add_metric([self.node], float(stats.regions))
         took = GaugeMetricFamily(
