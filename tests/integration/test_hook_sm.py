@@ -195,3 +195,18 @@ def test_a_forked_child_launches_on_under_the_limit(built: Built, tmp_path: Path
     r = run(built, "t_sm", "link", "fork", environ=environ)
     assert r.returncode == 0 and r.int("child_status") == 0, r.stderr
     assert 0.2 <= share(r, "child_share") <= 0.38, r.values
+
+
+def test_a_driver_that_hands_out_internal_addresses_is_still_limited(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30", STUB_CUDA_PROC_TRAMPOLINES="1")
+    r = run(built, "t_sm", "procaddr_ptds", "rate", "kernel", "0.6", environ=environ)
+    assert 0.22 <= share(r) <= 0.36, r.values
+
+
+@pytest.mark.parametrize("kernel_us", ["20", "5000"])
+def test_short_and_long_kernels_are_held_to_the_limit_too(
+    built: Built, tmp_path: Path, kernel_us: str
+) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30", TEST_KERNEL_US=kernel_us)
+    r = run(built, "t_sm", "link", "rate", "kernel", "1.5", environ=environ)
+    assert 0.22 <= share(r) <= 0.36, r.values
