@@ -246,3 +246,54 @@ def test_the_validating_webhook_denies_impossible_requests_naming_the_field(clie
     assert client.post("/webhook/validate", json=review(gpu_pod(gpumem=100))).get_json()["response"][
         "allowed"
     ]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        json.dumps({"Pod": gpu_pod(gpumem=1000), "NodeNames": ["a", "b", "bad"]}).encode(),
+        b"{not json",
+        b"",
+    ],
+)
+def test_a_verb_answers_alike_with_a_content_length_and_with_a_chunked_body(
+    state: SchedulerState, body: bytes
+) -> None:
+    import io
+
+    app = create_app(CFG, state)
+
+    def call(environ: dict[str, Any]) -> tuple[int, bytes]:
+        got: list[str] = []
+        out = b"".join(app.wsgi_app(environ, lambda status, headers, *_: got.append(status)))
+        return int(got[0].split()[0]), out
+
+    base = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/filter",
+        "SERVER_NAME": "x",
+        "SERVER_PORT": "443",
+        "wsgi.url_scheme": "https",
+        "CONTENT_TYPE": "application/json",
+    }
+    sized = call({**base, "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)})
+    # gunicorn hands a chunked body over without a length: Flask reads it to the end
+    chunked = call({**base, "wsgi.input": io.BytesIO(body), "wsgi.input_terminated": True})
+    assert sized == chunked
+    assert sized[0] == (200 if body.startswith(b'{"') else 400)
+
+
+def test_a_body_over_the_limit_is_refused_with_413_naming_the_limit(state: SchedulerState) -> None:
+    import io
+
+    from vgpu.extender.app import MAX_BODY
+
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/bind",
+        "CONTENT_LENGTH": str(MAX_BODY + 1),
+        "wsgi.input": io.BytesIO(b"{}"),
+    }
+    got: list[str] = []
+    out = b"".join(create_app(CFG, state).wsgi_app(environ, lambda status, headers, *_: got.append(status)))
+    assert got[0].startswith("413") and str(MAX_BODY) in json.loads(out)["Error"]
