@@ -204,7 +204,7 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
             os.close(fd)
         scraper.join()
         assert monitor.poll() is None, f"the monitor died ({monitor.returncode}) after {cuts} cuts"
-        assert not errors and scrapes > 0 and cuts > 1000, (errors, scrapes, cuts)
+        assert not errors and scrapes > 0 and cuts > 300, (errors, scrapes, cuts)  # mapped: dead by ~150
         metrics = urllib.request.urlopen(url, timeout=5).read().decode()
         assert metric(metrics, "vgpu_monitor_bad_regions_total") >= 1
         # the neighbour never went stale, and the cut file is taken back at a rescan (every 1 s)
