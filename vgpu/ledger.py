@@ -93,6 +93,7 @@ class Ledger:
         self.version = 0  # bumped on every change; lets readers cache what they derive
         self._node_versions: dict[str, int] = {}
         self._totals: dict[str, tuple[int, int]] = {}  # node -> (memory MiB, vGPUs) over its cards
+        self._changed: set[str] = set()  # nodes whose totals changed since take_changed()
 
     def commit(self, uid: str, node: str, fp: Footprint) -> None:
         """Record (or replace) what pod ``uid`` holds on ``node``."""
@@ -104,6 +105,7 @@ class Ledger:
             mem += u[0]
             count += u[2]
         self._totals[node] = (mem, count)
+        self._changed.add(node)
         self._pods[uid] = (node, dict(fp))
         self.version += 1
         self._node_versions[node] = self.version
@@ -129,6 +131,7 @@ class Ledger:
             del self._totals[node]
         else:
             self._totals[node] = (mem, count)
+        self._changed.add(node)
         self.version += 1
         self._node_versions[node] = self.version
         return True
@@ -140,6 +143,11 @@ class Ledger:
     def totals(self, node: str) -> tuple[int, int]:
         """(memory MiB, vGPUs) committed on ``node`` over all its cards, kept as pods come and go."""
         return self._totals.get(node, (0, 0))
+
+    def take_changed(self) -> set[str]:
+        """The nodes whose :meth:`totals` changed since the last call (for an index kept over them)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def node_of(self, uid: str) -> str | None:
         entry = self._pods.get(uid)

@@ -3,8 +3,8 @@
 Random clusters (mixed card sizes, splits, health, committed usage, missing or expired plugin
 Leases, nodes without inventory), random one-container pods and node policies: the indexed filter
 and the full scan (``SchedulerState.indexed = False``) must answer the same nodes, and, when fewer
-nodes fit than filter keeps, the same reasons. Pods then come and go on the same state, so the
-cached per-node summaries are checked after ledger changes too.
+nodes fit than filter keeps, the same reasons. Pods then come and go and inventories change on
+the same state, so the node groups and cached summaries are checked after such changes too.
 """
 
 from __future__ import annotations
@@ -144,6 +144,13 @@ def test_filter_in_policy_order_answers_exactly_what_fitting_every_node_answers(
             _same(st_, pod, asked)
         elif st_.ledger.pods() and data.draw(st.booleans()):
             st_.ledger.release(data.draw(st.sampled_from(sorted(st_.ledger.pods()))))
+        if data.draw(st.integers(0, 3)) == 0:  # a device plugin reports new cards, or none
+            name = data.draw(st.sampled_from(sorted(st_.nodes)))
+            annotations = {}
+            if data.draw(st.booleans()):
+                inv = ann.NodeInventory(data.draw(devices(name)))
+                annotations[ann.DEVICES_ANNOTATION] = ann.encode_devices(inv)
+            st_.apply_node({"metadata": {"name": name, "annotations": annotations}})
 
 
 @settings(max_examples=300, deadline=None)

@@ -119,6 +119,12 @@ class SchedulerState:
         # node -> (ledger node version, inventory, what its cards can still take); see _summary
         self._summaries: dict[str, tuple[int, ann.NodeInventory, CardSummary]] = {}
         self.indexed = True  # filter visits nodes in policy order (False: the full scan, for tests)
+        # nodes with an inventory, grouped by (capacity shape, committed totals): nodes of one group
+        # rank alike under the node policy (see _filter_in_policy_order); regrouped when the ledger
+        # or the inventory changes
+        self._groups: dict[tuple[tuple[int, int, int], tuple[int, int]], set[str]] = {}
+        self._group_of: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
+        self._regroup: set[str] = set()  # nodes whose inventory changed since the last regrouping
         self.synced = threading.Event()
         self.leader = threading.Event()
         self.inventory_errors = 0
@@ -134,6 +140,7 @@ class SchedulerState:
             old = self.nodes.get(name)
             if old is not None and old.raw == raw:
                 return
+            self._regroup.add(name)
             if raw is None:
                 self.nodes[name] = NodeEntry(
                     error=f"no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
@@ -154,6 +161,7 @@ class SchedulerState:
         with self.lock:
             self.nodes.pop(name, None)
             self._summaries.pop(name, None)
+            self._regroup.add(name)
 
     def replace_nodes(self, nodes: Iterable[Obj]) -> None:
         names = set()
@@ -165,6 +173,7 @@ class SchedulerState:
                 if name not in names:
                     del self.nodes[name]
                     self._summaries.pop(name, None)
+                    self._regroup.add(name)
 
     # -- feeding: device plugin Leases ---------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
@@ -343,51 +352,71 @@ class SchedulerState:
     ) -> list[str] | None:
         """The nodes :meth:`_filter_every_node` keeps, found by fitting only the best candidates.
 
-        For a pod whose vGPUs are all in one container ``c`` and that holds nothing yet. Each
-        node's utilisation with the pod on it comes from the ledger's running totals and the
-        node's capacity (the same integers and the same arithmetic as ``quick_utilization``, so
-        the same floats); candidates are visited best first by the node policy, ties in the order
-        given, and the first ``filter_keep`` that fit are the answer: exactly the full scan's
-        choice. A node is turned away by its :class:`CardSummary` when that shows it cannot take
-        ``c``, before any card is looked at. None when fewer than ``filter_keep`` nodes fit: then
-        the full scan runs, for every node's reason. Caller holds the lock.
+        For a pod whose vGPUs are all in one container ``c`` and that holds nothing yet. A node's
+        utilisation with the pod on it depends only on its capacity shape and the ledger's totals
+        for it (the same integers and arithmetic as ``quick_utilization``, so the same floats), so
+        it is worked out once per group of nodes alike in both, not per node. Groups are visited
+        best first by the node policy; within equal utilisation, nodes in the order given; the
+        first ``filter_keep`` that fit are the answer: exactly the full scan's choice. A node is
+        turned away by its :class:`CardSummary` when that shows it cannot take ``c``, before any
+        card is looked at. None when fewer than ``filter_keep`` nodes fit: then the full scan
+        runs, for every node's reason. Caller holds the lock.
         """
+        self._refresh_groups()
         binpack = (request.node_policy or self.config.node_policy) == BINPACK
-        nodes, totals, count = self.nodes, self.ledger.totals, c.count
-        percent = c.memory_percent or 0
-        heap: list[tuple[float, int, str, float]] = []
-        for i, name in enumerate(node_names):
-            entry = nodes.get(name)
-            if entry is None or entry.inventory is None:
-                continue  # node_problem names it; only the full scan reports reasons
-            total_mem, total_slots, first = entry.shape
+        count, percent = c.count, c.memory_percent or 0
+        ranked: dict[float, list[set[str]]] = {}
+        for ((total_mem, total_slots, first), (used_mem, used_slots)), members in self._groups.items():
             if not total_mem or not total_slots:
                 util = 1.0
             else:
                 mem = c.memory_mib if c.memory_mib is not None else first * percent // 100
-                used_mem, used_slots = totals(name)
                 util = ((used_mem + mem * count) / total_mem + (used_slots + count) / total_slots) / 2
-            heap.append((-util if binpack else util, i, name, util))
-        heapq.heapify(heap)
+            ranked.setdefault(util, []).append(members)
+        position = dict(zip(node_names, range(len(node_names)), strict=True))
+        asked = position.keys()
         kept: list[tuple[int, str]] = []
-        while heap and len(kept) < self.filter_keep:
-            _, i, name, util = heapq.heappop(heap)
-            if self.node_problem(name, now) is not None:
+        for util in sorted(ranked, reverse=binpack):
+            groups = ranked[util]
+            found = asked & groups[0] if len(groups) == 1 else asked & set().union(*groups)
+            for i in sorted(map(position.__getitem__, found)):
+                name = node_names[i]
+                if self.node_problem(name, now) is not None:
+                    continue
+                inventory = self.nodes[name].inventory
+                assert inventory is not None
+                version = self.ledger.node_version(name)
+                usage = self.ledger.usage(name)
+                if not may_fit(self._summary(name, inventory, version, usage), c):
+                    continue
+                if not quick_fits(inventory, usage, c, request.selection):
+                    continue
+                kept.append((i, name))
+                cache[name] = (version, inventory, util)
+                if len(kept) == self.filter_keep:
+                    kept.sort()
+                    return [name for _, name in kept]
+        return None
+
+    def _refresh_groups(self) -> None:
+        """Move the nodes whose totals or inventory changed to their group. Caller holds the lock."""
+        changed = self.ledger.take_changed()
+        if self._regroup:
+            changed |= self._regroup
+            self._regroup = set()
+        for name in changed:
+            old = self._group_of.pop(name, None)
+            if old is not None:
+                members = self._groups[old]
+                members.discard(name)
+                if not members:
+                    del self._groups[old]
+            entry = self.nodes.get(name)
+            if entry is None or entry.inventory is None:
                 continue
-            inventory = nodes[name].inventory
-            assert inventory is not None
-            version = self.ledger.node_version(name)
-            usage = self.ledger.usage(name)
-            if not may_fit(self._summary(name, inventory, version, usage), c):
-                continue
-            if not quick_fits(inventory, usage, c, request.selection):
-                continue
-            kept.append((i, name))
-            cache[name] = (version, inventory, util)
-        if len(kept) < self.filter_keep:
-            return None
-        kept.sort()
-        return [name for _, name in kept]
+            key = (entry.shape, self.ledger.totals(name))
+            self._groups.setdefault(key, set()).add(name)
+            self._group_of[name] = key
 
     def _summary(
         self, name: str, inventory: ann.NodeInventory, version: int, usage: Mapping[str, Usage]
