@@ -9,9 +9,9 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
 1. kube-scheduler alone (a profile without extender): P pods asking for plain ``cpu``.
 2. with the extender (filter and bind; prioritize too with ``--filter-keep`` above 1): P pods asking
    ``nvidia.com/gpumem: 1000``.
-   In both, the pods are created first and the scheduler started after, since creating pods
-   through the API is slower than scheduling them here; pods/s from the first bound pod to the
-   last, as a watch on the pods sees them.
+   In both, the pods are created first and the scheduler started after (once the extender is
+   quiet), since creating pods through the API is slower than scheduling them here; pods/s from
+   the first bound pod to the last, as a watch on the pods sees them.
 3. the extender's own latency per verb over the burst (mean, and the histogram bucket holding
    p50/p99), and, at the largest size once the pods are gone and the cluster is quiet, ``/filter``
    called directly over HTTPS with every node's name for a pod asking one vGPU: p50/p99 as the
@@ -171,6 +171,7 @@ def burst(sb: Sandbox, kube: Kube, scheduler: str, count: int, limits: dict[str,
     create(sb, [pod(f"{scheduler}-{i}", scheduler, limits) for i in range(count)])
     selector = f"metadata.namespace={NAMESPACE},spec.schedulerName={scheduler}"
     _, rv = kube.list_pods(field_selector=selector)
+    settle()
     proc = start()
     watched = dict(WATCHED)
     watched["kube-scheduler"] = proc.pid
@@ -193,6 +194,21 @@ def burst(sb: Sandbox, kube: Kube, scheduler: str, count: int, limits: dict[str,
         return (count - 1) / max(times[-1] - times[0], 1e-3)
     finally:
         stop(proc)
+
+
+def settle(limit_s: float = 60.0) -> None:
+    """Wait until the extender is quiet (under 5 % of a core for a second).
+
+    Its first gauge refresh (every card of every node, 5 s after it starts) would otherwise fall
+    into the first burst and take CPU from kube-scheduler alone.
+    """
+    pid = WATCHED.get("extender")
+    deadline = time.monotonic() + limit_s
+    while pid is not None and time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(1.0)
+        if cpu_seconds(pid) - before < 0.05:
+            return
 
 
 WATCHED: dict[str, int] = {}  # name -> pid of the processes whose CPU a burst reports
