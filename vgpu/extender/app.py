@@ -12,13 +12,13 @@ without Flask when it carries a Content-Length (:class:`_Verbs`), as kube-schedu
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+import orjson
 from flask import Flask, Response, request
 
 from vgpu.config import SchedulerConfig
@@ -35,7 +35,7 @@ class BadRequest(ValueError):
 
 
 def _dumps(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+    return orjson.dumps(body)
 
 
 def _json(status: int, body: Any) -> Response:
@@ -57,7 +57,7 @@ def _body(raw: bytes) -> Any:
     if not raw:
         raise BadRequest("empty body; expected a JSON object")
     try:
-        return json.loads(raw)
+        return orjson.loads(raw)
     except ValueError as err:
         raise BadRequest(f"body is not valid JSON: {err}") from err
 
