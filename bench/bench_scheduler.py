@@ -196,19 +196,19 @@ def burst(sb: Sandbox, kube: Kube, scheduler: str, count: int, limits: dict[str,
         stop(proc)
 
 
-def settle(limit_s: float = 60.0) -> None:
-    """Wait until the extender is quiet (under 5 % of a core for a second).
+def settle(quiet_s: int = 6, limit_s: float = 90.0) -> None:
+    """Wait until the extender has been quiet (under 5 % of a core) for ``quiet_s`` seconds running.
 
     Its first gauge refresh (every card of every node, 5 s after it starts) would otherwise fall
     into the first burst and take CPU from kube-scheduler alone.
     """
     pid = WATCHED.get("extender")
     deadline = time.monotonic() + limit_s
-    while pid is not None and time.monotonic() < deadline:
+    quiet = 0
+    while pid is not None and quiet < quiet_s and time.monotonic() < deadline:
         before = cpu_seconds(pid)
         time.sleep(1.0)
-        if cpu_seconds(pid) - before < 0.05:
-            return
+        quiet = quiet + 1 if cpu_seconds(pid) - before < 0.05 else 0
 
 
 WATCHED: dict[str, int] = {}  # name -> pid of the processes whose CPU a burst reports
