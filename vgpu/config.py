@@ -47,7 +47,9 @@ class SchedulerConfig:
     metrics_listen: str = "0.0.0.0:9395"
     cert_file: str | None = None
     key_file: str | None = None
-    workers: int = 8
+    # threads: kube-scheduler binds asynchronously, and each bind holds a thread while the API
+    # server answers (tens of ms under load); filter, on every pod's path, must not queue behind them
+    workers: int = 32
     # the active-replica Lease of the extender, and how long a plugin Lease may go unrenewed
     leader_lease: str = "vgpu-scheduler-extender"
     identity: str = ""  # who holds the Lease; empty: the host name (the pod's name in a cluster)

@@ -35,7 +35,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-listen", help="HOST:PORT for plain-HTTP /metrics (default 0.0.0.0:9395)")
     parser.add_argument("--namespace", help="namespace of the Leases (default kube-system)")
     parser.add_argument("--scheduler-name", help="schedulerName pods are routed to (default vgpu-scheduler)")
-    parser.add_argument("--workers", type=int, help="threads answering calls (default 8)")
+    parser.add_argument("--workers", type=int, help="threads answering calls (default 32)")
     parser.add_argument("--node-policy", choices=POLICIES, help="cluster default (default binpack)")
     parser.add_argument("--gpu-policy", choices=POLICIES, help="cluster default (default spread)")
     parser.add_argument(
