@@ -174,6 +174,15 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
 
     try:
         wait_for(lambda: fresh(good) and fresh(evil), "the arbiter to write both regions")
+
+        def serving() -> bool:  # the arbiter starts before /metrics listens
+            try:
+                urllib.request.urlopen(url, timeout=5).read()
+                return True
+            except OSError:
+                return False
+
+        wait_for(serving, "/metrics to answer", timeout=30)
         stop = time.monotonic() + 4
         scrapes = 0
         errors: list[BaseException] = []
