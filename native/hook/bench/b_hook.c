@@ -7,28 +7,10 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "api.h"
+#include "bench/common.h"
 
 static const char ptx[] =
     ".version 7.0\n.target sm_50\n.address_size 64\n.visible .entry empty()\n{\n ret;\n}\n";
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static void check(CUresult rc, const char *what) {
-    if (rc != CUDA_SUCCESS) {
-        printf("error=%s:%d\n", what, rc);
-        exit(1);
-    }
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 int main(int argc, char **argv) {
     int launches = argc > 1 ? atoi(argv[1]) : 100000, allocs = argc > 2 ? atoi(argv[2]) : 20000;

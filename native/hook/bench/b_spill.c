@@ -15,7 +15,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "api.h"
+#include "bench/common.h"
 #include "region_layout.h"
 
 /* sums n 16-byte vectors of 32-bit words into *out, grid-stride */
@@ -34,24 +34,6 @@ static const char ptx[] =
     " add.s32 %r7, %r7, %r8;\n add.s32 %r7, %r7, %r9;\n add.s32 %r7, %r7, %r10;\n add.s32 %r7, %r7, %r11;\n"
     " add.s64 %rd4, %rd4, %rd5;\n bra.uni L1;\n"
     "L2:\n atom.global.add.u32 %r8, [%rd3], %r7;\n ret;\n}\n";
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static void check(CUresult rc, const char *what) {
-    if (rc != CUDA_SUCCESS) {
-        printf("error=%s:%d\n", what, rc);
-        exit(1);
-    }
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static struct vgpu_region_header *region;
 
