@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_figures import record
 
 from vgpu.region import Region
 
@@ -104,15 +105,6 @@ elif kind.startswith("jax"):
     x = jnp.ones(CHUNK // 4, dtype=jnp.float32)
     report(stage="alive", value=float(x.sum()))
 """
-
-
-def record(kind: str, **figures: Any) -> None:
-    folder = os.environ.get("VGPU_GPU_REPORT")
-    line = json.dumps({"test": kind, **figures})
-    print(line)
-    if folder:
-        with open(Path(folder) / "gpu_figures.jsonl", "a") as out:
-            out.write(line + "\n")
 
 
 @pytest.fixture(scope="module")

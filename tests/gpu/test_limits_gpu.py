@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_figures import record
 
 from vgpu.region import Region
 
@@ -27,15 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HOOK = ROOT / "native" / "hook"
 LOOPS = Path(__file__).with_name("gpu_loops.py")
 GIB = 1 << 30
-
-
-def record(kind: str, **figures: Any) -> None:
-    folder = os.environ.get("VGPU_GPU_REPORT")
-    line = json.dumps({"test": kind, **figures})
-    print(line)
-    if folder:
-        with open(Path(folder) / "gpu_figures.jsonl", "a") as out:
-            out.write(line + "\n")
 
 
 @pytest.fixture(scope="module")

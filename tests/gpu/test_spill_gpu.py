@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from gpu_figures import record
 
 from vgpu.region import Region
 
@@ -59,15 +59,6 @@ z = torch.ones(n, dtype=torch.int32, device="cuda")
 report(stage="grown", ok=int(z.sum().item()) == n)
 wait()
 """
-
-
-def record(kind: str, **figures: Any) -> None:
-    folder = os.environ.get("VGPU_GPU_REPORT")
-    line = json.dumps({"test": kind, **figures})
-    print(line)
-    if folder:
-        with open(Path(folder) / "gpu_figures.jsonl", "a") as out:
-            out.write(line + "\n")
 
 
 @pytest.fixture(scope="module")
