@@ -31,13 +31,15 @@ TORCH = r"""
 import json, sys, torch
 def report(**kw): print(json.dumps(kw), flush=True)
 def wait(): sys.stdin.readline()
+def gsum(x):  # summed in 64 MiB pieces: a whole int32 sum makes an int64 copy (2 GiB per GiB)
+    return sum(int(c.sum().item()) for c in x.split(1 << 24))
 n = (1 << 30) // 4  # int32 elements in 1 GiB
 free, total = torch.cuda.mem_get_info()
 report(stage="start", free=free, total=total)
 xs = [torch.full((n,), i + 1, dtype=torch.int32, device="cuda") for i in range(6)]  # kernels write
 y = xs[5] * 2  # a kernel reads spilled memory and writes more of it
-sums = [int(x.sum().item()) for x in xs]
-ok = sums == [(i + 1) * n for i in range(6)] and int(y.sum().item()) == 12 * n
+sums = [gsum(x) for x in xs]
+ok = sums == [(i + 1) * n for i in range(6)] and gsum(y) == 12 * n
 del y
 torch.cuda.empty_cache()
 h = torch.arange(n, dtype=torch.int32)
@@ -52,11 +54,11 @@ try:
     err = None
 except torch.cuda.OutOfMemoryError as e:
     err = type(e).__name__
-sums = [int(x.sum().item()) for x in xs]
+sums = [int(x.cpu().sum()) for x in xs]  # on the host: below the limit no kernel may allocate
 report(stage="shrunk", error=err, ok=sums == [(i + 1) * n for i in range(6)])
 wait()  # raised again
 z = torch.ones(n, dtype=torch.int32, device="cuda")
-report(stage="grown", ok=int(z.sum().item()) == n)
+report(stage="grown", ok=gsum(z) == n)
 wait()
 """
 
