@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,20 @@ class Holder:
         self.proc.wait(timeout=10)
 
     def kill(self, wait: bool = True) -> None:
+        """SIGKILL; without wait, returns once the process is a zombie (dead, not yet waited
+        for): the signal is delivered asynchronously, and on a loaded machine a test that went on
+        at once could find the victim still running."""
         self.proc.kill()
         if wait:
             self.proc.wait(timeout=10)
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return
+            if state in ("Z", "X"):
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"process {self.proc.pid} still running 10 s after SIGKILL")
