@@ -101,6 +101,9 @@ for name, kind, phase, batch, shape in rows:
     x = torch.randn(batch, *shape, device="cuda")
     if phase == "train":
         model.train()
+        for m in model.modules():  # batch 1 leaves ASPP's pooled BatchNorm one value per channel
+            if type(m).__name__ == "ASPPPooling":
+                m.eval()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         def step():
             opt.zero_grad(set_to_none=True)
@@ -155,17 +158,27 @@ def env_for(mode: str, lib: Path, region: Path) -> dict[str, str]:
 def run(
     mode: str, rows: list[Any], seconds: float, budgets: dict[str, int], lib: Path
 ) -> dict[str, dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
+    """One worker process runs every row in one mode; each row is echoed to stderr as it lands,
+    so a run cut short still shows what it measured."""
+    got: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, json.dumps(rows), str(seconds), json.dumps(budgets)],
             env=env_for(mode, lib, Path(tmp) / "region"),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=err,
             text=True,
-            timeout=1800,
         )
-    if out.returncode != 0:
-        raise SystemExit(f"{mode} run failed:\n{out.stderr[-4000:]}")
-    return {r["name"]: r for r in map(json.loads, out.stdout.splitlines())}
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            r = json.loads(line)
+            got[r["name"]] = r
+            mib = r["spilled"] >> 20
+            print(f"  {mode} {r['name']}: {r['per_s']:.1f}/s, {mib} MiB spilled", file=sys.stderr)
+        if proc.wait() != 0:
+            err.seek(0)
+            raise SystemExit(f"{mode} run failed:\n{err.read()[-4000:]}")
+    return got
 
 
 def main() -> int:
