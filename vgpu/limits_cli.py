@@ -24,7 +24,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vgpu.plugin.paths import REGION_FILE_NAME
-from vgpu.region import FLAG_ALONE, FLAG_YIELD, LimitError, Region, RegionError, Snapshot, apply_limits
+from vgpu.region import (
+    FLAG_ALONE,
+    FLAG_GUARD,
+    FLAG_YIELD,
+    LimitError,
+    Region,
+    RegionError,
+    Snapshot,
+    apply_limits,
+)
 
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -93,7 +102,8 @@ def _seconds(ns: int) -> str:
 
 
 def _flags(flags: int) -> str:
-    names = [n for bit, n in ((FLAG_YIELD, "yield"), (FLAG_ALONE, "alone")) if flags & bit]
+    bits = ((FLAG_YIELD, "yield"), (FLAG_ALONE, "alone"), (FLAG_GUARD, "guard"))
+    names = [n for bit, n in bits if flags & bit]
     return ",".join(names) or "-"
 
 

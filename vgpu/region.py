@@ -115,6 +115,7 @@ SLOT: tuple[Field, ...] = (
 # bits of the header's flags[] word, written only by the node monitor
 FLAG_YIELD = 1  # a priority-0 container is busy on this card: priority-1 launches wait
 FLAG_ALONE = 2  # no other container is busy on this card: a work-conserving container may pass its cap
+FLAG_GUARD = 4  # a priority-0 container is on this card: priority-1 launches keep the queue short
 ARBITER_STALE_NS = 1_000_000_000  # flags older than this are ignored (the monitor is gone)
 
 
@@ -165,6 +166,7 @@ def c_header() -> str:
         f"#define VGPU_LOCK_BYTES {LOCK_BYTES}",
         f"#define VGPU_FLAG_YIELD {FLAG_YIELD}u",
         f"#define VGPU_FLAG_ALONE {FLAG_ALONE}u",
+        f"#define VGPU_FLAG_GUARD {FLAG_GUARD}u",
         f"#define VGPU_ARBITER_STALE_NS {ARBITER_STALE_NS}ULL",
         "",
     ]
@@ -529,7 +531,7 @@ class Region:
         self._store("budget", index, budget_bytes)
 
     def set_flags(self, index: int, flags: int) -> None:
-        """The monitor's per-card word for device ``index`` (FLAG_YIELD, FLAG_ALONE)."""
+        """The monitor's per-card word for device ``index`` (FLAG_YIELD, FLAG_ALONE, FLAG_GUARD)."""
         self._device(index)
         self._store("flags", index, flags)
 

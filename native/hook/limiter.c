@@ -14,8 +14,10 @@
  *     the device), settled against the measurement when its interval completes, so the queue of
  *     launched-but-unfinished work cannot run far past the limit;
  *   - before each launch: while the bucket is empty (or a priority-0 container holds the card),
- *     wait; waits are added to throttled_ns[i].
- * With no limit and no yield flag a launch costs a few relaxed loads and, at most once a
+ *     wait; waits are added to throttled_ns[i];
+ *   - while a priority-0 container shares the card (FLAG_GUARD), a normal one keeps at most
+ *     GUARD_QUEUE_NS of work queued per stream, so that its yield takes hold within milliseconds.
+ * With no limit and no yield or guard flag a launch costs a few relaxed loads and, at most once a
  * millisecond, a store of last_launch_ns[i]. Launches into a capturing stream are forwarded
  * untouched; the limiter's own driver calls run in relaxed capture mode. */
 #define _GNU_SOURCE
@@ -35,6 +37,7 @@
 #define SEAL_LAUNCHES 32
 #define QUEUE_MAX 64               /* events per stream */
 #define INFLIGHT_MAX 256           /* launches per stream not measured yet: wait beyond */
+#define GUARD_QUEUE_NS 4000000LL   /* queued work per stream under FLAG_GUARD: a yield holds in ms */
 #define WAIT_MIN_NS 200000ULL
 #define WAIT_MAX_NS 5000000ULL
 #define YIELD_WAIT_NS 1000000ULL
@@ -461,11 +464,16 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
     pthread_mutex_lock(&L.mu);
     struct stream *s = stream_get(l->ctx, h, l->thread, idx, hd);
     uint64_t waited = 0;
+    /* a normal container beside a high-priority one keeps only a few ms of work queued: the
+     * driver runs whatever is queued, so a deeper queue would outlast the yield by seconds */
+    uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+    int guarded = (flags & VGPU_FLAG_GUARD) && __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0 &&
+                  arbiter_fresh(hd, now);
     while (s && harvest(s, hd)) {
         /* bounded look-ahead: an unmeasured device, or too much queued, waits for the GPU */
-        if (!(s->inflight >= INFLIGHT_MAX || (!L.avg[idx] && s->inflight > 0 && !idle(s, hd))) ||
-            waited >= DEPTH_WAIT_MAX_NS)
-            break;
+        int deep = s->inflight >= INFLIGHT_MAX || (!L.avg[idx] && s->inflight > 0 && !idle(s, hd)) ||
+                   (guarded && (int64_t)s->inflight * L.avg[idx] >= GUARD_QUEUE_NS);
+        if (!deep || waited >= DEPTH_WAIT_MAX_NS) break;
         pthread_mutex_unlock(&L.mu);
         sleep_ns(DEPTH_WAIT_NS);
         waited += DEPTH_WAIT_NS;
@@ -539,7 +547,7 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
     uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
-    if ((limit == 0 || limit >= 100) && !(flags & VGPU_FLAG_YIELD)) {
+    if ((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {
         stamp(hd, idx, coarse_ns());
         return 0;
     }

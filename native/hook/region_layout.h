@@ -12,6 +12,7 @@
 #define VGPU_LOCK_BYTES 64
 #define VGPU_FLAG_YIELD 1u
 #define VGPU_FLAG_ALONE 2u
+#define VGPU_FLAG_GUARD 4u
 #define VGPU_ARBITER_STALE_NS 1000000000ULL
 
 struct vgpu_region_header {

@@ -133,6 +133,30 @@ def test_a_normal_priority_container_yields_while_the_monitor_says_so(built: Bui
     assert r.int("throttled_ns") >= 1_200_000_000
 
 
+# guarded (a high-priority container is on the card), then not, then guarded and told to yield
+QUEUE_STEPS = "0.5:flags=4+fresh=1,0.3:flags=0,0.4:flags=5+fresh=1"
+
+
+def test_beside_a_high_priority_container_the_queue_stays_short_so_a_yield_holds_at_once(
+    built: Built, tmp_path: Path
+) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="1")
+    r = run(built, "t_sm", "link", "queue", "kernel", QUEUE_STEPS, environ=environ)
+    # a loop that never syncs, of 1 ms kernels: guarded, a few ms queued, and the card kept busy
+    assert r.values["step0_max_queue_ms"] and float(r.values["step0_max_queue_ms"]) <= 8.0, r.values
+    assert share(r, "step0_share") >= 0.8, r.values
+    # unguarded, the same loop queues as deep as the program lets it (two seconds here)
+    assert float(r.values["step1_max_queue_ms"]) >= 500.0, r.values
+    assert r.int("step2_launches") <= 2  # told to yield: launches wait
+
+
+def test_a_high_priority_container_ignores_the_guard(built: Built, tmp_path: Path) -> None:
+    environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="0")
+    r = run(built, "t_sm", "link", "queue", "kernel", "0.4:flags=5+fresh=1", environ=environ)
+    assert float(r.values["step0_max_queue_ms"]) >= 200.0, r.values
+    assert r.int("throttled_ns") == 0
+
+
 def test_a_high_priority_container_never_yields(built: Built, tmp_path: Path) -> None:
     environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="0")
     r = run(built, "t_sm", "link", "phases", "kernel", YIELD_STEPS, environ=environ)

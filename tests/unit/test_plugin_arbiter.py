@@ -17,7 +17,7 @@ from vgpu.errors import ConfigError
 from vgpu.plugin.arbiter import Activity, Arbiter, add_arguments, decide, settings
 from vgpu.plugin.paths import REGION_FILE_NAME
 
-Y, A = region.FLAG_YIELD, region.FLAG_ALONE
+Y, A, G = region.FLAG_YIELD, region.FLAG_ALONE, region.FLAG_GUARD
 MS = 1_000_000
 
 
@@ -28,23 +28,23 @@ def test_a_normal_container_yields_on_the_card_where_a_high_one_is_active() -> N
             "GPU-b": [Activity("lo", 1, 1, True)],
         }
     )
-    assert flags == {("hi", 0): 0, ("lo", 0): Y, ("lo", 1): A}
+    assert flags == {("hi", 0): 0, ("lo", 0): Y | G, ("lo", 1): A}
 
 
-def test_an_idle_high_container_holds_no_one_back() -> None:
+def test_an_idle_high_container_holds_no_one_back_but_keeps_their_queues_short() -> None:
     flags = decide({"GPU-a": [Activity("hi", 0, 0, False), Activity("lo", 0, 1, True)]})
-    assert flags == {("hi", 0): 0, ("lo", 0): A}
+    assert flags == {("hi", 0): 0, ("lo", 0): A | G}
 
 
 def test_a_normal_container_yields_even_while_idle_so_its_next_launch_waits() -> None:
-    assert decide({"GPU-a": [Activity("hi", 0, 0, True), Activity("lo", 0, 1, False)]})[("lo", 0)] == Y
+    assert decide({"GPU-a": [Activity("hi", 0, 0, True), Activity("lo", 0, 1, False)]})[("lo", 0)] == Y | G
 
 
 def test_high_containers_never_yield_and_busy_peers_are_never_alone() -> None:
     flags = decide(
         {"GPU-a": [Activity("h1", 0, 0, True), Activity("h2", 0, 0, True), Activity("n", 0, 1, True)]}
     )
-    assert flags == {("h1", 0): 0, ("h2", 0): 0, ("n", 0): Y}
+    assert flags == {("h1", 0): 0, ("h2", 0): 0, ("n", 0): Y | G}
     assert decide({"GPU-a": [Activity("n1", 0, 1, True), Activity("n2", 0, 1, True)]}) == {
         ("n1", 0): 0,
         ("n2", 0): 0,
@@ -75,6 +75,7 @@ def test_flags_follow_the_rules_for_any_mix(cards: dict[str, list[tuple[str, int
             others = [o for o in es if o.container != e.container]
             assert bool(word & Y) == (e.priority == 1 and any(o.active and o.priority == 0 for o in others))
             assert bool(word & A) == (not any(o.active for o in others))
+            assert bool(word & G) == (e.priority == 1 and any(o.priority == 0 for o in others))
             assert word != Y | A
 
 
@@ -115,16 +116,16 @@ def test_the_arbiter_writes_flags_and_its_time_into_the_regions(tmp_path: Path) 
     poke(hi, "last_launch_ns", 0, clock.ns - 50 * MS)
     poke(lo, "last_launch_ns", 1, clock.ns - 10 * MS)
     arbiter.run_pass()
-    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, Y, 0)
+    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, Y | G, 0)
     assert word(lo, "arbiter_ns") == word(hi, "arbiter_ns") == clock.ns
     clock.ns += 200 * MS  # both launches left the window: nobody yields, each is alone
     arbiter.run_pass()
-    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, A, A)
+    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, A | G, A)
     poke(hi, "busy_ns", 0, 5 * MS)  # busy time grew: active again without a fresh launch stamp
     arbiter.run_pass()
-    assert (word(lo, "flags", 1), word(hi, "flags", 0)) == (Y, A)
+    assert (word(lo, "flags", 1), word(hi, "flags", 0)) == (Y | G, A)
     arbiter.run_pass()  # busy_ns did not grow since the last pass
-    assert word(lo, "flags", 1) == A
+    assert word(lo, "flags", 1) == A | G
     arbiter.stop()
 
 

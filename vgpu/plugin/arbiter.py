@@ -9,6 +9,10 @@ high-priority neighbour is busy on the same card. The arbiter, a thread of the n
   active: the hook holds that container's launches until the flag clears;
 - ``FLAG_ALONE`` on an entry for a card where no other container is active: a container with
   ``sm_policy`` elastic may then run past its SM cap (work-conserving);
+- ``FLAG_GUARD`` on a priority-1 container's entry for a card that a priority-0 container is
+  on, busy or not: the hook then keeps that container's queue of launched work short (a few
+  milliseconds), so that a yield takes hold at once. Without it a loop that syncs rarely has
+  seconds of work queued in the driver, which runs, yield or not;
 
 and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The hook ignores
 flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a container
@@ -39,7 +43,7 @@ from pathlib import Path
 
 from vgpu.errors import ConfigError
 from vgpu.plugin.paths import REGION_FILE_NAME
-from vgpu.region import FLAG_ALONE, FLAG_YIELD, Header, Region, RegionError
+from vgpu.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +75,12 @@ def decide(cards: Mapping[str, Sequence[Activity]]) -> dict[tuple[str, int], int
                 flags[(e.container, e.index)] = 0
             continue
         active = {e.container for e in entries if e.active}
+        present = {e.container for e in entries if e.priority == 0}
         high = {e.container for e in entries if e.active and e.priority == 0}
         for e in entries:
             word = 0
+            if e.priority != 0 and present - {e.container}:
+                word |= FLAG_GUARD
             if e.priority != 0 and high - {e.container}:
                 word |= FLAG_YIELD
             if not active - {e.container}:

@@ -5,6 +5,7 @@
  *   phases PATH SPEC                      SPEC = step,step,... with step = SECONDS[:ACTION[+ACTION...]],
  *                                         ACTION: limit=N  flags=N  fresh=0|1 (keep arbiter_ns fresh),
  *                                         as the node monitor writes them; prints each step's share
+ *   queue PATH SPEC                       as phases, never syncing: prints each step's deepest queue
  *   capture                               launches into a capturing stream, then on another stream
  *   events_fail                           every event call fails for a while (a destroyed context)
  *   fork                                  a forked child launches on under the limit
@@ -138,6 +139,9 @@ static int rate(int argc, char **argv) {
 static volatile int done;
 static unsigned long launched;
 static char *spec;
+static unsigned long long max_queue; /* the deepest queue (ns of work launched, not yet run) this step */
+static int track_queue;
+static volatile int applied; /* the first step's actions are in */
 
 static void *monitor(void *arg) {
     (void)arg;
@@ -153,7 +157,10 @@ static void *monitor(void *arg) {
                 fresh = atoi(action + 6);
         }
         uint64_t t0 = now_ns(), until = t0 + (uint64_t)(atof(tok) * 1e9);
+        if (fresh) __atomic_store_n(&hd->arbiter_ns, t0, __ATOMIC_RELEASE);
         unsigned long long b0 = busy();
+        __atomic_store_n(&max_queue, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&applied, 1, __ATOMIC_RELEASE);
         unsigned long n0 = __atomic_load_n(&launched, __ATOMIC_RELAXED);
         for (uint64_t t = t0; t < until; t = now_ns()) {
             if (fresh) __atomic_store_n(&hd->arbiter_ns, t, __ATOMIC_RELEASE);
@@ -163,6 +170,7 @@ static void *monitor(void *arg) {
         }
         printf("step%d_launches=%lu\nstep%d_share=%.4f\n", step, __atomic_load_n(&launched, __ATOMIC_RELAXED) - n0,
                step, (double)(busy() - b0) / (double)(now_ns() - t0));
+        if (track_queue) printf("step%d_max_queue_ms=%.1f\n", step, (double)__atomic_load_n(&max_queue, __ATOMIC_RELAXED) / 1e6);
         fflush(stdout);
     }
     done = 1;
@@ -182,6 +190,34 @@ static int phases(int argc, char **argv) {
     }
     pthread_join(th, NULL);
     R(cuCtxSynchronize, "cuCtxSynchronize")();
+    print_region();
+    return 0;
+}
+
+/* queue: as phases, but never waiting for the work (a training loop that syncs rarely): how deep
+ * the device's queue grows is then up to the limiter alone */
+static int queue(int argc, char **argv) {
+    if (argc < 5 || !hd) die("usage: t_sm MODE queue PATH SPEC (with a region)", 0);
+    spec = strdup(argv[4]);
+    track_queue = 1;
+    CUstream s = make_stream("created");
+    unsigned long long kernel = getenv("TEST_KERNEL_US") ? (unsigned long long)(atof(getenv("TEST_KERNEL_US")) * 1000) : 1000000ULL;
+    unsigned long long b0 = busy(), n = 0;
+    pthread_t th;
+    pthread_create(&th, NULL, monitor, NULL);
+    while (!__atomic_load_n(&applied, __ATOMIC_ACQUIRE)) {}
+    while (!done) {
+        CUresult rc = launch(s);
+        if (rc) die("launch", rc);
+        __atomic_add_fetch(&launched, 1, __ATOMIC_RELAXED);
+        unsigned long long q = ++n * kernel - (busy() - b0);
+        if (q > __atomic_load_n(&max_queue, __ATOMIC_RELAXED)) __atomic_store_n(&max_queue, q, __ATOMIC_RELAXED);
+        if (q > 2000000000ULL) { /* two seconds queued: the limiter held nothing back */
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    pthread_join(th, NULL);
     print_region();
     return 0;
 }
@@ -275,6 +311,7 @@ int main(int argc, char **argv) {
     int ret = 0;
     if (strcmp(argv[2], "rate") == 0) ret = rate(argc, argv);
     else if (strcmp(argv[2], "phases") == 0) ret = phases(argc, argv);
+    else if (strcmp(argv[2], "queue") == 0) ret = queue(argc, argv);
     else if (strcmp(argv[2], "capture") == 0) ret = capture();
     else if (strcmp(argv[2], "events_fail") == 0) ret = events_fail();
     else if (strcmp(argv[2], "fork") == 0) ret = forked();
