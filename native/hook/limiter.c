@@ -15,8 +15,11 @@
  *     launched-but-unfinished work cannot run far past the limit;
  *   - before each launch: while the bucket is empty (or a priority-0 container holds the card),
  *     wait; waits are added to throttled_ns[i];
- *   - while a priority-0 container shares the card (FLAG_GUARD), a normal one keeps at most
- *     GUARD_QUEUE_NS of work queued per stream, so that its yield takes hold within milliseconds.
+ *   - while priority-0 and normal containers share a card (FLAG_GUARD on both), each keeps its
+ *     queue short: a normal one at most GUARD_QUEUE_NS of work per stream, so that its yield takes
+ *     hold within milliseconds; a priority-0 one at most HIGH_QUEUE_NS, so that it keeps launching
+ *     while busy (the monitor sees it active by its launches) rather than sit for seconds in a
+ *     sync on a queue the driver holds, looking idle while its work still runs.
  * With no limit and no yield or guard flag a launch costs a few relaxed loads and, at most once a
  * millisecond, a store of last_launch_ns[i]. Launches into a capturing stream are forwarded
  * untouched; the limiter's own driver calls run in relaxed capture mode. */
@@ -37,7 +40,8 @@
 #define SEAL_LAUNCHES 32
 #define QUEUE_MAX 64               /* events per stream */
 #define INFLIGHT_MAX 256           /* launches per stream not measured yet: wait beyond */
-#define GUARD_QUEUE_NS 4000000LL   /* queued work per stream under FLAG_GUARD: a yield holds in ms */
+#define GUARD_QUEUE_NS 8000000LL   /* queued work per stream under FLAG_GUARD: a yield holds in ms */
+#define HIGH_QUEUE_NS 40000000LL   /* the same for priority 0: within the monitor's activity window */
 #define WAIT_MIN_NS 200000ULL
 #define WAIT_MAX_NS 5000000ULL
 #define YIELD_WAIT_NS 1000000ULL
@@ -464,15 +468,16 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
     pthread_mutex_lock(&L.mu);
     struct stream *s = stream_get(l->ctx, h, l->thread, idx, hd);
     uint64_t waited = 0;
-    /* a normal container beside a high-priority one keeps only a few ms of work queued: the
-     * driver runs whatever is queued, so a deeper queue would outlast the yield by seconds */
+    /* beside each other, a normal container keeps only a few ms of work queued (the driver runs
+     * whatever is queued, so a deeper queue would outlast its yield by seconds) and a priority-0
+     * one tens of ms (so that it keeps launching, and so counts as active, while its work runs) */
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
-    int guarded = (flags & VGPU_FLAG_GUARD) && __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0 &&
-                  arbiter_fresh(hd, now);
+    int64_t queue_max = __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0 ? GUARD_QUEUE_NS : HIGH_QUEUE_NS;
+    int guarded = (flags & VGPU_FLAG_GUARD) && arbiter_fresh(hd, now);
     while (s && harvest(s, hd)) {
         /* bounded look-ahead: an unmeasured device, or too much queued, waits for the GPU */
         int deep = s->inflight >= INFLIGHT_MAX || (!L.avg[idx] && s->inflight > 0 && !idle(s, hd)) ||
-                   (guarded && (int64_t)s->inflight * L.avg[idx] >= GUARD_QUEUE_NS);
+                   (guarded && (int64_t)s->inflight * L.avg[idx] >= queue_max);
         if (!deep || waited >= DEPTH_WAIT_MAX_NS) break;
         pthread_mutex_unlock(&L.mu);
         sleep_ns(DEPTH_WAIT_NS);

@@ -143,18 +143,23 @@ def test_beside_a_high_priority_container_the_queue_stays_short_so_a_yield_holds
     environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="1")
     r = run(built, "t_sm", "link", "queue", "kernel", QUEUE_STEPS, environ=environ)
     # a loop that never syncs, of 1 ms kernels: guarded, a few ms queued, and the card kept busy
-    assert r.values["step0_max_queue_ms"] and float(r.values["step0_max_queue_ms"]) <= 8.0, r.values
+    assert float(r.values["step0_max_queue_ms"]) <= 12.0, r.values  # 8 ms and a kernel in flight
     assert share(r, "step0_share") >= 0.8, r.values
     # unguarded, the same loop queues as deep as the program lets it (two seconds here)
     assert float(r.values["step1_max_queue_ms"]) >= 500.0, r.values
     assert r.int("step2_launches") <= 2  # told to yield: launches wait
 
 
-def test_a_high_priority_container_ignores_the_guard(built: Built, tmp_path: Path) -> None:
+def test_a_high_priority_container_never_yields_and_keeps_launching_while_its_work_runs(
+    built: Built, tmp_path: Path
+) -> None:
+    # guarded, a priority-0 loop keeps tens of ms queued (40 ms: it launches as its work runs, so
+    # the monitor's activity window sees it busy), never the seconds a sync would then sit on
     environ = limited(built, tmp_path / "region", CUDA_TASK_PRIORITY="0")
-    r = run(built, "t_sm", "link", "queue", "kernel", "0.4:flags=5+fresh=1", environ=environ)
-    assert float(r.values["step0_max_queue_ms"]) >= 200.0, r.values
-    assert r.int("throttled_ns") == 0
+    r = run(built, "t_sm", "link", "queue", "kernel", "0.6:flags=5+fresh=1", environ=environ)
+    assert 30.0 <= float(r.values["step0_max_queue_ms"]) <= 50.0, r.values
+    assert share(r, "step0_share") >= 0.9, r.values
+    assert r.int("throttled_ns") == 0  # the yield flag is not for it
 
 
 def test_a_high_priority_container_never_yields(built: Built, tmp_path: Path) -> None:

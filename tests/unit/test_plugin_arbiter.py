@@ -28,12 +28,12 @@ def test_a_normal_container_yields_on_the_card_where_a_high_one_is_active() -> N
             "GPU-b": [Activity("lo", 1, 1, True)],
         }
     )
-    assert flags == {("hi", 0): 0, ("lo", 0): Y | G, ("lo", 1): A}
+    assert flags == {("hi", 0): G, ("lo", 0): Y | G, ("lo", 1): A}
 
 
 def test_an_idle_high_container_holds_no_one_back_but_keeps_their_queues_short() -> None:
     flags = decide({"GPU-a": [Activity("hi", 0, 0, False), Activity("lo", 0, 1, True)]})
-    assert flags == {("hi", 0): 0, ("lo", 0): A | G}
+    assert flags == {("hi", 0): G, ("lo", 0): A | G}
 
 
 def test_a_normal_container_yields_even_while_idle_so_its_next_launch_waits() -> None:
@@ -44,7 +44,7 @@ def test_high_containers_never_yield_and_busy_peers_are_never_alone() -> None:
     flags = decide(
         {"GPU-a": [Activity("h1", 0, 0, True), Activity("h2", 0, 0, True), Activity("n", 0, 1, True)]}
     )
-    assert flags == {("h1", 0): 0, ("h2", 0): 0, ("n", 0): Y | G}
+    assert flags == {("h1", 0): G, ("h2", 0): G, ("n", 0): Y | G}
     assert decide({"GPU-a": [Activity("n1", 0, 1, True), Activity("n2", 0, 1, True)]}) == {
         ("n1", 0): 0,
         ("n2", 0): 0,
@@ -75,7 +75,8 @@ def test_flags_follow_the_rules_for_any_mix(cards: dict[str, list[tuple[str, int
             others = [o for o in es if o.container != e.container]
             assert bool(word & Y) == (e.priority == 1 and any(o.active and o.priority == 0 for o in others))
             assert bool(word & A) == (not any(o.active for o in others))
-            assert bool(word & G) == (e.priority == 1 and any(o.priority == 0 for o in others))
+            # both kinds on the card: everyone keeps a short queue (each one's own length)
+            assert bool(word & G) == any((o.priority == 0) != (e.priority == 0) for o in others)
             assert word != Y | A
 
 
@@ -116,14 +117,14 @@ def test_the_arbiter_writes_flags_and_its_time_into_the_regions(tmp_path: Path) 
     poke(hi, "last_launch_ns", 0, clock.ns - 50 * MS)
     poke(lo, "last_launch_ns", 1, clock.ns - 10 * MS)
     arbiter.run_pass()
-    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, Y | G, 0)
+    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, Y | G, G)
     assert word(lo, "arbiter_ns") == word(hi, "arbiter_ns") == clock.ns
     clock.ns += 200 * MS  # both launches left the window: nobody yields, each is alone
     arbiter.run_pass()
-    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, A | G, A)
+    assert (word(lo, "flags", 0), word(lo, "flags", 1), word(hi, "flags", 0)) == (A, A | G, A | G)
     poke(hi, "busy_ns", 0, 5 * MS)  # busy time grew: active again without a fresh launch stamp
     arbiter.run_pass()
-    assert (word(lo, "flags", 1), word(hi, "flags", 0)) == (Y | G, A)
+    assert (word(lo, "flags", 1), word(hi, "flags", 0)) == (Y | G, A | G)
     arbiter.run_pass()  # busy_ns did not grow since the last pass
     assert word(lo, "flags", 1) == A | G
     arbiter.stop()

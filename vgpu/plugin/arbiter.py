@@ -9,10 +9,12 @@ high-priority neighbour is busy on the same card. The arbiter, a thread of the n
   active: the hook holds that container's launches until the flag clears;
 - ``FLAG_ALONE`` on an entry for a card where no other container is active: a container with
   ``sm_policy`` elastic may then run past its SM cap (work-conserving);
-- ``FLAG_GUARD`` on a priority-1 container's entry for a card that a priority-0 container is
-  on, busy or not: the hook then keeps that container's queue of launched work short (a few
-  milliseconds), so that a yield takes hold at once. Without it a loop that syncs rarely has
-  seconds of work queued in the driver, which runs, yield or not;
+- ``FLAG_GUARD`` on every entry for a card that both a priority-0 and a priority-1 container
+  are on, busy or not: the hook then keeps the queue of launched work short, 8 ms for a normal
+  container (so that a yield takes hold at once) and 40 ms for a high one (so that it keeps
+  launching while its work runs, which is how it is seen active). Without it a loop that syncs
+  rarely has seconds of work queued in the driver: a normal one's runs, yield or not, and a high
+  one waits in a long sync without launching, looking idle while its work still runs;
 
 and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The hook ignores
 flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a container
@@ -75,11 +77,12 @@ def decide(cards: Mapping[str, Sequence[Activity]]) -> dict[tuple[str, int], int
                 flags[(e.container, e.index)] = 0
             continue
         active = {e.container for e in entries if e.active}
-        present = {e.container for e in entries if e.priority == 0}
+        present_high = {e.container for e in entries if e.priority == 0}
+        present_normal = {e.container for e in entries if e.priority != 0}
         high = {e.container for e in entries if e.active and e.priority == 0}
         for e in entries:
             word = 0
-            if e.priority != 0 and present - {e.container}:
+            if (present_normal if e.priority == 0 else present_high) - {e.container}:
                 word |= FLAG_GUARD
             if e.priority != 0 and high - {e.container}:
                 word |= FLAG_YIELD
