@@ -27,6 +27,7 @@ static struct vgpu_region_header *hd;
 static unsigned long long (*busy)(void);
 static void (*set_kernel)(unsigned long long);
 static CUcontext ctx;
+static unsigned long long kernel_ns; /* each simulated kernel's length */
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -170,7 +171,8 @@ static void *monitor(void *arg) {
         }
         printf("step%d_launches=%lu\nstep%d_share=%.4f\n", step, __atomic_load_n(&launched, __ATOMIC_RELAXED) - n0,
                step, (double)(busy() - b0) / (double)(now_ns() - t0));
-        if (track_queue) printf("step%d_max_queue_ms=%.1f\n", step, (double)__atomic_load_n(&max_queue, __ATOMIC_RELAXED) / 1e6);
+        if (track_queue)
+            printf("step%d_max_queue_ms=%.1f\n", step, (double)__atomic_load_n(&max_queue, __ATOMIC_RELAXED) / 1e6);
         fflush(stdout);
     }
     done = 1;
@@ -201,7 +203,6 @@ static int queue(int argc, char **argv) {
     spec = strdup(argv[4]);
     track_queue = 1;
     CUstream s = make_stream("created");
-    unsigned long long kernel = getenv("TEST_KERNEL_US") ? (unsigned long long)(atof(getenv("TEST_KERNEL_US")) * 1000) : 1000000ULL;
     unsigned long long b0 = busy(), n = 0;
     pthread_t th;
     pthread_create(&th, NULL, monitor, NULL);
@@ -210,7 +211,7 @@ static int queue(int argc, char **argv) {
         CUresult rc = launch(s);
         if (rc) die("launch", rc);
         __atomic_add_fetch(&launched, 1, __ATOMIC_RELAXED);
-        unsigned long long q = ++n * kernel - (busy() - b0);
+        unsigned long long q = ++n * kernel_ns - (busy() - b0);
         if (q > __atomic_load_n(&max_queue, __ATOMIC_RELAXED)) __atomic_store_n(&max_queue, q, __ATOMIC_RELAXED);
         if (q > 2000000000ULL) { /* two seconds queued: the limiter held nothing back */
             struct timespec ts = {0, 1000000};
@@ -301,7 +302,8 @@ int main(int argc, char **argv) {
     busy = (unsigned long long (*)(void))stub("stubBusyNs");
     set_kernel = (void (*)(unsigned long long))stub("stubSetKernelNs");
     const char *k = getenv("TEST_KERNEL_US");
-    set_kernel(k ? (unsigned long long)(atof(k) * 1000) : 1000000ULL);
+    kernel_ns = k ? (unsigned long long)(atof(k) * 1000) : 1000000ULL;
+    set_kernel(kernel_ns);
     CUmodule mod;
     CUresult rc = R(cuModuleLoadData, "cuModuleLoadData")(&mod, ptx);
     if (rc) die("cuModuleLoadData", rc);
