@@ -143,6 +143,10 @@ def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tm
     region_dir = tmp_path / f"var/lib/vgpu/containers/{uid}_main"
     assert mounts[f"/var/lib/vgpu/containers/{uid}_main"] == (str(region_dir), False)
     assert region_dir.is_dir()
+    # the granted priority is recorded on the host, out of the container's reach (not mounted)
+    record = tmp_path / f"var/lib/vgpu/grants/{uid}_main.priority"
+    assert record.read_text() == "1\n" and record.parent.stat().st_mode & 0o777 == 0o700
+    assert all(not host.startswith(str(record.parent)) for host, _ in mounts.values())
     lib_host, _ = mounts["/usr/local/vgpu/libvgpu.so"]
     preload_host, ro = mounts["/etc/ld.so.preload"]
     assert ro and Path(preload_host).read_text() == "/usr/local/vgpu/libvgpu.so\n"

@@ -130,6 +130,35 @@ def test_the_arbiter_writes_flags_and_its_time_into_the_regions(tmp_path: Path) 
     arbiter.stop()
 
 
+def test_the_granted_priority_wins_over_what_a_container_writes_into_its_region(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    containers, grants = tmp_path / "containers", tmp_path / "grants"
+    grants.mkdir()
+    # "sly" was granted priority 1 but wrote 0 into its own region; "hi" really is priority 0
+    sly = container(containers, "uid-1_sly", ["GPU-a"], 0)
+    lo = container(containers, "uid-2_lo", ["GPU-a"], 1)
+    (grants / "uid-1_sly.priority").write_text("1\n")
+    (grants / "uid-2_lo.priority").write_text("1\n")
+    arbiter = Arbiter(containers, window_s=0.1, clock=clock, grants_dir=grants)
+    arbiter.rescan()
+    poke(sly, "last_launch_ns", 0, clock.ns - 10 * MS)
+    poke(lo, "last_launch_ns", 0, clock.ns - 10 * MS)
+    with caplog.at_level(logging.WARNING):
+        arbiter.run_pass()
+    assert (word(lo, "flags"), word(sly, "flags")) == (0, 0)  # nobody yields to the claim
+    assert "claims priority 0 in its region, granted 1" in caplog.text
+    # a real grant of priority 0 (the record appears after the region: picked up at rescan)
+    hi = container(containers, "uid-3_hi", ["GPU-a"], 0)
+    (grants / "uid-3_hi.priority").write_text("0\n")
+    arbiter.rescan()
+    poke(hi, "last_launch_ns", 0, clock.ns - 10 * MS)
+    arbiter.run_pass()
+    assert (word(lo, "flags"), word(sly, "flags"), word(hi, "flags")) == (Y | G, Y | G, G)
+    arbiter.stop()
+
+
 def test_new_removed_and_replaced_regions_are_picked_up_by_rescan(tmp_path: Path) -> None:
     arbiter = Arbiter(tmp_path, clock=Clock())
     arbiter.rescan()

@@ -36,6 +36,12 @@ def test_region_folders_of_pods_gone_from_the_node_are_swept_once_old(tmp_path: 
     for name in ("live_main", "gone_main", "gone_side"):
         os.utime(paths.containers_dir / name, (1000.0, 1000.0))
     os.utime(paths.containers_dir / "fresh_main", (1990.0, 1990.0))
+    paths.grants_dir.mkdir(parents=True)
+    for name in ("live_main", "gone_main", "fresh_main"):
+        (paths.grants_dir / f"{name}.priority").write_text("1\n")
+        os.utime(paths.grants_dir / f"{name}.priority", (1000.0 if name != "fresh_main" else 1990.0,) * 2)
     removed = sweep_container_dirs(paths, {"live"}, min_age_s=300, now=2000.0)
     assert sorted(p.name for p in removed) == ["gone_main", "gone_side"]
     assert sorted(p.name for p in paths.containers_dir.iterdir()) == ["fresh_main", "live_main"]
+    # the priority records of gone pods go with their folders
+    assert sorted(p.name for p in paths.grants_dir.iterdir()) == ["fresh_main.priority", "live_main.priority"]

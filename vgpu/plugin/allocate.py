@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -374,10 +375,12 @@ class Allocator:
         # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
         self.paths.containers_dir.chmod(0o700)
         host_dir.chmod(0o777)
+        priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
+        self._grant_priority(host_dir.name, priority)
         envs = {
             "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
-            "CUDA_TASK_PRIORITY": w.priorities.get(container.name, DEFAULT_PRIORITY),
+            "CUDA_TASK_PRIORITY": priority,
         }
         scaling = Fraction(repr(self.config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
         spill = self.config.oversubscribe and scaling > 1
@@ -401,6 +404,16 @@ class Allocator:
                 ),
             ]
         return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+    def _grant_priority(self, folder_name: str, priority: str) -> None:
+        """Record the priority on the host, where the arbiter trusts it over the region's word."""
+        grants = self.paths.grants_dir
+        grants.mkdir(parents=True, exist_ok=True)
+        grants.chmod(0o700)
+        record = self.paths.priority_record(folder_name)
+        tmp = record.with_name(f".{record.name}.{os.getpid()}")
+        tmp.write_text(priority + "\n")
+        os.replace(tmp, record)
 
     def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:
         try:

@@ -21,6 +21,10 @@ flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a
 held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
 within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
 
+A container's priority is the one the device plugin granted it, recorded at Allocate under
+``/var/lib/vgpu/grants/`` (not mounted into any container); the region's ``priority`` word,
+which the container can write, counts only where there is no record (a container run by hand).
+
 The region files stay open between passes, never mapped (``Region(..., mapped=False)``): the
 container can cut its file short at any moment, and a mapped page past the end of the file
 would kill the whole device plugin with SIGBUS. A pass costs one ``pread`` of each region's
@@ -120,6 +124,8 @@ class _Tracked:
     region: Region
     uuids: tuple[str, ...]
     busy: list[int] = field(default_factory=list)
+    granted: int | None = None  # the device plugin's record of the priority, if there is one
+    told: bool = False  # a region claiming another priority than granted was logged
 
 
 @dataclass
@@ -141,8 +147,10 @@ class Arbiter:
         rescan_s: float = DEFAULT_RESCAN_S,
         bad: BadRegions | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
+        grants_dir: Path | None = None,
     ) -> None:
         self.containers_dir = Path(containers_dir)
+        self.grants_dir = grants_dir
         self.interval_s = interval_s
         self.window_ns = int(window_s * 1e9)
         self.rescan_s = rescan_s
@@ -175,6 +183,9 @@ class Arbiter:
                 self._drop(path)
         for path in seen:
             if path in self._tracked:
+                t = self._tracked[path]
+                if t.granted is None:
+                    t.granted = self._granted(path)
                 continue
             try:
                 region = Region(path, writable=True, mapped=False)
@@ -191,8 +202,23 @@ class Arbiter:
                 self.bad.report(path, err)
                 continue
             self.bad.forget(path)
-            self._tracked[path] = _Tracked(region, uuids, busy)
+            self._tracked[path] = _Tracked(region, uuids, busy, self._granted(path))
         self.stats.regions = len(self._tracked)
+
+    def _granted(self, path: Path) -> int | None:
+        """The priority the device plugin granted the container of this region (its record under
+        ``grants_dir``, out of the container's reach), or None where there is no record."""
+        if self.grants_dir is None:
+            return None
+        try:
+            text = (self.grants_dir / f"{path.parent.name}.priority").read_text().strip()
+        except OSError:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            self.bad.report(path, f"unreadable priority record {text!r}: the region's own word is used")
+            return None
 
     def _drop(self, path: Path) -> None:
         t = self._tracked.pop(path, None)
@@ -215,6 +241,19 @@ class Arbiter:
             try:
                 h = t.region.read_header()  # one pread; a file cut short raises, never a signal
                 priority = h.word("priority")
+                if t.granted is not None and priority != t.granted:
+                    # the container wrote its own region: the grant holds (a container that made
+                    # itself priority 0 would hold every neighbour on its card)
+                    if not t.told:
+                        t.told = True
+                        log.warning(
+                            "container %s claims priority %d in its region, granted %d: using %d",
+                            name,
+                            priority,
+                            t.granted,
+                            t.granted,
+                        )
+                    priority = t.granted
                 for i, uuid in enumerate(t.uuids):
                     last = h.word("last_launch_ns", i)
                     busy = h.word("busy_ns", i)

@@ -57,7 +57,12 @@ class Daemon:
         self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
         self.reporter = NodeReporter(self.node, self.namespace, self.state, self.client)
         self.arbiter_thread = (
-            Arbiter(self.paths.containers_dir, interval_s=self.arbiter[0], window_s=self.arbiter[1])
+            Arbiter(
+                self.paths.containers_dir,
+                interval_s=self.arbiter[0],
+                window_s=self.arbiter[1],
+                grants_dir=self.paths.grants_dir,
+            )
             if self.arbiter is not None
             else None
         )

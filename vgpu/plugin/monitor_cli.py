@@ -62,7 +62,12 @@ def run(args: argparse.Namespace) -> int:
     paths = HostPaths(args.root)
     arbiter = None
     if arbitration is not None:
-        arbiter = Arbiter(paths.containers_dir, interval_s=arbitration[0], window_s=arbitration[1])
+        arbiter = Arbiter(
+            paths.containers_dir,
+            interval_s=arbitration[0],
+            window_s=arbitration[1],
+            grants_dir=paths.grants_dir,
+        )
         arbiter.start()
     collector = NodeCollector(args.node, state, discovery, paths, list_pods=list_pods, arbiter=arbiter)
 

@@ -46,6 +46,16 @@ class HostPaths:
     def container_dir(self, pod_uid: str, container: str) -> Path:
         return self.containers_dir / f"{pod_uid}_{container}"
 
+    @property
+    def grants_dir(self) -> Path:
+        """What the device plugin granted each container, kept out of the container's reach: the
+        container's own folder is mounted writable into it, so its region's words are claims."""
+        return self.vgpu_dir / "grants"
+
+    def priority_record(self, folder_name: str) -> Path:
+        """The granted priority of the container whose folder is ``containers/<folder_name>``."""
+        return self.grants_dir / f"{folder_name}.priority"
+
     @staticmethod
     def container_dir_inside(pod_uid: str, container: str) -> str:
         """The same folder as the container sees it (mounted at its host path without the root)."""
@@ -107,6 +117,17 @@ def sweep_container_dirs(
                 continue
             shutil.rmtree(folder)
             removed.append(folder)
+        except OSError:
+            continue
+    try:
+        records = list(paths.grants_dir.iterdir())
+    except OSError:
+        records = []
+    for record in records:  # a grant outlives its folder by nothing: same pods, same age rule
+        try:
+            if record.name.partition("_")[0] in live_pod_uids or now - record.stat().st_mtime < min_age_s:
+                continue
+            record.unlink()
         except OSError:
             continue
     return removed
