@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vgpu.errors import ConfigError
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.plugin.paths import REGION_FILE_NAME, priority_record
 from vgpu.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class Arbiter:
         if self.grants_dir is None:
             return None
         try:
-            text = (self.grants_dir / f"{path.parent.name}.priority").read_text().strip()
+            text = priority_record(self.grants_dir, path.parent.name).read_text().strip()
         except OSError:
             return None
         try:

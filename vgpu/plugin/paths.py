@@ -53,13 +53,18 @@ class HostPaths:
         return self.vgpu_dir / "grants"
 
     def priority_record(self, folder_name: str) -> Path:
-        """The granted priority of the container whose folder is ``containers/<folder_name>``."""
-        return self.grants_dir / f"{folder_name}.priority"
+        return priority_record(self.grants_dir, folder_name)
 
     @staticmethod
     def container_dir_inside(pod_uid: str, container: str) -> str:
         """The same folder as the container sees it (mounted at its host path without the root)."""
         return f"/var/lib/vgpu/containers/{pod_uid}_{container}"
+
+
+def priority_record(grants_dir: Path, folder_name: str) -> Path:
+    """The granted priority of the container whose folder is ``containers/<folder_name>``: the
+    device plugin writes it, the arbiter reads it."""
+    return grants_dir / f"{folder_name}.priority"
 
 
 @dataclass(frozen=True)
@@ -93,10 +98,24 @@ def install_hook(source: Path, paths: HostPaths) -> HookInstall:
     return HookInstall(version, library, preload)
 
 
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
+def _stale(entry: Path, live_pod_uids: set[str], min_age_s: float, now: float) -> bool:
+    """``entry`` (named ``<pod-uid>_...``) belongs to a pod gone from the node and is older than
+    ``min_age_s``; a failing stat raises OSError."""
+    return entry.name.partition("_")[0] not in live_pod_uids and now - entry.stat().st_mtime >= min_age_s
+
+
 def sweep_container_dirs(
     paths: HostPaths, live_pod_uids: set[str], min_age_s: float, now: float
 ) -> list[Path]:
-    """Remove the folders of containers whose pod is gone from the node; returns what was removed.
+    """Remove the folders of containers whose pod is gone from the node, and their priority
+    records; returns the folders removed.
 
     A folder younger than ``min_age_s`` stays even without a pod: Allocate creates it before the
     pod's status settles, and a listing may lag behind.
@@ -104,30 +123,17 @@ def sweep_container_dirs(
     import shutil
 
     removed: list[Path] = []
-    try:
-        folders = list(paths.containers_dir.iterdir())
-    except OSError:
-        return removed
-    for folder in folders:
-        pod_uid = folder.name.partition("_")[0]
-        if pod_uid in live_pod_uids or not folder.is_dir():
-            continue
+    for folder in _entries(paths.containers_dir):
         try:
-            if now - folder.stat().st_mtime < min_age_s:
-                continue
-            shutil.rmtree(folder)
-            removed.append(folder)
+            if folder.is_dir() and _stale(folder, live_pod_uids, min_age_s, now):
+                shutil.rmtree(folder)
+                removed.append(folder)
         except OSError:
             continue
-    try:
-        records = list(paths.grants_dir.iterdir())
-    except OSError:
-        records = []
-    for record in records:  # a grant outlives its folder by nothing: same pods, same age rule
+    for record in _entries(paths.grants_dir):  # a grant outlives its folder by nothing
         try:
-            if record.name.partition("_")[0] in live_pod_uids or now - record.stat().st_mtime < min_age_s:
-                continue
-            record.unlink()
+            if _stale(record, live_pod_uids, min_age_s, now):
+                record.unlink()
         except OSError:
             continue
     return removed
