@@ -1,6 +1,6 @@
 """Figures for the scheduler: pods per second through the real kube-scheduler, and filter latency.
 
-Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--filter-calls 200]
+Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1] [--filter-calls 200]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
@@ -16,8 +16,11 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
    p50/p99), and, at the largest size once the pods are gone and the cluster is quiet, ``/filter``
    called directly over HTTPS with every node's name for a pod asking one vGPU: p50/p99 as the
    caller sees it (JSON and TLS included).
-4. CPU per pod of each process (kube-apiserver, etcd, KWOK, kube-scheduler, the extender) over
-   each burst, from /proc.
+4. CPU per pod of each process (kube-apiserver, etcd, KWOK, kube-controller-manager,
+   kube-scheduler, the extender) over each burst, from /proc; and, before the bursts, what the
+   idle cluster's upkeep takes (KWOK renews 1,000 node Leases every 10 s, as kubelets do), in cores.
+5. With ``--pairs N``: N alone/with-extender pairs back to back and the median share, since on a
+   shared machine single bursts vary by a factor of two.
 
 Prints one line per figure and the machine; asserts nothing.
 """
@@ -320,7 +323,7 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
     return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], passed
 
 
-def run_size(n: int, pods: int, filter_calls: int, work: Path) -> None:
+def run_size(n: int, pods: int, filter_calls: int, work: Path, pairs: int = 1) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
     ext = None
@@ -351,28 +354,55 @@ def run_size(n: int, pods: int, filter_calls: int, work: Path) -> None:
         state = sb.state()
         WATCHED.clear()
         for c in state.components if state else []:
-            if c.name in ("kube-apiserver", "etcd", "kwok"):
+            if c.name in ("kube-apiserver", "etcd", "kwok", "kube-controller-manager"):
                 WATCHED[c.name] = c.pid
         WATCHED["extender"] = ext.procs[0].pid
+        settle()
+        before = {k: cpu_seconds(p) for k, p in WATCHED.items()}
+        time.sleep(5)
+        after = {k: cpu_seconds(p) for k, p in WATCHED.items()}
+        upkeep = ", ".join(f"{k} {(after[k] - before[k]) / 5:.2f}" for k in after)
+        # the cluster's own upkeep (KWOK's node heartbeats and what they cause), which every
+        # burst shares the machine with: it weighs more on the slower burst's per-pod figures
+        print(f"[{n} nodes] upkeep with no pods, CPU cores: {upkeep}", flush=True)
         plain = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="plain-bench")
-        rate = burst(
-            sb, kube, "plain-bench", pods, {"cpu": "10m"}, lambda: start_scheduler(sb, folder, "plain", plain)
-        )
-        print(f"[{n} nodes] kube-scheduler alone:           {pods} pods, {rate:6.1f} pods/s", flush=True)
-        print(f"[{n} nodes]   {LAST_CPU[0]}", flush=True)
-        delete_pods(sb, kube)
-        rate = burst(
-            sb,
-            kube,
-            SCHEDULER,
-            pods,
-            {"nvidia.com/gpumem": "1000"},
-            lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),
-        )
-        print(f"[{n} nodes] kube-scheduler + vGPU extender: {pods} pods, {rate:6.1f} pods/s", flush=True)
-        print(f"[{n} nodes]   {LAST_CPU[0]}", flush=True)
-        print(f"[{n} nodes] extender, server side, during the burst: {ext.verb_latency()}", flush=True)
-        delete_pods(sb, kube)
+        shares = []
+        for k in range(1, pairs + 1):
+            tag = f"[{n} nodes] pair {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
+            alone = burst(
+                sb,
+                kube,
+                "plain-bench",
+                pods,
+                {"cpu": "10m"},
+                lambda: start_scheduler(sb, folder, "plain", plain),
+            )
+            print(f"{tag} kube-scheduler alone:           {pods} pods, {alone:6.1f} pods/s", flush=True)
+            print(f"{tag}   {LAST_CPU[0]}", flush=True)
+            delete_pods(sb, kube)
+            rate = burst(
+                sb,
+                kube,
+                SCHEDULER,
+                pods,
+                {"nvidia.com/gpumem": "1000"},
+                lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),
+            )
+            shares.append(100.0 * rate / alone)
+            print(
+                f"{tag} kube-scheduler + vGPU extender: {pods} pods, {rate:6.1f} pods/s "
+                f"({shares[-1]:.0f} % of alone)",
+                flush=True,
+            )
+            print(f"{tag}   {LAST_CPU[0]}", flush=True)
+            delete_pods(sb, kube)
+        if pairs > 1:
+            print(
+                f"[{n} nodes] share of kube-scheduler's own rate over {pairs} pairs: median "
+                f"{statistics.median(shares):.0f} %, each: " + ", ".join(f"{x:.0f} %" for x in shares),
+                flush=True,
+            )
+        print(f"[{n} nodes] extender, server side, over the bursts: {ext.verb_latency()}", flush=True)
         if filter_calls:
             time.sleep(5)  # let KWOK and the watches go quiet: this measures the verb, not the burst
             names = [x["metadata"]["name"] for x in nodes]
@@ -393,6 +423,12 @@ def main() -> int:
     parser.add_argument("--nodes", default="100,1000", help="comma list of cluster sizes")
     parser.add_argument("--pods", type=int, default=500, help="pods per burst")
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="alone/with-extender bursts back to back, per size (median share)",
+    )
+    parser.add_argument(
         "--filter-calls", type=int, default=200, help="direct /filter calls at the largest size"
     )
     args = parser.parse_args()
@@ -402,7 +438,7 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory(prefix="vgpu-bench-sched-") as tmp:
         for n in sizes:
-            run_size(n, args.pods, args.filter_calls if n == max(sizes) else 0, Path(tmp))
+            run_size(n, args.pods, args.filter_calls if n == max(sizes) else 0, Path(tmp), args.pairs)
     return 0
 
 
