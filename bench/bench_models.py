@@ -3,8 +3,8 @@
 Each row is a model and a phase (inference or training) at the original table's batch and input
 size; each column a way of running it:
   bare    no hook;
-  limit   libvgpu preloaded with a memory limit (100 GiB, above every row's peak, so that cuDNN's
-          autotuning sees the same room as bare) and a region file, no compute cap;
+  limit   libvgpu preloaded with a memory limit (100 GiB, above every row's peak) and a region
+          file, no compute cap;
   spill   libvgpu with CUDA_OVERSUBSCRIBE=true and a device budget set, per model, to what the
           process held before the model plus half of the model's peak in the bare run: about
           half the working set lives in pinned host memory mapped into the device.
@@ -91,7 +91,11 @@ def spilled():
     with region() as r:
         return r.snapshot().devices[0].spilled_bytes
 
-torch.backends.cudnn.benchmark = True
+# cuDNN's heuristics, not its autotuning: autotuning picks per process, from timings, so two
+# processes running the same model differ by their picks (DeepLab read 65-137 % of bare from one
+# round to the next) and its trial workspaces (tens of GiB for DeepLab) made the spill budget
+# mostly workspace. Heuristics pick the same kernels in every column.
+torch.backends.cudnn.benchmark = False
 torch.zeros(1, device="cuda")
 held = {"name": None, "step": None, "base": 0}
 
@@ -132,8 +136,8 @@ def prepare(row, budget):
         def step():
             with torch.inference_mode():
                 model(x)
-    # warm-up: at least 5 steps and 1 s, so cudnn.benchmark's autotuning and the allocator's
-    # first growth are out of the timed part (3 steps left ResNet-152 reading 150 % of bare)
+    # warm-up: at least 5 steps and 1 s, so lazy module loading and the allocator's first growth
+    # are out of the timed part (3 steps left ResNet-152 reading 150 % of bare)
     warm, t = 0, time.perf_counter()
     while warm < 5 or time.perf_counter() - t < 1.0:
         step()
@@ -262,8 +266,8 @@ def main() -> int:
                             peak = max(peak, r["peak"])
                         if m == "spill":
                             spilled = r["spilled"]
-                        # two copies of a big model (DeepLab's autotuning reserves tens of GiB) must
-                        # not both sit on the card: the one that ran gives its memory back
+                        # two copies of a big model must not both sit on the card: the one that ran
+                        # gives its memory back
                         if peak * 2 > card * 0.6:
                             workers[m].ask({"release": True})
                         print(
