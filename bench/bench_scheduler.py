@@ -1,6 +1,7 @@
 """Figures for the scheduler: pods per second through the real kube-scheduler, and filter latency.
 
-Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1] [--filter-calls 200]
+Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
+         [--filter-calls 200]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
