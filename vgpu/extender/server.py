@@ -85,10 +85,6 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
             "worker_exit": _worker_exit,
             "proc_name": "vgpu-extender",
             "ssl_context": _cached_ssl_context,
-            # the worker's heartbeat touches this file on every turn of its event loop, hundreds
-            # of times a second under a burst: on tmpfs that is a cheap syscall, on a disk (or an
-            # overlay filesystem in a container) a journalled metadata write
-            "worker_tmp_dir": "/dev/shm" if os.path.isdir("/dev/shm") else None,
         }
         if "control_socket_disable" in self.cfg.settings:  # gunicorn >= 24: one shared path per user
             settings["control_socket_disable"] = True
