@@ -81,7 +81,13 @@ class OwnScheduler:
                 managed_resources=MANAGED,
             )
         )
-        self.scheduler_argv = controlplane.scheduler_argv(sandbox.bin("kube-scheduler"), config)
+        # as the sandbox's product runs it (vgpu/sandbox/product.py): a pod the extender refused
+        # is retried at least every 10 s. Without it the retry rides on cluster events only, and
+        # the event of a freed pod can reach kube-scheduler before the extender's watch frees the
+        # capacity: the retry is refused and the next one waits for another event or 5 minutes.
+        self.scheduler_argv = controlplane.scheduler_argv(
+            sandbox.bin("kube-scheduler"), config, requeue_unschedulable_s=10
+        )
         self.extender: subprocess.Popen[bytes] | None = None
         self.scheduler: subprocess.Popen[bytes] | None = None
         self.starts = 0
