@@ -5,9 +5,10 @@ server serialises them (camelCase keys), never the client's generated models: th
 build for thousands of nodes, and keeping them out keeps the rest of the code free of them.
 Errors come out as :class:`vgpu.errors.KubeError` (``ConflictError`` for HTTP 409).
 
-Watches are read line by line from the raw HTTP stream (``_preload_content=False``), so every
-event is one ``orjson.loads`` (several pod events of a few kB each per scheduled pod); a stale
-resource version ends the watch with :class:`Gone` and the caller lists again.
+Watches and the Binding (the calls made per scheduled pod) speak HTTP/1.1 through
+:mod:`vgpu.kubewire` instead of urllib3, so every watch event costs little more than one
+``orjson.loads`` (several pod events of a few kB each per scheduled pod); a stale resource
+version ends the watch with :class:`Gone` and the caller lists again.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import orjson
 import urllib3
@@ -29,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.errors import ConflictError, KubeError
+from vgpu.kubewire import Wire
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,13 @@ class Kube:
             where = kubeconfig or "in-cluster service account"
             raise KubeError(f"cannot load Kubernetes credentials from {where}: {err}") from err
         cfg.connection_pool_maxsize = pool_size
+        try:
+            # the Binding and the watches: see vgpu.kubewire (None with a proxy: all through urllib3)
+            self._wire = Wire.from_configuration(cfg, pool_size)
+        except (OSError, ValueError) as err:
+            raise KubeError(
+                f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {err}"
+            ) from err
         self.api_client = k8s.ApiClient(cfg)
         # typed Any: we pass plain dicts and read raw responses, which the generated stubs do not describe
         self.core: Any = k8s.CoreV1Api(self.api_client)
@@ -117,6 +126,8 @@ class Kube:
 
     def close(self) -> None:
         self._closed.set()
+        if self._wire is not None:
+            self._wire.close()
         self.api_client.close()
 
     # -- pods ---------------------------------------------------------------------------------
@@ -128,7 +139,12 @@ class Kube:
         self, resource_version: str, field_selector: str | None = None, timeout_s: int = 300
     ) -> Iterator[tuple[str, Obj]]:
         return self._watch(
-            self.core.list_pod_for_all_namespaces, "watch pods", resource_version, timeout_s, field_selector
+            "/api/v1/pods",
+            self.core.list_pod_for_all_namespaces,
+            "watch pods",
+            resource_version,
+            timeout_s,
+            field_selector,
         )
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
@@ -161,7 +177,9 @@ class Kube:
 
         The API server merges a Binding's annotations into the pod as it sets ``spec.nodeName``,
         in one update: the pod is never bound without them, nor annotated without being bound.
-        The UID is a precondition: a pod deleted and re-created under the same name is not bound.
+        The UID is sent as kube-scheduler's own binder sends it, but the API server (1.33, tested in
+        tests/e2e/test_kube_client.py) does not hold the Binding to it: a pod deleted and re-created
+        under the same name between ``filter`` and ``bind`` is bound, as with kube-scheduler alone.
         The reply (a Status object, which the generated client would fail to read back as a
         V1Binding) is not decoded; an HTTP error becomes a :class:`KubeError` as for every call.
         """
@@ -175,22 +193,30 @@ class Kube:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         what = f"bind pod {namespace}/{name} to {node}"
-        url = f"{self.api_client.configuration.host}/api/v1/namespaces/{quote(namespace, safe='')}/bindings"
-        try:
-            # straight through the client's own connection pool: one bind per pod, and the
-            # generated method's argument validation and serialisation cost more than the call
-            resp = self.api_client.rest_client.pool_manager.request(
-                "POST",
-                url,
-                body=orjson.dumps(body),
-                headers=self._headers(),
-                timeout=urllib3.Timeout(total=REQUEST_TIMEOUT_S),
-            )
-        except Urllib3Error as err:
-            raise KubeError(f"{what}: {err}") from err
-        if resp.status >= 400:
-            detail = resp.data.decode(errors="replace")
-            raise _wrap(what, ApiException(status=resp.status, reason=resp.reason, body=detail))
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/bindings"
+        data = orjson.dumps(body)
+        if self._wire is not None:  # one bind per pod: see vgpu.kubewire
+            try:
+                reply = self._wire.request("POST", path, self._headers(), data, REQUEST_TIMEOUT_S)
+            except OSError as err:
+                raise KubeError(f"{what}: {err}") from err
+            status, reason, detail = reply.status, reply.reason, reply.body
+        else:
+            try:
+                # the generated method's argument validation and serialisation cost more than the call
+                resp = self.api_client.rest_client.pool_manager.request(
+                    "POST",
+                    self.api_client.configuration.host + path,
+                    body=data,
+                    headers=self._headers(),
+                    timeout=urllib3.Timeout(total=REQUEST_TIMEOUT_S),
+                )
+            except Urllib3Error as err:
+                raise KubeError(f"{what}: {err}") from err
+            status, reason, detail = resp.status, resp.reason or "", resp.data
+        if status >= 400:
+            text = detail.decode(errors="replace")
+            raise _wrap(what, ApiException(status=status, reason=reason, body=text))
 
     def _headers(self) -> dict[str, str]:
         """A JSON request's headers as the client sends them (authentication included).
@@ -213,7 +239,9 @@ class Kube:
         return self._list(self.core.list_node, "list nodes")
 
     def watch_nodes(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
-        return self._watch(self.core.list_node, "watch nodes", resource_version, timeout_s, None)
+        return self._watch(
+            "/api/v1/nodes", self.core.list_node, "watch nodes", resource_version, timeout_s, None
+        )
 
     # -- leases -------------------------------------------------------------------------------
     def list_leases(self, namespace: str) -> tuple[list[Obj], str]:
@@ -225,6 +253,7 @@ class Kube:
         self, namespace: str, resource_version: str, timeout_s: int = 300
     ) -> Iterator[tuple[str, Obj]]:
         return self._watch(
+            f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace, safe='')}/leases",
             lambda **kw: self.coord.list_namespaced_lease(namespace, **kw),
             f"watch leases in {namespace}",
             resource_version,
@@ -276,13 +305,72 @@ class Kube:
 
     def _watch(
         self,
+        path: str,
         call: Callable[..., Any],
         what: str,
         resource_version: str,
         timeout_s: int,
         field_selector: str | None,
     ) -> Iterator[tuple[str, Obj]]:
-        """Yield (type, object) events; BOOKMARK events carry only the new resourceVersion."""
+        """Yield (type, object) events; BOOKMARK events carry only the new resourceVersion.
+
+        ``path`` is read through :mod:`vgpu.kubewire`; ``call`` (the generated list method) only
+        when the kubeconfig names a proxy.
+        """
+        if self._wire is None:
+            yield from self._watch_generated(call, what, resource_version, timeout_s, field_selector)
+            return
+        query = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_s),
+        }
+        if field_selector:
+            query["fieldSelector"] = field_selector
+        headers = dict(self._headers())
+        headers.pop("Content-Type", None)
+        try:
+            head, lines = self._wire.stream(f"{path}?{urlencode(query)}", headers, timeout_s + 30)
+        except OSError as err:
+            if self._closed.is_set():
+                return
+            raise KubeError(f"{what}: {err}") from err
+        if head.status != 200:
+            text = head.body.decode(errors="replace")
+            raise _wrap(what, ApiException(status=head.status, reason=head.reason, body=text))
+        try:
+            yield from self._events(lines, what)
+        except OSError as err:
+            if self._closed.is_set():
+                return
+            raise KubeError(f"{what}: stream broke: {err}") from err
+
+    def _events(self, lines: Iterable[bytes], what: str) -> Iterator[tuple[str, Obj]]:
+        for line in lines:
+            if self._closed.is_set():
+                return
+            if not line.strip():
+                continue
+            try:
+                event = orjson.loads(line)
+            except ValueError as err:
+                raise KubeError(f"{what}: malformed event: {err}") from err
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                code = obj.get("code")
+                msg = f"{what}: {obj.get('message', obj)}"
+                raise Gone(msg, status=410) if code == 410 else KubeError(msg, status=code)
+            yield kind, obj
+
+    def _watch_generated(
+        self,
+        call: Callable[..., Any],
+        what: str,
+        resource_version: str,
+        timeout_s: int,
+        field_selector: str | None,
+    ) -> Iterator[tuple[str, Obj]]:
         kw: dict[str, Any] = {}
         if field_selector:
             kw["field_selector"] = field_selector
@@ -298,23 +386,17 @@ class Kube:
             )
         except ApiException as err:
             raise _wrap(what, err) from err
-        buf = b""
-        try:
+
+        def lines() -> Iterator[bytes]:
+            buf = b""
             for chunk in resp.stream(65536, decode_content=True):
-                if self._closed.is_set():
-                    return
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    if not line.strip():
-                        continue
-                    event = orjson.loads(line)
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if kind == "ERROR":
-                        code = obj.get("code")
-                        msg = f"{what}: {obj.get('message', obj)}"
-                        raise Gone(msg, status=410) if code == 410 else KubeError(msg, status=code)
-                    yield kind, obj
+                    yield line
+
+        try:
+            yield from self._events(lines(), what)
         except (OSError, ValueError, Urllib3Error) as err:
             if self._closed.is_set():
                 return

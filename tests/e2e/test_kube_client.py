@@ -1,0 +1,131 @@
+"""vgpu.kube's own HTTP/1.1 calls (the Binding and watches, see vgpu.kubewire) against the real API server."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from vgpu.errors import ConflictError, KubeError
+from vgpu.kube import Gone, Kube
+from vgpu.sandbox.cluster import Sandbox
+
+NS = "vgpu-kube-client"
+
+
+@pytest.fixture(scope="module")
+def kube(sandbox: Sandbox) -> Iterator[Kube]:
+    sandbox.kubectl("create", "namespace", NS, check=False)
+    k = Kube(str(sandbox.kubeconfig))
+    assert k._wire is not None  # the sandbox's kubeconfig has no proxy: the lean path is the one tested
+    yield k
+    k.close()
+
+
+def make_pod(sandbox: Sandbox, kube: Kube) -> tuple[str, str]:
+    name = f"p-{secrets.token_hex(4)}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "x"}]},
+    }
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+    got = kube.get_pod(NS, name)
+    assert got is not None
+    return name, got["metadata"]["uid"]
+
+
+def a_node(kube: Kube) -> str:
+    return str(kube.list_nodes()[0][0]["metadata"]["name"])
+
+
+def test_bind_sets_node_and_annotations_in_one_write(sandbox: Sandbox, kube: Kube) -> None:
+    name, uid = make_pod(sandbox, kube)
+    node = a_node(kube)
+    kube.bind_pod(NS, name, uid, node, {"example.com/a": "1"})
+    pod = kube.get_pod(NS, name)
+    assert pod is not None
+    assert pod["spec"]["nodeName"] == node
+    assert pod["metadata"]["annotations"]["example.com/a"] == "1"
+    # binding it again is refused by the API server: a ConflictError naming the pod
+    with pytest.raises(ConflictError, match=f"bind pod {NS}/{name} to {node}: HTTP 409"):
+        kube.bind_pod(NS, name, uid, node, {"example.com/a": "2"})
+
+
+def test_bind_errors_name_the_pod_and_status(sandbox: Sandbox, kube: Kube) -> None:
+    with pytest.raises(KubeError, match=f"bind pod {NS}/no-such-pod to .*HTTP 404") as err:
+        kube.bind_pod(NS, "no-such-pod", "u", a_node(kube))
+    assert err.value.status == 404
+
+
+def test_the_api_server_does_not_hold_a_binding_to_its_uid(sandbox: Sandbox, kube: Kube) -> None:
+    """What bind_pod's docstring says: the uid sent is not a precondition (as for kube-scheduler)."""
+    name, _ = make_pod(sandbox, kube)
+    kube.bind_pod(NS, name, "00000000-0000-0000-0000-000000000000", a_node(kube))
+    assert kube.get_pod(NS, name)["spec"]["nodeName"] == a_node(kube)  # type: ignore[index]
+
+
+def test_many_binds_from_threads_share_kept_alive_connections(sandbox: Sandbox, kube: Kube) -> None:
+    pods = [make_pod(sandbox, kube) for _ in range(12)]
+    node = a_node(kube)
+    errors: list[Exception] = []
+
+    def bind(name: str, uid: str) -> None:
+        try:
+            kube.bind_pod(NS, name, uid, node)
+        except Exception as err:  # collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=bind, args=p) for p in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert all(kube.get_pod(NS, n)["spec"]["nodeName"] == node for n, _ in pods)  # type: ignore[index]
+    assert kube._wire is not None and 1 <= len(kube._wire._idle) <= 12
+
+
+def test_watch_sees_a_pod_created_bound_and_deleted(sandbox: Sandbox, kube: Kube) -> None:
+    _, rv = kube.list_pods(field_selector=f"metadata.namespace={NS}")
+    name, uid = make_pod(sandbox, kube)
+    kube.bind_pod(NS, name, uid, a_node(kube), {"example.com/w": "x"})
+    sandbox.kubectl("delete", "pod", "-n", NS, name, "--grace-period=0", "--force", "--wait=false")
+    seen: list[tuple[str, str | None]] = []
+    deadline = time.monotonic() + 30
+    for kind, obj in kube.watch_pods(rv, field_selector=f"metadata.namespace={NS}", timeout_s=10):
+        if obj.get("metadata", {}).get("name") == name:
+            seen.append((kind, obj["spec"].get("nodeName")))
+        if kind == "DELETED" or time.monotonic() > deadline:
+            break
+    assert seen[0] == ("ADDED", None)
+    assert ("MODIFIED", a_node(kube)) in seen
+    assert seen[-1][0] == "DELETED"
+
+
+def test_watch_from_a_compacted_version_is_gone(kube: Kube) -> None:
+    with pytest.raises(Gone):
+        for _ in kube.watch_pods("1", timeout_s=5):
+            pass
+
+
+def test_close_ends_a_running_watch(sandbox: Sandbox) -> None:
+    k = Kube(str(sandbox.kubeconfig))
+    _, rv = k.list_pods(field_selector=f"metadata.namespace={NS}")
+    events: list[str] = []
+    done = threading.Event()
+
+    def run() -> None:
+        for kind, _ in k.watch_pods(rv, field_selector=f"metadata.namespace={NS}", timeout_s=120):
+            events.append(kind)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    time.sleep(1.0)
+    k.close()
+    assert done.wait(10), "the watch did not end when the client was closed"
