@@ -167,7 +167,11 @@ def test_a_fresh_connection_closed_before_answering_is_an_error_not_a_retry(serv
 
 
 def test_timeout_is_raised_and_never_retried(serve) -> None:
-    server = serve(lambda c, r, n: time.sleep(3) or False)
+    def silent(conn: socket.socket, request: bytes, number: int) -> bool:
+        time.sleep(3)
+        return False
+
+    server = serve(silent)
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         wire_to(server).request("POST", "/", {}, b"1", 0.3)
