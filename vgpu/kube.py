@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 REQUEST_TIMEOUT_S = 15
+# objects as their metadata only (meta.k8s.io/v1 PartialObjectMetadata), for a list and a watch
+METADATA_LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 AUTH_HEADERS_TTL_S = 10.0
 
 
@@ -238,6 +241,51 @@ class Kube:
     def list_nodes(self) -> tuple[list[Obj], str]:
         return self._list(self.core.list_node, "list nodes")
 
+    def list_node_metadata(self) -> tuple[list[Obj], str]:
+        """Every Node as its metadata only (name, labels, annotations), and the list's resourceVersion.
+
+        What the extender reads of a Node is its inventory annotation: the status (conditions,
+        images, addresses), which kubelets rewrite on every status report, is neither sent nor
+        decoded. With a proxy in the kubeconfig, whole Nodes (the same metadata, and more).
+        """
+        if self._wire is None:
+            return self.list_nodes()
+        items: list[Obj] = []
+        cont = ""
+        while True:
+            query = {"limit": "500", **({"continue": cont} if cont else {})}
+            headers = {**self._headers(), "Accept": METADATA_LIST_ACCEPT}
+            try:
+                reply = self._wire.request(
+                    "GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, REQUEST_TIMEOUT_S * 4
+                )
+            except OSError as err:
+                raise KubeError(f"list nodes: {err}") from err
+            if reply.status != 200:
+                text = reply.body.decode(errors="replace")
+                raise _wrap("list nodes", ApiException(status=reply.status, reason=reply.reason, body=text))
+            try:
+                doc = orjson.loads(reply.body)
+            except ValueError as err:
+                raise KubeError(f"list nodes: the API server's answer is not JSON: {err}") from err
+            items.extend(doc.get("items") or [])
+            meta = doc.get("metadata") or {}
+            cont = meta.get("continue") or ""
+            if not cont:
+                return items, str(meta.get("resourceVersion") or "")
+
+    def watch_node_metadata(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
+        """Events of Nodes as their metadata only (see :meth:`list_node_metadata`)."""
+        return self._watch(
+            "/api/v1/nodes",
+            self.core.list_node,
+            "watch nodes",
+            resource_version,
+            timeout_s,
+            None,
+            accept=METADATA_ACCEPT,
+        )
+
     def watch_nodes(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
         return self._watch(
             "/api/v1/nodes", self.core.list_node, "watch nodes", resource_version, timeout_s, None
@@ -311,6 +359,7 @@ class Kube:
         resource_version: str,
         timeout_s: int,
         field_selector: str | None,
+        accept: str = "application/json",
     ) -> Iterator[tuple[str, Obj]]:
         """Yield (type, object) events; BOOKMARK events carry only the new resourceVersion.
 
@@ -330,6 +379,7 @@ class Kube:
             query["fieldSelector"] = field_selector
         headers = dict(self._headers())
         headers.pop("Content-Type", None)
+        headers["Accept"] = accept
         try:
             head, lines = self._wire.stream(f"{path}?{urlencode(query)}", headers, timeout_s + 30)
         except OSError as err:

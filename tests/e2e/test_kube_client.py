@@ -129,3 +129,33 @@ def test_close_ends_a_running_watch(sandbox: Sandbox) -> None:
     time.sleep(1.0)
     k.close()
     assert done.wait(10), "the watch did not end when the client was closed"
+
+
+def test_nodes_as_metadata_only_list_and_watch(sandbox: Sandbox, kube: Kube) -> None:
+    """The extender's node feed: names and annotations, without the status kubelets keep rewriting."""
+    nodes, rv = kube.list_node_metadata()
+    full, _ = kube.list_nodes()
+    assert sorted(n["metadata"]["name"] for n in nodes) == sorted(n["metadata"]["name"] for n in full)
+    assert all("status" not in n and "spec" not in n for n in nodes)
+    assert nodes[0]["metadata"].get("annotations") == next(
+        f["metadata"].get("annotations")
+        for f in full
+        if f["metadata"]["name"] == nodes[0]["metadata"]["name"]
+    )
+    name = nodes[0]["metadata"]["name"]
+    mark = secrets.token_hex(4)
+    sandbox.kubectl("annotate", "node", name, f"example.com/kube-client-test={mark}", "--overwrite")
+    try:
+        deadline = time.monotonic() + 30
+        got = None
+        for kind, obj in kube.watch_node_metadata(rv, timeout_s=10):
+            annotations = obj.get("metadata", {}).get("annotations") or {}
+            if annotations.get("example.com/kube-client-test") == mark:
+                got = (kind, obj)
+                break
+            if time.monotonic() > deadline:
+                break
+        assert got is not None and got[0] == "MODIFIED"
+        assert got[1]["kind"] == "PartialObjectMetadata" and "status" not in got[1]
+    finally:
+        sandbox.kubectl("annotate", "node", name, "example.com/kube-client-test-")

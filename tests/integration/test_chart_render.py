@@ -90,6 +90,21 @@ def test_a_pinned_kube_scheduler_tag_wins_over_the_cluster_version() -> None:
     assert container(pod, "kube-scheduler")["image"] == "registry.k8s.io/kube-scheduler:v1.32.9"
 
 
+def test_kube_scheduler_retries_refused_pods_every_ten_seconds_unless_turned_off() -> None:
+    """A pod the extender refused must not wait kube-scheduler's 5 minutes once room frees."""
+
+    def command(*args: str) -> list[str]:
+        pod = find(render(*args), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+        return list(container(pod, "kube-scheduler")["command"])
+
+    assert "--pod-max-in-unschedulable-pods-duration=10s" in command()
+    assert "--pod-max-in-unschedulable-pods-duration=45s" in command(
+        "--set", "scheduler.kubeScheduler.retryRefusedSeconds=45"
+    )
+    off = command("--set", "scheduler.kubeScheduler.retryRefusedSeconds=0")
+    assert not any(a.startswith("--pod-max-in-unschedulable-pods-duration") for a in off)
+
+
 def test_kube_scheduler_calls_the_extender_over_https_with_the_release_ca() -> None:
     objs = render()
     cfg = scheduler_config(objs)

@@ -42,7 +42,10 @@ class Syncer:
         cfg = self.state.config
         loops: list[tuple[str, Callable[[], None]]] = [
             ("pods", lambda: self._loop("pods", self._list_pods, self._watch_pods, self._on_pod)),
-            ("nodes", lambda: self._loop("nodes", self._list_nodes, self.kube.watch_nodes, self._on_node)),
+            (
+                "nodes",
+                lambda: self._loop("nodes", self._list_nodes, self.kube.watch_node_metadata, self._on_node),
+            ),
             (
                 "leases",
                 lambda: self._loop(
@@ -76,7 +79,7 @@ class Syncer:
         return self.kube.watch_pods(rv, field_selector=self._pod_selector)
 
     def _list_nodes(self) -> str:
-        nodes, rv = self.kube.list_nodes()
+        nodes, rv = self.kube.list_node_metadata()  # the inventory annotation is all it reads
         self.state.replace_nodes(nodes)
         return rv
 
