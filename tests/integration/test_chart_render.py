@@ -105,6 +105,20 @@ def test_kube_scheduler_retries_refused_pods_every_ten_seconds_unless_turned_off
     assert not any(a.startswith("--pod-max-in-unschedulable-pods-duration") for a in off)
 
 
+def test_percentage_of_nodes_to_score_reaches_the_profile_only_when_set(tmp_path: Path) -> None:
+    assert "percentageOfNodesToScore" not in scheduler_config(render())["profiles"][0]
+    objs = render("--set", "scheduler.kubeScheduler.percentageOfNodesToScore=100")
+    cfg = scheduler_config(objs)
+    assert cfg["profiles"][0]["percentageOfNodesToScore"] == 100
+    # and the real kube-scheduler takes it
+    config = tmp_path / "scheduler-config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    result = kube_scheduler_checks(config, [], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = yaml.safe_load((tmp_path / "written.yaml").read_text())
+    assert written["profiles"][0]["percentageOfNodesToScore"] == 100
+
+
 def test_kube_scheduler_calls_the_extender_over_https_with_the_release_ca() -> None:
     objs = render()
     cfg = scheduler_config(objs)

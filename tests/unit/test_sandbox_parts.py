@@ -57,6 +57,8 @@ def test_scheduler_config_calls_the_extender_over_verified_tls() -> None:
     assert ext["nodeCacheCapable"] is True and ext["bindVerb"] == "bind" and ext["weight"] > 0
     assert {m["name"] for m in ext["managedResources"]} == {"nvidia.com/gpu", "nvidia.com/gpumem"}
     assert "extenders" not in json.loads(controlplane.scheduler_config(Path("/k")))
+    exact = json.loads(controlplane.scheduler_config(Path("/k"), percentage_of_nodes_to_score=100))
+    assert exact["profiles"] == [{"schedulerName": "default-scheduler", "percentageOfNodesToScore": 100}]
 
 
 def test_node_manifest_is_kwok_managed_labelled_and_advertises_split_times_cards() -> None:

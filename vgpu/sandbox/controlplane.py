@@ -126,6 +126,7 @@ def scheduler_config(
     extender_url: str | None = None,
     extender_ca_b64: str | None = None,
     managed_resources: tuple[str, ...] = (),
+    percentage_of_nodes_to_score: int | None = None,
 ) -> str:
     """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS."""
     config: dict[str, object] = {
@@ -137,6 +138,10 @@ def scheduler_config(
         "podMaxBackoffSeconds": 5,
         "profiles": [{"schedulerName": scheduler_name}],
     }
+    if percentage_of_nodes_to_score is not None:
+        config["profiles"] = [
+            {"schedulerName": scheduler_name, "percentageOfNodesToScore": percentage_of_nodes_to_score}
+        ]
     if extender_url is not None:
         config["extenders"] = [
             {
