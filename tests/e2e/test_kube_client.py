@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
 from vgpu.errors import ConflictError, KubeError
 from vgpu.kube import Gone, Kube
@@ -159,3 +162,90 @@ def test_nodes_as_metadata_only_list_and_watch(sandbox: Sandbox, kube: Kube) -> 
         assert got[1]["kind"] == "PartialObjectMetadata" and "status" not in got[1]
     finally:
         sandbox.kubectl("annotate", "node", name, "example.com/kube-client-test-")
+
+
+class ConnectProxy:
+    """An HTTP CONNECT proxy on a real socket, counting the tunnels it opened."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.tunnels: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._tunnel, args=(client,), daemon=True).start()
+
+    def _tunnel(self, client: socket.socket) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            got = client.recv(4096)
+            if not got:
+                client.close()
+                return
+            head += got
+        method, target, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
+        host, port = target.decode().rsplit(":", 1)
+        upstream = socket.create_connection((host, int(port)))
+        self.tunnels.append(target.decode())
+        client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+        pipe(upstream, client)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_kubeconfig_with_a_proxy_binds_and_watches_through_it(sandbox: Sandbox, tmp_path: Path) -> None:
+    """The generated-client path (vgpu.kubewire does not speak to proxies) still binds and watches."""
+    proxy = ConnectProxy()
+    try:
+        config = yaml.safe_load(Path(sandbox.kubeconfig).read_text())
+        config["clusters"][0]["cluster"]["proxy-url"] = f"http://127.0.0.1:{proxy.port}"
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        k = Kube(str(kubeconfig))
+        try:
+            assert k._wire is None
+            _, rv = k.list_pods(field_selector=f"metadata.namespace={NS}")
+            name, uid = make_pod(sandbox, k)
+            node = a_node(k)
+            k.bind_pod(NS, name, uid, node, {"example.com/p": "1"})
+            pod = k.get_pod(NS, name)
+            assert pod is not None and pod["spec"]["nodeName"] == node
+            assert pod["metadata"]["annotations"]["example.com/p"] == "1"
+            with pytest.raises(ConflictError):
+                k.bind_pod(NS, name, uid, node)
+            seen = []
+            for kind, obj in k.watch_pods(rv, field_selector=f"metadata.namespace={NS}", timeout_s=5):
+                if obj.get("metadata", {}).get("name") == name:
+                    seen.append((kind, obj["spec"].get("nodeName")))
+                    if obj["spec"].get("nodeName"):
+                        break
+            assert seen[0] == ("ADDED", None) and seen[-1] == ("MODIFIED", node)
+            nodes, _ = k.list_node_metadata()  # whole Nodes through the proxy: the same names
+            assert node in {n["metadata"]["name"] for n in nodes}
+        finally:
+            k.close()
+        assert proxy.tunnels, "nothing went through the proxy"
+    finally:
+        proxy.close()
