@@ -62,6 +62,11 @@ def _wrap(what: str, err: Exception) -> KubeError:
     return KubeError(f"{what}: {err}")
 
 
+def _http_error(what: str, status: int, reason: str, body: bytes) -> KubeError:
+    """The error for an HTTP answer of ``status`` >= 400, as :func:`_wrap` makes it for the client's."""
+    return _wrap(what, ApiException(status=status, reason=reason, body=body.decode(errors="replace")))
+
+
 def _read_or_none(read: Callable[..., Any], kind: str, namespace: str, name: str) -> Obj | None:
     """One namespaced object as a dict, or None when the API server says 404."""
     try:
@@ -218,8 +223,7 @@ class Kube:
                 raise KubeError(f"{what}: {err}") from err
             status, reason, detail = resp.status, resp.reason or "", resp.data
         if status >= 400:
-            text = detail.decode(errors="replace")
-            raise _wrap(what, ApiException(status=status, reason=reason, body=text))
+            raise _http_error(what, status, reason, detail)
 
     def _headers(self) -> dict[str, str]:
         """A JSON request's headers as the client sends them (authentication included).
@@ -238,6 +242,12 @@ class Kube:
         return cached[1]
 
     # -- nodes --------------------------------------------------------------------------------
+    def _get_headers(self, accept: str) -> dict[str, str]:
+        """:meth:`_headers` for a GET answered in ``accept``."""
+        headers = {k: v for k, v in self._headers().items() if k != "Content-Type"}
+        headers["Accept"] = accept
+        return headers
+
     def list_nodes(self) -> tuple[list[Obj], str]:
         return self._list(self.core.list_node, "list nodes")
 
@@ -248,31 +258,28 @@ class Kube:
         images, addresses), which kubelets rewrite on every status report, is neither sent nor
         decoded. With a proxy in the kubeconfig, whole Nodes (the same metadata, and more).
         """
-        if self._wire is None:
+        wire = self._wire
+        if wire is None:
             return self.list_nodes()
-        items: list[Obj] = []
-        cont = ""
-        while True:
+
+        def page(cont: str | None) -> Obj:
             query = {"limit": "500", **({"continue": cont} if cont else {})}
-            headers = {**self._headers(), "Accept": METADATA_LIST_ACCEPT}
+            headers = self._get_headers(METADATA_LIST_ACCEPT)
             try:
-                reply = self._wire.request(
-                    "GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, REQUEST_TIMEOUT_S * 4
-                )
+                reply = wire.request("GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, 60)
             except OSError as err:
                 raise KubeError(f"list nodes: {err}") from err
             if reply.status != 200:
-                text = reply.body.decode(errors="replace")
-                raise _wrap("list nodes", ApiException(status=reply.status, reason=reply.reason, body=text))
+                raise _http_error("list nodes", reply.status, reply.reason, reply.body)
             try:
                 doc = orjson.loads(reply.body)
             except ValueError as err:
                 raise KubeError(f"list nodes: the API server's answer is not JSON: {err}") from err
-            items.extend(doc.get("items") or [])
-            meta = doc.get("metadata") or {}
-            cont = meta.get("continue") or ""
-            if not cont:
-                return items, str(meta.get("resourceVersion") or "")
+            if not isinstance(doc, dict):
+                raise KubeError(f"unexpected reply from the API server: {str(doc)[:200]}")
+            return doc
+
+        return self._pages(page)
 
     def watch_node_metadata(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
         """Events of Nodes as their metadata only (see :meth:`list_node_metadata`)."""
@@ -334,16 +341,25 @@ class Kube:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _list(self, call: Callable[..., Any], what: str, **kw: Any) -> tuple[list[Obj], str]:
-        items: list[Obj] = []
-        cont: str | None = None
-        rv = ""
         kw = {k: v for k, v in kw.items() if v is not None}
-        while True:
+
+        def page(cont: str | None) -> Obj:
             try:
                 resp = call(limit=500, _continue=cont, _preload_content=False, _request_timeout=60, **kw)
             except ApiException as err:
                 raise _wrap(what, err) from err
-            doc = _json(resp)
+            return _json(resp)
+
+        return self._pages(page)
+
+    @staticmethod
+    def _pages(page: Callable[[str | None], Obj]) -> tuple[list[Obj], str]:
+        """A list's items over its pages (``page(continue token)``), and its resourceVersion."""
+        items: list[Obj] = []
+        cont: str | None = None
+        rv = ""
+        while True:
+            doc = page(cont)
             items.extend(doc.get("items") or [])
             meta = doc.get("metadata") or {}
             rv = meta.get("resourceVersion", rv)
@@ -377,9 +393,7 @@ class Kube:
         }
         if field_selector:
             query["fieldSelector"] = field_selector
-        headers = dict(self._headers())
-        headers.pop("Content-Type", None)
-        headers["Accept"] = accept
+        headers = self._get_headers(accept)
         try:
             head, lines = self._wire.stream(f"{path}?{urlencode(query)}", headers, timeout_s + 30)
         except OSError as err:
@@ -387,8 +401,7 @@ class Kube:
                 return
             raise KubeError(f"{what}: {err}") from err
         if head.status != 200:
-            text = head.body.decode(errors="replace")
-            raise _wrap(what, ApiException(status=head.status, reason=head.reason, body=text))
+            raise _http_error(what, head.status, head.reason, head.body)
         try:
             yield from self._events(lines, what)
         except OSError as err:

@@ -3,7 +3,7 @@
 The generated client goes through urllib3 and ``http.client``, which parse every response's
 headers with the ``email`` package: on this project's 2-core VM a kept-alive HTTPS Binding POST
 cost about 1.1 ms of CPU through urllib3, 0.6 ms through ``http.client`` and 0.2 ms written
-straight to the socket (``bench/bench_scheduler.py`` and docs/scheduling.md#speed). In the
+straight to the socket (``bench/bench_kube_client.py`` and docs/scheduling.md#speed). In the
 extender that CPU is taken under the GIL that kube-scheduler's next ``filter`` call waits for, so
 the Binding and the watches (several pod events per scheduled pod) speak HTTP/1.1 here, and every
 other call stays on the generated client.
@@ -191,12 +191,12 @@ class Wire:
             raise ValueError(f"API server URL {url!r}: expected http(s)://host[:port][/path]")
         if parts.scheme == "https" and context is None:
             raise ValueError("an https API server needs an SSL context")
+        default = 443 if parts.scheme == "https" else 80
         self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.port = parts.port or default
         self.prefix = parts.path.rstrip("/")
         self.context = context if parts.scheme == "https" else None
         self.server_hostname = server_hostname or self.host
-        default = 443 if parts.scheme == "https" else 80
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if self.port == default else f"{host}:{self.port}"
         self.pool_size = pool_size

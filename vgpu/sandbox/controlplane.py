@@ -129,6 +129,9 @@ def scheduler_config(
     percentage_of_nodes_to_score: int | None = None,
 ) -> str:
     """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS."""
+    profile: dict[str, object] = {"schedulerName": scheduler_name}
+    if percentage_of_nodes_to_score is not None:
+        profile["percentageOfNodesToScore"] = percentage_of_nodes_to_score
     config: dict[str, object] = {
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "kind": "KubeSchedulerConfiguration",
@@ -136,12 +139,8 @@ def scheduler_config(
         "leaderElection": {"leaderElect": False},
         "podInitialBackoffSeconds": 1,
         "podMaxBackoffSeconds": 5,
-        "profiles": [{"schedulerName": scheduler_name}],
+        "profiles": [profile],
     }
-    if percentage_of_nodes_to_score is not None:
-        config["profiles"] = [
-            {"schedulerName": scheduler_name, "percentageOfNodesToScore": percentage_of_nodes_to_score}
-        ]
     if extender_url is not None:
         config["extenders"] = [
             {
