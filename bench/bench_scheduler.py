@@ -1,7 +1,7 @@
 """Figures for the scheduler: pods per second through the real kube-scheduler, and filter latency.
 
 Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
-         [--filter-calls 200] [--percentage-of-nodes-to-score P]
+         [--filter-calls 200] [--percentage-of-nodes-to-score P] [--kube-api-qps Q]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
@@ -26,6 +26,11 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
    (binpack) the fewest that hold them is ceil(pods / 80); kube-scheduler offers the extender
    only the nodes its own search collected (42 % of 1,000 by default; all of them with
    ``--percentage-of-nodes-to-score 100``, which both profiles then use).
+7. kube-scheduler's own API client runs at 200 QPS, burst 400, in both profiles (its default is
+   50 / 100); ``--kube-api-qps Q`` sets Q and 2Q. It limits the binds kube-scheduler alone makes,
+   not the extender's (the extender writes the Binding itself): on a machine with cores to spare,
+   kube-scheduler alone runs at that limit. ``bench/offline.sh`` runs this bench on such a
+   machine when it has neither Go nor a package index.
 
 Prints one line per figure and the machine; asserts nothing.
 """
@@ -232,7 +237,7 @@ def delete_pods(sb: Sandbox, kube: Kube) -> None:
 
 
 class Extender:
-    def __init__(self, sb: Sandbox, folder: Path, percentage: int | None = None) -> None:
+    def __init__(self, sb: Sandbox, folder: Path, percentage: int | None = None, qps: int = 200) -> None:
         ca = CertificateAuthority(folder / "pki")
         self.ca_path = str(ca.cert_path)
         pair = ca.issue("extender", ["127.0.0.1"])
@@ -267,6 +272,7 @@ class Extender:
             extender_ca_b64=base64.b64encode(ca.pem).decode(),
             managed_resources=MANAGED,
             percentage_of_nodes_to_score=percentage,
+            client_qps=qps,
         )
 
     def verb_latency(self) -> str:
@@ -332,7 +338,13 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
 
 
 def run_size(
-    n: int, pods: int, filter_calls: int, work: Path, pairs: int = 1, percentage: int | None = None
+    n: int,
+    pods: int,
+    filter_calls: int,
+    work: Path,
+    pairs: int = 1,
+    percentage: int | None = None,
+    qps: int = 200,
 ) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
@@ -360,7 +372,7 @@ def run_size(
             time.sleep(1)
         print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
         folder = work / f"ext-{n}"
-        ext = Extender(sb, folder, percentage)
+        ext = Extender(sb, folder, percentage, qps)
         state = sb.state()
         WATCHED.clear()
         for c in state.components if state else []:
@@ -376,7 +388,10 @@ def run_size(
         # burst shares the machine with: it weighs more on the slower burst's per-pod figures
         print(f"[{n} nodes] upkeep with no pods, CPU cores: {upkeep}", flush=True)
         plain = controlplane.scheduler_config(
-            sb.kubeconfig, scheduler_name="plain-bench", percentage_of_nodes_to_score=percentage
+            sb.kubeconfig,
+            scheduler_name="plain-bench",
+            percentage_of_nodes_to_score=percentage,
+            client_qps=qps,
         )
         shares = []
         for k in range(1, pairs + 1):
@@ -449,6 +464,13 @@ def main() -> int:
         default=None,
         help="kube-scheduler's percentageOfNodesToScore in both profiles (default: its own)",
     )
+    parser.add_argument(
+        "--kube-api-qps",
+        type=int,
+        default=200,
+        help="kube-scheduler's client QPS in both profiles, burst twice that (default 200; its own "
+        "default is 50): caps the binds kube-scheduler alone makes, not the extender's",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     print(
@@ -463,6 +485,7 @@ def main() -> int:
                 Path(tmp),
                 args.pairs,
                 args.percentage_of_nodes_to_score,
+                args.kube_api_qps,
             )
     return 0
 

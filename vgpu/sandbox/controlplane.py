@@ -127,15 +127,20 @@ def scheduler_config(
     extender_ca_b64: str | None = None,
     managed_resources: tuple[str, ...] = (),
     percentage_of_nodes_to_score: int | None = None,
+    client_qps: int = 200,
 ) -> str:
-    """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS."""
+    """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS.
+
+    ``client_qps``: kube-scheduler's own API client rate (burst twice that). It limits the binds
+    kube-scheduler makes itself, not those the extender makes.
+    """
     profile: dict[str, object] = {"schedulerName": scheduler_name}
     if percentage_of_nodes_to_score is not None:
         profile["percentageOfNodesToScore"] = percentage_of_nodes_to_score
     config: dict[str, object] = {
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": 200, "burst": 400},
+        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": client_qps, "burst": 2 * client_qps},
         "leaderElection": {"leaderElect": False},
         "podInitialBackoffSeconds": 1,
         "podMaxBackoffSeconds": 5,
