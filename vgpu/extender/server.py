@@ -4,8 +4,9 @@ Why one worker: the ledger is the extender's memory of what it committed, and ``
 re-check and reserve against *all* earlier binds. Several gunicorn worker processes would each
 hold their own ledger and could hand the same capacity to two pods. So there is one worker
 process holding the one ledger (and the watches and the Lease), with ``--workers N`` threads
-(gunicorn's ``gthread`` worker) answering calls concurrently; the state's lock serialises what
-must be serialised. Scaling out is by replicas, of which the Lease lets one serve at a time.
+(gunicorn's ``gthread`` worker, as :class:`vgpu.extender.worker.LingeringThreadWorker`: a thread
+serves a connection's next request itself when it comes within 10 ms) answering calls
+concurrently; the state's lock serialises what must be serialised. Scaling out is by replicas, of which the Lease lets one serve at a time.
 
 Metrics: Prometheus multiprocess mode. The master serves ``/metrics`` on ``--metrics-listen``
 from the files the worker writes in ``PROMETHEUS_MULTIPROC_DIR``, so the endpoint survives a
@@ -73,7 +74,7 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
         settings: dict[str, Any] = {
             "bind": [cfg.listen],
             "workers": 1,
-            "worker_class": "gthread",
+            "worker_class": "vgpu.extender.worker.LingeringThreadWorker",  # gthread, see worker.py
             "threads": cfg.workers,
             "timeout": 120,
             "graceful_timeout": 10,
