@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.sandbox.procs import free_port
 
 APP = textwrap.dedent(
     """
@@ -56,12 +57,6 @@ APP = textwrap.dedent(
         return [body]
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
