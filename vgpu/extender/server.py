@@ -6,7 +6,8 @@ hold their own ledger and could hand the same capacity to two pods. So there is 
 process holding the one ledger (and the watches and the Lease), with ``--workers N`` threads
 (gunicorn's ``gthread`` worker, as :class:`vgpu.extender.worker.LingeringThreadWorker`: a thread
 serves a connection's next request itself when it comes within 10 ms) answering calls
-concurrently; the state's lock serialises what must be serialised. Scaling out is by replicas, of which the Lease lets one serve at a time.
+concurrently; the state's lock serialises what must be serialised. Scaling out is by replicas,
+of which the Lease lets one serve at a time.
 
 Metrics: Prometheus multiprocess mode. The master serves ``/metrics`` on ``--metrics-listen``
 from the files the worker writes in ``PROMETHEUS_MULTIPROC_DIR``, so the endpoint survives a
