@@ -30,7 +30,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.errors import ConflictError, KubeError
-from vgpu.kubewire import Wire
+from vgpu.kubewire import Wire, split_lines
 
 log = logging.getLogger(__name__)
 
@@ -449,17 +449,8 @@ class Kube:
             )
         except ApiException as err:
             raise _wrap(what, err) from err
-
-        def lines() -> Iterator[bytes]:
-            buf = b""
-            for chunk in resp.stream(65536, decode_content=True):
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    yield line
-
         try:
-            yield from self._events(lines(), what)
+            yield from self._events(split_lines(resp.stream(65536, decode_content=True)), what)
         except (OSError, ValueError, Urllib3Error) as err:
             if self._closed.is_set():
                 return

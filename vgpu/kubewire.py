@@ -21,7 +21,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -173,6 +173,24 @@ def _body(reader: _Reader, status: int, headers: Mapping[str, str], keep: bool) 
             raise WireError(f"Content-Length {n} out of range")
         return reader.exact(n), keep
     return reader.to_eof(MAX_BODY_BYTES), False
+
+
+def split_lines(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The non-empty newline-separated lines of a body that arrives in ``pieces`` (a watch)."""
+    pending = bytearray()
+    for piece in pieces:
+        pending += piece
+        start = 0
+        while True:
+            at = pending.find(b"\n", start)
+            if at < 0:
+                break
+            if at > start:
+                yield bytes(pending[start:at])
+            start = at + 1
+        del pending[:start]
+        if len(pending) > MAX_BODY_BYTES:
+            raise WireError(f"a line longer than {MAX_BODY_BYTES} bytes")
 
 
 class Wire:
@@ -342,20 +360,7 @@ class Wire:
                 pieces: Iterator[bytes] = reader.chunks()
             else:
                 pieces = self._raw(reader)
-            pending = bytearray()
-            for piece in pieces:
-                pending += piece
-                start = 0
-                while True:
-                    at = pending.find(b"\n", start)
-                    if at < 0:
-                        break
-                    if at > start:
-                        yield bytes(pending[start:at])
-                    start = at + 1
-                del pending[:start]
-                if len(pending) > MAX_BODY_BYTES:
-                    raise WireError(f"a line longer than {MAX_BODY_BYTES} bytes")
+            yield from split_lines(pieces)
         finally:
             self._forget(sock)
 
