@@ -55,6 +55,7 @@ from typing import Any
 import requests
 
 from vgpu import annotations as ann
+from vgpu.extender.worker import SHORT_PARSER_ENV
 from vgpu.kube import Kube, now_micro
 from vgpu.sandbox import controlplane
 from vgpu.sandbox.cluster import Sandbox, Spec
@@ -237,7 +238,14 @@ def delete_pods(sb: Sandbox, kube: Kube) -> None:
 
 
 class Extender:
-    def __init__(self, sb: Sandbox, folder: Path, percentage: int | None = None, qps: int = 200) -> None:
+    def __init__(
+        self,
+        sb: Sandbox,
+        folder: Path,
+        percentage: int | None = None,
+        qps: int = 200,
+        short_parser: bool = True,
+    ) -> None:
         ca = CertificateAuthority(folder / "pki")
         self.ca_path = str(ca.cert_path)
         pair = ca.issue("extender", ["127.0.0.1"])
@@ -245,6 +253,8 @@ class Extender:
         self.url = f"https://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         env["VGPU_LEADER_LEASE"] = "vgpu-bench-extender"
+        if not short_parser:
+            env[SHORT_PARSER_ENV] = "0"
         argv = [
             sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sb.kubeconfig}",
             f"--listen=127.0.0.1:{self.port}", f"--cert-file={pair.cert}", f"--key-file={pair.key}",
@@ -309,7 +319,8 @@ class Extender:
             stop(p)
 
 
-def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, float, int]:
+def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, float, int, float]:
+    """(p50, p99 of the round trip, nodes passed, extender CPU seconds per call)."""
     body = json.dumps(
         {
             "Pod": {
@@ -324,6 +335,7 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
     session = requests.Session()  # one TLS connection, kept alive, as kube-scheduler does
     headers = {"Content-Type": "application/json"}
     times = []
+    cpu0 = cpu_seconds(ext.procs[0].pid)
     for _ in range(calls):
         start = time.perf_counter()
         # verify= per call: a session-wide setting loses to REQUESTS_CA_BUNDLE in the environment
@@ -333,8 +345,9 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
         if r.status_code != 200 or answer.get("Error"):
             raise RuntimeError(f"filter failed: HTTP {r.status_code}: {r.text[:300]}")
         passed = len(answer["NodeNames"])
+    cpu = (cpu_seconds(ext.procs[0].pid) - cpu0) / calls
     times.sort()
-    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], passed
+    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], passed, cpu
 
 
 def run_size(
@@ -345,6 +358,7 @@ def run_size(
     pairs: int = 1,
     percentage: int | None = None,
     qps: int = 200,
+    short_parser: bool = True,
 ) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
@@ -372,7 +386,7 @@ def run_size(
             time.sleep(1)
         print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
         folder = work / f"ext-{n}"
-        ext = Extender(sb, folder, percentage, qps)
+        ext = Extender(sb, folder, percentage, qps, short_parser)
         state = sb.state()
         WATCHED.clear()
         for c in state.components if state else []:
@@ -433,10 +447,11 @@ def run_size(
         if filter_calls:
             time.sleep(5)  # let KWOK and the watches go quiet: this measures the verb, not the burst
             names = [x["metadata"]["name"] for x in nodes]
-            p50, p99, passed = filter_latency(ext, names, filter_calls)
+            p50, p99, passed, cpu = filter_latency(ext, names, filter_calls)
             print(
                 f"[{n} nodes] /filter with all {n} nodes, {filter_calls} calls over HTTPS, cluster idle: "
-                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms ({passed} nodes passed)",
+                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms ({passed} nodes passed), "
+                f"extender CPU {cpu * 1000:.2f} ms per call",
                 flush=True,
             )
     finally:
@@ -471,6 +486,12 @@ def main() -> int:
         help="kube-scheduler's client QPS in both profiles, burst twice that (default 200; its own "
         "default is 50): caps the binds kube-scheduler alone makes, not the extender's",
     )
+    parser.add_argument(
+        "--short-parser",
+        choices=("on", "off"),
+        default="on",
+        help="the extender worker's short HTTP parser (off: gunicorn's parser for every request)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     print(
@@ -486,6 +507,7 @@ def main() -> int:
                 args.pairs,
                 args.percentage_of_nodes_to_score,
                 args.kube_api_qps,
+                args.short_parser == "on",
             )
     return 0
 

@@ -75,7 +75,9 @@ def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
     names = _field(body, "NodeNames")
     nodes = _field(body, "Nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        # set(map(type, ...)) and `in` run in C: at 1,000 nodes a per-name Python check cost more
+        # than the filter itself
+        if not isinstance(names, list) or not set(map(type, names)) <= {str} or "" in names:
             raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
         return pod, names, None
     if nodes is not None:

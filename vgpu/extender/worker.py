@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import select
 import time
@@ -41,6 +42,8 @@ from gunicorn.http import wsgi
 from gunicorn.workers.gthread import ThreadWorker
 
 LINGER_S = 0.01
+# "0" (or false/no/off) turns the short parser off: every request then goes through gunicorn's
+SHORT_PARSER_ENV = "VGPU_EXTENDER_SHORT_PARSER"
 HEAD_MAX = 8192  # kube-scheduler's heads are ~200 bytes; gunicorn's own limits apply past this
 FAST_BODY_MAX = 4 * 1024 * 1024  # larger bodies stream through gunicorn's reader, as before
 READ_SIZE = 65536
@@ -127,9 +130,13 @@ class _Fallback(Exception):
     """The request is not plain: gunicorn's parser reads it (from the bytes given back)."""
 
 
+def short_parser_enabled() -> bool:
+    return os.environ.get(SHORT_PARSER_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class LingeringThreadWorker(ThreadWorker):  # type: ignore[misc]
     linger_s = LINGER_S
-    fast_path = True
+    fast_path = short_parser_enabled()
     _base_environ: dict[str, Any] | None = None
 
     def handle(self, conn: Any) -> Any:
