@@ -408,6 +408,7 @@ CASES = [
     ("a repeated header", post("/env", b"", "X-A: 1", "X-A: 2"), False),
     ("an underscore in a name", post("/env", b"", "X_A: 1"), False),
     ("Connection: close", post("/env", b"", "Connection: close"), False),
+    ("Connection: keep-alive, as Python's clients send", post("/env", b"", "Connection: keep-alive"), True),
     (
         "two lengths",
         b"POST /env HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi",

@@ -49,7 +49,19 @@ NAMES = st.sampled_from(
 )  # fmt: skip
 VALUES = st.one_of(
     st.sampled_from(
-        [b"v", b" spaced ", b"a,b", b"", b"*/*", b"chunked", b"close", b"100-continue", b"\t tab"]
+        [
+            b"v",
+            b" spaced ",
+            b"a,b",
+            b"",
+            b"*/*",
+            b"chunked",
+            b"close",
+            b"keep-alive",
+            b"Keep-Alive",
+            b"100-continue",
+            b"\t tab",
+        ]
     ),
     st.binary(max_size=12),
 )
@@ -113,10 +125,12 @@ def test_the_grammar_reaches_both_outcomes() -> None:
         b"POST /filter HTTP/1.1\r\nHost: 10.0.0.1:8443\r\nUser-Agent: Go-http-client/1.1\r\n"
         b"Content-Length: 5012\r\nContent-Type: application/json\r\nAccept-Encoding: gzip",
         b"POST /bind HTTP/1.1\r\nHost: h\r\ncontent-length: 0",
+        b"POST /filter HTTP/1.1\r\nHost: h\r\nUser-Agent: python-requests/2.32\r\nAccept-Encoding: gzip\r\n"
+        b"Accept: */*\r\nConnection: keep-alive\r\nContent-Length: 9\r\nContent-Type: application/json",
     ],
 )
 def test_plain_heads_are_accepted(head: bytes) -> None:
-    """kube-scheduler's calls (the head Go's net/http client sends) take the short parser."""
+    """kube-scheduler's calls (the head Go's net/http client sends) and Python's take the short parser."""
     ours = parse_head(head)
     assert ours is not None
     assert ours[:2] == ("POST", head.split(b" ")[1].decode())
@@ -130,6 +144,7 @@ def test_plain_heads_are_accepted(head: bytes) -> None:
         (b"POST /f HTTP/1.1\r\nContent-Length: \xb2", "a digit that is not ASCII"),
         (b"POST /f HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1", "the length twice"),
         (b"POST /f HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked", "chunked coding"),
+        (b"POST /f HTTP/1.1\r\nContent-Length: 1\r\nConnection: close", "the connection to close"),
         (b"POST /f HTTP/1.1\r\nContent-Length: 1\r\nX_A: 1", "an underscore gunicorn drops"),
         (b"POST /f HTTP/1.1\r\nContent-Length: 1\r\nX-A: 1\r\n  more", "a folded line"),
         (b"POST /a%20b HTTP/1.1\r\nContent-Length: 1", "a path to unquote"),

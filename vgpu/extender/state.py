@@ -373,14 +373,24 @@ class SchedulerState:
                 mem = c.memory_mib if c.memory_mib is not None else first * percent // 100
                 util = ((used_mem + mem * count) / total_mem + (used_slots + count) / total_slots) / 2
             ranked.setdefault(util, []).append(members)
-        position = dict(zip(node_names, range(len(node_names)), strict=True))
-        asked = position.keys()
+        position: dict[str, int] | None = None
         kept: list[tuple[int, str]] = []
         for util in sorted(ranked, reverse=binpack):
             groups = ranked[util]
-            found = asked & groups[0] if len(groups) == 1 else asked & set().union(*groups)
-            for i in sorted(map(position.__getitem__, found)):
-                name = node_names[i]
+            members = groups[0] if len(groups) == 1 else set().union(*groups)
+            candidates: Iterable[tuple[int, str]]
+            if len(members) * 4 >= len(node_names):
+                # a large group (on an idle cluster, every node): walk the names in order, stopping
+                # at the first that fits, rather than sorting where each member was asked
+                candidates = ((i, n) for i, n in enumerate(node_names) if n in members)
+            else:
+                if position is None:
+                    position = dict(zip(node_names, range(len(node_names)), strict=True))
+                found = position.keys() & members
+                candidates = ((i, node_names[i]) for i in sorted(map(position.__getitem__, found)))
+            for i, name in candidates:
+                if name in cache:
+                    continue  # named twice in the request: kept once
                 if self.node_problem(name, now) is not None:
                     continue
                 inventory = self.nodes[name].inventory

@@ -14,13 +14,13 @@ Two costs of ``gthread`` sit on kube-scheduler's scheduling path, which sends ``
   ``Expect``, every limit) and cost more CPU per call than the filter itself. A request on a
   connection already open is first read by :func:`parse_head`, which accepts only the plainest
   form: ``HTTP/1.1``, a Content-Length body of at most :data:`FAST_BODY_MAX`, token header names
-  without ``_``, each at most once, no ``Connection``, ``Expect``, ``Transfer-Encoding`` or
-  ``Upgrade``, no ``%`` in the path, a head of at most :data:`HEAD_MAX` bytes. Anything else is put
-  back in front of gunicorn's own parser, unread, and gunicorn serves it (and rejects what it
-  rejects) as always. The environ is the one gunicorn builds for the same request, less
-  ``gunicorn.socket``, ``wsgi.file_wrapper`` and ``wsgi.early_hints``; the access log and the
-  ``pre_request``/``post_request`` hooks are skipped on this path (the extender uses none; with
-  an access log configured every request takes gunicorn's path).
+  without ``_``, each at most once, no ``Expect``, ``Transfer-Encoding`` or ``Upgrade``, no
+  ``Connection`` but ``keep-alive``, no ``%`` in the path, a head of at most :data:`HEAD_MAX`
+  bytes. Anything else is put back in front of gunicorn's own parser, unread, and gunicorn
+  serves it (and rejects what it rejects) as always. The environ is the one gunicorn builds for
+  the same request, less ``gunicorn.socket``, ``wsgi.file_wrapper`` and ``wsgi.early_hints``;
+  the access log and the ``pre_request``/``post_request`` hooks are skipped on this path (the
+  extender uses none; with an access log configured every request takes gunicorn's path).
 
 Measured with bench/bench_scheduler.py (docs/scheduling.md#speed); tested against plain gthread,
 request by request, in tests/integration/test_gunicorn_worker.py.
@@ -88,9 +88,9 @@ def parse_head(head: bytes) -> tuple[str, str, dict[str, str], int] | None:
         if not sep or not _TOKEN.fullmatch(name) or not _VALUE.fullmatch(value):
             return None  # also a folded line (starts with a space) and a space before the colon
         low = name.lower()
-        if low in _HOP:
-            return None
         text = value.strip(b" \t").decode("latin-1")
+        if low in _HOP and not (low == b"connection" and text.lower() == "keep-alive"):
+            return None  # (keep-alive is HTTP/1.1's default: Python's clients still send it)
         if low == b"content-length":
             if length is not None or not text.isascii() or not text.isdigit():
                 return None
