@@ -233,6 +233,18 @@ def test_extender_values_reach_its_settings() -> None:
     assert (config.default_mem, config.default_cores, config.workers) == (4096, 25, 3)
 
 
+def test_extender_extra_env_reaches_only_the_extender_container() -> None:
+    default = find(render(), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert "env" not in container(default, "extender")
+    objs = render(
+        "--set", "scheduler.extender.extraEnv[0].name=VGPU_EXTENDER_SHORT_PARSER",
+        "--set-string", "scheduler.extender.extraEnv[0].value=0",
+    )  # fmt: skip
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert container(pod, "extender")["env"] == [{"name": "VGPU_EXTENDER_SHORT_PARSER", "value": "0"}]
+    assert "env" not in container(pod, "kube-scheduler")
+
+
 def test_kube_scheduler_reaches_only_the_ready_extender_through_its_service() -> None:
     objs = render()
     (ext,) = scheduler_config(objs)["extenders"]

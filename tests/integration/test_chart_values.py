@@ -157,6 +157,11 @@ BAD_VALUES = [
     (["--set", "devicePlugin.deviceSplitCount=0"], "/devicePlugin/deviceSplitCount", "minimum"),
     (["--set", "scheduler.extender.nodePolicy=fastest"], "/scheduler/extender/nodePolicy", "binpack"),
     (["--set", "webhook.failurePolicy=fail"], "/webhook/failurePolicy", "Ignore"),
+    (
+        ["--set", "scheduler.extender.extraEnv[0].name=SHORT-PARSER,scheduler.extender.extraEnv[0].value=x"],
+        "/scheduler/extender/extraEnv/0/name",
+        "does not match",
+    ),
 ]
 
 
