@@ -81,6 +81,12 @@ APP = textwrap.dedent(
             data = str(FALLBACKS[0]).encode()
             start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(data)))])
             return [data]
+        if path == "/hop":  # headers gunicorn drops or passes on as they are
+            start_response("200 OK", [
+                ("X_Under", "1"), ("Connection", "close"), ("Server", "mine"), ("Date", "then"),
+                ("Keep-Alive", "timeout=5"), ("X-Spaced", "  v  "), ("Content-Length", "2"),
+            ])
+            return [b"ok"]
         if path == "/nolength":  # in pieces, without a Content-Length: the server frames it
             start_response("200 OK", [("Content-Type", "text/plain"), ("Connection", "keep-alive")])
             return [b"in ", b"three ", b"pieces"]
@@ -421,6 +427,7 @@ CASES = [
     ("a control byte in a value", post("/env", b"", "X-A: a\x01b"), False),
     ("a head past the short parser's limit", post("/env", b"", "X-Long: " + "v" * 9000), False),
     ("a body past the short parser's limit", post("/env", b"z" * BIG), False),
+    ("an answer with headers gunicorn drops", post("/hop", b""), True),
 ]
 
 

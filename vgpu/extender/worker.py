@@ -53,17 +53,25 @@ log = logging.getLogger(__name__)
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^`|~0-9A-Za-z]+")  # RFC 9110 token, less "_" (gunicorn drops those)
 _TARGET = re.compile(rb"/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*(?:\?[!$%&'()*+,\-./0-9:;=?@A-Z_a-z~]*)?")
 _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_RESPONSE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _RESPONSE_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 _HOP = {b"connection", b"expect", b"transfer-encoding", b"upgrade", b"te", b"trailer"}
-_DATE: list[Any] = [0, ""]
+# the app's headers gunicorn leaves out of an answer (it writes its own Server, Date, Connection)
+_RESPONSE_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+    "transfer-encoding", "upgrade", "server", "date",
+}  # fmt: skip
+_date = (0, "")
 
 
 def _http_date() -> str:
+    global _date
     now = int(time.time())
-    if _DATE[0] != now:
-        _DATE[1] = formatdate(now, usegmt=True)
-        _DATE[0] = now
-    return str(_DATE[1])
+    stamp, text = _date
+    if stamp != now:
+        text = formatdate(now, usegmt=True)
+        _date = (now, text)
+    return text
 
 
 def parse_head(head: bytes) -> tuple[str, str, dict[str, str], int] | None:
@@ -265,48 +273,40 @@ class LingeringThreadWorker(ThreadWorker):  # type: ignore[misc]
             if not started:
                 raise RuntimeError("the application returned without calling start_response")
             body = b"".join([*written, *chunks])
-            head, keep = _response_head(started[0], started[1], len(body))
+            head = _response_head(started[0], started[1], len(body))
         except Exception as err:  # as gunicorn: the client gets a 500, the log the traceback
-            self.log.exception("Error handling request %s", environ.get("PATH_INFO"))
             self.handle_error(None, conn.sock, conn.client, err)
             return False
         try:
             conn.sock.sendall(head + body)
         except OSError:
             return False  # the client went away: nothing to tell it
-        return keep
+        return True
 
 
-def _response_head(status: str, headers: list[tuple[str, str]], length: int) -> tuple[bytes, bool]:
-    """The status line and headers, and whether the connection stays open.
+def _response_head(status: str, headers: list[tuple[str, str]], length: int) -> bytes:
+    """The status line and headers, as gunicorn's Response writes them for a kept-alive connection.
 
-    As gunicorn's Response writes them: Server, Date and Connection first, then the app's headers
-    less hop-by-hop ones (``Connection: close`` is honoured); Content-Length last when the app left
-    it out (gunicorn would use chunked coding there: the body is all here, so its length is known).
+    Server, Date and Connection first, then the app's headers less hop-by-hop ones and its own
+    Server and Date (gunicorn drops those too, and keeps the connection open whatever the app's
+    ``Connection`` says); Content-Length last when the app left it out (gunicorn would use chunked
+    coding there: the body is all here, so its length is known).
     """
     code = status[:3]
     if not code.isdigit() or status[3:4] != " " or not _RESPONSE_VALUE.fullmatch(status):
         raise ValueError(f"invalid status line from the application: {status!r}")
     lines = []
     has_length = False
-    keep = True
     for name, value in headers:
-        if not _TOKEN.fullmatch(name.encode("latin-1")) or not _RESPONSE_VALUE.fullmatch(value):
+        if not _RESPONSE_NAME.fullmatch(name) or not _RESPONSE_VALUE.fullmatch(value):
             raise ValueError(f"invalid response header from the application: {name!r}")
         low = name.lower()
-        if low.encode("latin-1") in _HOP or low in ("keep-alive", "proxy-connection"):
-            if low == "connection" and "close" in value.lower():
-                keep = False
+        if low in _RESPONSE_HOP:
             continue
         if low == "content-length":
             has_length = True
         lines.append(name + ": " + value.strip(" \t"))
     if not has_length and code[0] != "1" and code not in ("204", "304"):
         lines.append(f"Content-Length: {length}")
-    first = [
-        "HTTP/1.1 " + status,
-        "Server: " + SERVER,
-        "Date: " + _http_date(),
-        "Connection: keep-alive" if keep else "Connection: close",
-    ]
-    return "\r\n".join([*first, *lines, "", ""]).encode("latin-1"), keep
+    first = ["HTTP/1.1 " + status, "Server: " + SERVER, "Date: " + _http_date(), "Connection: keep-alive"]
+    return "\r\n".join([*first, *lines, "", ""]).encode("latin-1")
