@@ -25,7 +25,7 @@ from chart_support import (
     template,
 )
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from vgpu.annotations import LEASE_PREFIX
 from vgpu.config import load_config
@@ -153,9 +153,11 @@ def test_the_serving_certificate_is_signed_by_the_ca_every_client_is_given() -> 
     objs = render()
     ca, crt = _certs(objs)
     key = ca.public_key()
-    assert isinstance(key, rsa.RSAPublicKey)
+    assert isinstance(key, ec.EllipticCurvePublicKey)  # cheaper handshakes than RSA (see _helpers.tpl)
+    assert isinstance(key.curve, ec.SECP256R1)
+    assert isinstance(crt.public_key(), ec.EllipticCurvePublicKey)
     assert crt.signature_hash_algorithm is not None
-    key.verify(crt.signature, crt.tbs_certificate_bytes, padding.PKCS1v15(), crt.signature_hash_algorithm)
+    key.verify(crt.signature, crt.tbs_certificate_bytes, ec.ECDSA(crt.signature_hash_algorithm))
     assert crt.issuer == ca.subject
     sans = crt.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "vgpu-extender.kube-system.svc" in sans.get_values_for_type(x509.DNSName)

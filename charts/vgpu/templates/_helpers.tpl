@@ -64,20 +64,23 @@ Leases (vgpu-<node>), so it can never be taken for the Lease of a node.
 
 {{/*
 vgpu.tls: the extender's CA and serving certificate as a dict {ca, crt, key} of PEM strings.
-Helm's genCA/genSignedCert make them at render time (no download, no Job), so every `helm
-install` and `helm upgrade` makes a new pair. They are made once per render and kept on the
-root context, so the Secret, kube-scheduler's caData and the webhooks' caBundle all agree.
+Helm's genCAWithKey/genSignedCertWithKey make them at render time (no download, no Job), so
+every `helm install` and `helm upgrade` makes a new pair. They are made once per render and kept
+on the root context, so the Secret, kube-scheduler's caData and the webhooks' caBundle all agree.
+ECDSA P-256 keys: kube-scheduler opens a new TLS connection to the extender whenever more binds
+are in flight than the two connections it keeps idle, and the server's signature in each
+handshake costs an RSA-2048 key several times what it costs a P-256 key.
 */}}
 {{- define "vgpu.tls" -}}
 {{- if not (hasKey . "vgpuTLS") -}}
 {{- $svc := include "vgpu.extenderService" . -}}
 {{- $ns := .Release.Namespace -}}
 {{- $days := int .Values.webhook.certificate.validityDays -}}
-{{- $ca := genCA (printf "%s-ca" (include "vgpu.fullname" .)) $days -}}
+{{- $ca := genCAWithKey (printf "%s-ca" (include "vgpu.fullname" .)) $days (genPrivateKey "ecdsa") -}}
 {{- $names := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) "localhost" -}}
 {{- /* the DNS names reach it through the Service (kube-scheduler, the API server); 127.0.0.1 and
 localhost serve a probe or a debugging session inside the pod */ -}}
-{{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) (list "127.0.0.1") $names $days $ca -}}
+{{- $cert := genSignedCertWithKey (printf "%s.%s.svc" $svc $ns) (list "127.0.0.1") $names $days $ca (genPrivateKey "ecdsa") -}}
 {{- $_ := set . "vgpuTLS" (dict "ca" $ca.Cert "crt" $cert.Cert "key" $cert.Key) -}}
 {{- end -}}
 {{- toYaml .vgpuTLS -}}
