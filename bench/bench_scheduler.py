@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
          [--filter-calls 200] [--percentage-of-nodes-to-score P] [--kube-api-qps Q]
+         [--short-parser on|off]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
@@ -16,7 +17,7 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
 3. the extender's own latency per verb over the burst (mean, and the histogram bucket holding
    p50/p99), and, at the largest size once the pods are gone and the cluster is quiet, ``/filter``
    called directly over HTTPS with every node's name for a pod asking one vGPU: p50/p99 as the
-   caller sees it (JSON and TLS included).
+   caller sees it (JSON and TLS included), and the extender's CPU per call.
 4. CPU per pod of each process (kube-apiserver, etcd, KWOK, kube-controller-manager,
    kube-scheduler, the extender) over each burst, from /proc; and, before the bursts, what the
    idle cluster's upkeep takes (KWOK renews 1,000 node Leases every 10 s, as kubelets do), in cores.
@@ -31,6 +32,8 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
    not the extender's (the extender writes the Binding itself): on a machine with cores to spare,
    kube-scheduler alone runs at that limit. ``bench/offline.sh`` runs this bench on such a
    machine when it has neither Go nor a package index.
+8. ``--short-parser off`` runs the extender with ``VGPU_EXTENDER_SHORT_PARSER=0`` (every request
+   through gunicorn's own HTTP parser), for an A/B of the worker's short parser.
 
 Prints one line per figure and the machine; asserts nothing.
 """
