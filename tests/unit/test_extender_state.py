@@ -11,7 +11,8 @@ from hypothesis import strategies as hst
 
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
-from vgpu.extender.state import SchedulerState
+from vgpu.errors import KubeError
+from vgpu.extender.state import ASSUME_TTL_S, SchedulerState
 from vgpu.ledger import Usage
 
 CFG = SchedulerConfig()
@@ -304,3 +305,99 @@ def test_the_extender_worker_hands_the_gil_over_ten_times_as_often_as_cpython() 
         assert sys.getswitchinterval() == pytest.approx(0.0005) and before == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
+
+
+# -- filter's answer holds the pod's capacity until bind (as kube-scheduler assumes a pod) ----------
+
+
+class Binder:
+    """The API server's side of bind, recorded: what the state needs of it (``KubeAPI``)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.bound: list[tuple[str, str]] = []
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None
+
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str, annotations: Any = None) -> None:
+        if self.fail:
+            raise KubeError("the API server said no")
+        self.bound.append((uid, node))
+
+
+def _assuming(loads: list[int], fail: bool = False) -> tuple[SchedulerState, list[float]]:
+    st = _cluster(loads, keep=1)
+    now = [NOW]
+    st.clock = lambda: now[0]
+    st.kube = Binder(fail)
+    return st, now
+
+
+def _held(st: SchedulerState, node: str) -> int:
+    return sum(u.memory_mib for u in st.ledger.usage(node).values())
+
+
+def test_the_next_pod_filtered_before_the_first_is_bound_is_not_offered_the_room_it_takes() -> None:
+    st, _ = _assuming([9000, 0])  # n0 has room for one pod of 1000 MiB
+    assert st.filter(_pod(1000, uid="p1"), ["n0", "n1"]).nodes == ["n0"]
+    # p1's bind has not come yet (kube-scheduler binds asynchronously): p2 must not get n0 too
+    assert st.filter(_pod(1000, uid="p2"), ["n0", "n1"]).nodes == ["n1"]
+    assert st.bind("d", "p1", "p1", "n0") == ("", "ok")
+    assert st.bind("d", "p2", "p2", "n1") == ("", "ok")  # no conflict, so no back-off for p2
+    assert (_held(st, "n0"), _held(st, "n1")) == (10000, 1000)
+    assert st.assumed == {}
+
+
+def test_a_pod_filtered_again_is_held_once_not_twice() -> None:
+    st, _ = _assuming([9000, 0])
+    for _ in range(3):
+        assert st.filter(_pod(1000, uid="p1"), ["n0", "n1"]).nodes == ["n0"]
+    assert _held(st, "n0") == 10000
+    assert list(st.assumed) == ["p1"]
+
+
+def test_a_pod_never_bound_frees_the_room_after_the_assume_ttl() -> None:
+    st, now = _assuming([9000, 0])
+    st.filter(_pod(1000, uid="p1"), ["n0", "n1"])
+    now[0] += ASSUME_TTL_S - 1
+    for i in range(2):  # the plugins keep renewing their Leases meanwhile
+        st.apply_lease(lease(f"vgpu-n{i}", now[0]))
+    assert st.filter(_pod(1000, uid="p2"), ["n0", "n1"]).nodes == ["n1"]  # still held
+    now[0] += 2
+    assert st.filter(_pod(1000, uid="p3"), ["n0", "n1"]).nodes == ["n0"]  # p1's hold lapsed
+    assert st.ledger.node_of("p1") is None
+
+
+def test_a_pod_deleted_between_filter_and_bind_frees_the_room() -> None:
+    st, _ = _assuming([9000, 0])
+    st.filter(_pod(1000, uid="p1"), ["n0", "n1"])
+    st.apply_pod(_pod(1000, uid="p1"), deleted=True)
+    assert st.filter(_pod(1000, uid="p2"), ["n0", "n1"]).nodes == ["n0"]
+
+
+def test_a_bind_that_finds_no_room_frees_what_filter_held() -> None:
+    st, _ = _assuming([9000, 0])
+    st.filter(_pod(1000, uid="p1"), ["n0", "n1"])
+    # meanwhile the watch shows another pod holding n0's last room (reality wins over the hold)
+    st.apply_pod(alloc_pod("other", 5, node="n0", mem=1000) | {"status": {"phase": "Running"}})
+    st.ledger.commit("other", "n0", {"GPU-n0": Usage(1000, 0, 1, 0)})
+    error, kind = st.bind("d", "p1", "p1", "n0")
+    assert kind == "conflict" and "no room" in error
+    assert st.ledger.node_of("p1") is None and st.assumed == {}
+    assert _held(st, "n0") == 10000  # the 9000 held before and the other pod's 1000
+
+
+def test_a_bind_the_api_server_refuses_frees_what_filter_held() -> None:
+    st, _ = _assuming([9000, 0], fail=True)
+    st.filter(_pod(1000, uid="p1"), ["n0", "n1"])
+    error, kind = st.bind("d", "p1", "p1", "n0")
+    assert kind == "error" and "said no" in error
+    assert st.ledger.node_of("p1") is None and st.assumed == {}
+    assert _held(st, "n0") == 9000
+
+
+def test_with_several_nodes_answered_nothing_is_held() -> None:
+    st = _cluster([9000, 0, 0], keep=2)
+    assert st.filter(_pod(1000, uid="p1"), ["n0", "n1", "n2"]).nodes == ["n0", "n1"]
+    assert st.assumed == {} and st.ledger.node_of("p1") is None

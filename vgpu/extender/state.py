@@ -47,6 +47,12 @@ TERMINAL = ("Succeeded", "Failed")
 # node kube-scheduler finally picks is among the policy's best either way.
 FILTER_KEEP = 1
 
+# How long filter's answer for a pod holds its capacity while kube-scheduler has yet to call bind
+# (see SchedulerState.assumed). kube-scheduler binds within milliseconds, or seconds on a saturated
+# API server; a pod it never binds (a later plugin turned it down) frees the capacity after this,
+# or at once when it is filtered again or deleted.
+ASSUME_TTL_S = 30.0
+
 
 class KubeAPI(Protocol):
     """What the state needs from the API server (satisfied by :class:`vgpu.kube.Kube`)."""
@@ -112,6 +118,12 @@ class SchedulerState:
         self.lease_expiry: dict[str, float] = {}  # node -> when its plugin Lease runs out (epoch s)
         self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
         self.binding: set[str] = set()  # uids with a bind in flight
+        # uid -> (when it lapses, node): the one node filter answered for the pod, held in the ledger
+        # until bind comes, as kube-scheduler assumes a pod on its node before binding it. Without
+        # it, a filter for the next pod, arriving while this pod's bind is still on its way (binds
+        # are asynchronous), sees the room this pod is about to take; that pod's bind then finds
+        # no room and kube-scheduler retries it only after its back-off (1 s at least).
+        self.assumed: dict[str, tuple[float, str]] = {}
         self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
         # per node, for the pod filtered last: (ledger node version, inventory, utilisation with it)
         self._filtered: tuple[str, dict[str, tuple[int, Any, float]]] = ("", {})
@@ -210,6 +222,7 @@ class SchedulerState:
         rv = _rv(pod)
         with self.lock:
             if deleted:
+                self.assumed.pop(uid, None)
                 self.ledger.release(uid)
                 self.pod_rv.pop(uid, None)
                 self.recent_pods.pop(uid, None)
@@ -220,6 +233,7 @@ class SchedulerState:
             self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
             if (pod.get("status") or {}).get("phase") in TERMINAL:
                 self._pod_raw.pop(uid, None)
+                self.assumed.pop(uid, None)
                 self.ledger.release(uid)  # finished pods hold nothing, as for any Kubernetes resource
                 return
             raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
@@ -240,6 +254,7 @@ class SchedulerState:
                 phases: list[list[str]] | None = _phases(parse_pod(pod, self.config))
             except RequestError:
                 phases = None  # count every container at once: never less than the truth
+            self.assumed.pop(uid, None)
             self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
             self._pod_raw[uid] = raw
 
@@ -250,6 +265,7 @@ class SchedulerState:
         with self.lock:
             for uid in list(self.ledger.pods()):
                 if uid not in seen and uid not in self.binding:
+                    self.assumed.pop(uid, None)
                     self.ledger.release(uid)
                     self.pod_rv.pop(uid, None)
                     self._pod_raw.pop(uid, None)
@@ -295,15 +311,49 @@ class SchedulerState:
         cache: dict[str, tuple[int, Any, float]] = {}
         with self.lock:
             self._filtered = (uid or "", cache)  # prioritize, called next for this pod, reuses it
+            self._lapse_assumed(now)
             if uid:
                 self.recent_pods[uid] = pod
                 if len(self.recent_pods) > 4096:
                     self.recent_pods.pop(next(iter(self.recent_pods)))
+                if self.assumed.pop(uid, None) is not None:
+                    self.ledger.release(uid)  # asked again: the last answer for it no longer stands
             if self.indexed and single is not None and (not uid or self.ledger.node_of(uid) is None):
                 kept = self._filter_in_policy_order(request, single, node_names, now, cache)
                 if kept is not None:
+                    self._assume(uid, request, kept, now)
                     return FilterResult(nodes=kept)
-            return self._filter_every_node(request, uid, node_names, now, cache)
+            result = self._filter_every_node(request, uid, node_names, now, cache)
+            self._assume(uid, request, result.nodes, now)
+            return result
+
+    def _assume(self, uid: str | None, request: PodRequest, nodes: list[str], now: float) -> None:
+        """Hold the pod's capacity on the one node filter answered, until bind (see ``assumed``).
+
+        Only for a pod that holds nothing yet and got exactly one node: with more, kube-scheduler
+        picks among them and we cannot know which. Caller holds the lock.
+        """
+        if not uid or len(nodes) != 1 or self.ledger.node_of(uid) is not None:
+            return
+        node = nodes[0]
+        inventory = self.nodes[node].inventory
+        assert inventory is not None
+        outcome = fit_node(node, inventory, self.ledger.usage(node), request, self.config.gpu_policy)
+        if isinstance(outcome, Plan):
+            self.ledger.commit(uid, node, outcome.footprint)
+            self.assumed[uid] = (now + ASSUME_TTL_S, node)
+
+    def _lapse_assumed(self, now: float) -> None:
+        """Free the assumptions bind never came for. Caller holds the lock."""
+        while self.assumed:
+            uid, (until, _) = next(iter(self.assumed.items()))
+            if until > now:
+                return  # in the order made (a pod filtered again goes to the end), so the rest too
+            del self.assumed[uid]
+            self.ledger.release(uid)
+            log.info(
+                "pod uid %s: filtered %.0f s ago and not bound; its capacity is free again", uid, ASSUME_TTL_S
+            )
 
     def _filter_every_node(
         self,
@@ -520,6 +570,7 @@ class SchedulerState:
         with self.lock:
             problem = self.node_problem(node, self.clock())
             if problem is not None:
+                self._drop_assumed(uid)
                 return f"node {node}: {problem}", "conflict"
             if uid in self.binding:
                 return f"pod {namespace}/{name} is already being bound", "conflict"
@@ -529,8 +580,10 @@ class SchedulerState:
                 node, inventory, self.ledger.usage(node, excluding=uid), request, self.config.gpu_policy
             )
             if isinstance(outcome, Rejection):
+                self._drop_assumed(uid)
                 return f"node {node} has no room any more: {outcome.reason}", "conflict"
             self.binding.add(uid)
+            self.assumed.pop(uid, None)  # the bind's own reservation replaces filter's
             self.ledger.commit(uid, node, outcome.footprint)
         try:
             annotations = {
@@ -549,6 +602,11 @@ class SchedulerState:
         finally:
             with self.lock:
                 self.binding.discard(uid)
+
+    def _drop_assumed(self, uid: str) -> None:
+        """A bind that will not happen here: free what filter held for it. Caller holds the lock."""
+        if self.assumed.pop(uid, None) is not None:
+            self.ledger.release(uid)
 
     def _undo(self, uid: str) -> None:
         with self.lock:
