@@ -118,12 +118,12 @@ class SchedulerState:
         self.lease_expiry: dict[str, float] = {}  # node -> when its plugin Lease runs out (epoch s)
         self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
         self.binding: set[str] = set()  # uids with a bind in flight
-        # uid -> (when it lapses, node): the one node filter answered for the pod, held in the ledger
+        # uid -> when it lapses: the one node filter answered for the pod, held in the ledger
         # until bind comes, as kube-scheduler assumes a pod on its node before binding it. Without
         # it, a filter for the next pod, arriving while this pod's bind is still on its way (binds
         # are asynchronous), sees the room this pod is about to take; that pod's bind then finds
         # no room and kube-scheduler retries it only after its back-off (1 s at least).
-        self.assumed: dict[str, tuple[float, str]] = {}
+        self.assumed: dict[str, float] = {}
         self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
         # per node, for the pod filtered last: (ledger node version, inventory, utilisation with it)
         self._filtered: tuple[str, dict[str, tuple[int, Any, float]]] = ("", {})
@@ -316,8 +316,7 @@ class SchedulerState:
                 self.recent_pods[uid] = pod
                 if len(self.recent_pods) > 4096:
                     self.recent_pods.pop(next(iter(self.recent_pods)))
-                if self.assumed.pop(uid, None) is not None:
-                    self.ledger.release(uid)  # asked again: the last answer for it no longer stands
+                self._drop_assumed(uid)  # asked again: the last answer for it no longer stands
             if self.indexed and single is not None and (not uid or self.ledger.node_of(uid) is None):
                 kept = self._filter_in_policy_order(request, single, node_names, now, cache)
                 if kept is not None:
@@ -341,16 +340,15 @@ class SchedulerState:
         outcome = fit_node(node, inventory, self.ledger.usage(node), request, self.config.gpu_policy)
         if isinstance(outcome, Plan):
             self.ledger.commit(uid, node, outcome.footprint)
-            self.assumed[uid] = (now + ASSUME_TTL_S, node)
+            self.assumed[uid] = now + ASSUME_TTL_S
 
     def _lapse_assumed(self, now: float) -> None:
         """Free the assumptions bind never came for. Caller holds the lock."""
         while self.assumed:
-            uid, (until, _) = next(iter(self.assumed.items()))
+            uid, until = next(iter(self.assumed.items()))
             if until > now:
                 return  # in the order made (a pod filtered again goes to the end), so the rest too
-            del self.assumed[uid]
-            self.ledger.release(uid)
+            self._drop_assumed(uid)
             log.info(
                 "pod uid %s: filtered %.0f s ago and not bound; its capacity is free again", uid, ASSUME_TTL_S
             )
@@ -604,7 +602,7 @@ class SchedulerState:
                 self.binding.discard(uid)
 
     def _drop_assumed(self, uid: str) -> None:
-        """A bind that will not happen here: free what filter held for it. Caller holds the lock."""
+        """Free what filter held for the pod, if anything. Caller holds the lock."""
         if self.assumed.pop(uid, None) is not None:
             self.ledger.release(uid)
 

@@ -34,11 +34,12 @@ import os
 import re
 import select
 import time
-from email.utils import formatdate
 from typing import Any
 
 from gunicorn import SERVER
 from gunicorn.http import wsgi
+from gunicorn.http.message import TOKEN_RE
+from gunicorn.util import hop_headers, http_date
 from gunicorn.workers.gthread import ThreadWorker
 
 LINGER_S = 0.01
@@ -53,14 +54,7 @@ log = logging.getLogger(__name__)
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^`|~0-9A-Za-z]+")  # RFC 9110 token, less "_" (gunicorn drops those)
 _TARGET = re.compile(rb"/[!$&'()*+,\-./0-9:;=@A-Z_a-z~]*(?:\?[!$%&'()*+,\-./0-9:;=?@A-Z_a-z~]*)?")
 _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-_RESPONSE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_RESPONSE_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 _HOP = {b"connection", b"expect", b"transfer-encoding", b"upgrade", b"te", b"trailer"}
-# the app's headers gunicorn leaves out of an answer (it writes its own Server, Date, Connection)
-_RESPONSE_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-    "transfer-encoding", "upgrade", "server", "date",
-}  # fmt: skip
 _date = (0, "")
 
 
@@ -69,7 +63,7 @@ def _http_date() -> str:
     now = int(time.time())
     stamp, text = _date
     if stamp != now:
-        text = formatdate(now, usegmt=True)
+        text = http_date(now)
         _date = (now, text)
     return text
 
@@ -293,15 +287,15 @@ def _response_head(status: str, headers: list[tuple[str, str]], length: int) -> 
     coding there: the body is all here, so its length is known).
     """
     code = status[:3]
-    if not code.isdigit() or status[3:4] != " " or not _RESPONSE_VALUE.fullmatch(status):
+    if not code.isdigit() or status[3:4] != " " or not wsgi.HEADER_VALUE_RE.fullmatch(status):
         raise ValueError(f"invalid status line from the application: {status!r}")
     lines = []
     has_length = False
     for name, value in headers:
-        if not _RESPONSE_NAME.fullmatch(name) or not _RESPONSE_VALUE.fullmatch(value):
+        if not TOKEN_RE.fullmatch(name) or not wsgi.HEADER_VALUE_RE.fullmatch(value):
             raise ValueError(f"invalid response header from the application: {name!r}")
         low = name.lower()
-        if low in _RESPONSE_HOP:
+        if low in hop_headers:  # gunicorn writes its own Server, Date and Connection
             continue
         if low == "content-length":
             has_length = True
