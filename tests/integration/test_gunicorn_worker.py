@@ -157,22 +157,75 @@ def request(path: str, body: bytes = b"x") -> bytes:
     ).encode() + body
 
 
-def read_answer(sock: socket.socket) -> tuple[int, str, int]:
-    """One HTTP/1.1 answer with a Content-Length: (thread id, path, hand-offs so far)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]  # lower-case names, in order, less Date
+    body: bytes
+    closed: bool  # the server closed the connection after it
+
+
+class Reader:
+    """Answers off one connection, in order (pipelined answers may arrive in one read)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def more(self) -> None:
+        chunk = self.sock.recv(65536)
         if not chunk:
-            raise ConnectionError("closed before an answer")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), head
-    fields = dict(h.split(b":", 1) for h in head.split(b"\r\n")[1:])
-    length = int(next(v for k, v in fields.items() if k.lower() == b"content-length"))
-    while len(rest) < length:
-        rest += sock.recv(65536)
-    assert len(rest) == length, "more bytes than one answer (pipelined answers are read one at a time)"
-    ident, path, handoffs = rest.decode().split(" ")
+            raise ConnectionError(f"closed mid-answer: {self.buf!r}")
+        self.buf += chunk
+
+    def take(self, size: int) -> bytes:
+        while len(self.buf) < size:
+            self.more()
+        data, self.buf = self.buf[:size], self.buf[size:]
+        return data
+
+    def line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self.more()
+        data, _, self.buf = self.buf.partition(b"\r\n")
+        return data
+
+    def answer(self) -> Answer:
+        """The next final answer (a 100 Continue before it is passed over), framed by
+        Content-Length, chunked coding or the connection's end."""
+        while True:
+            while b"\r\n\r\n" not in self.buf:
+                self.more()
+            head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            status = int(lines[0].split(" ")[1])
+            if status >= 200:
+                break
+        headers = [(k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:])]
+        fields = dict(headers)
+        closed = False
+        if "content-length" in fields:
+            body = self.take(int(fields["content-length"]))
+        elif fields.get("transfer-encoding") == "chunked":
+            body = b""
+            while size := int(self.line().split(b";")[0], 16):
+                body += self.take(size)
+                self.take(2)
+            self.take(2)
+        else:
+            while chunk := self.sock.recv(65536):
+                self.buf += chunk
+            body, self.buf, closed = self.buf, b"", True
+        return Answer(status, [h for h in headers if h[0] != "date"], body, closed)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, str, int]:
+    """The 200 answer to the one request sent: (thread id, path, hand-offs so far)."""
+    reader = Reader(sock)
+    answer = reader.answer()
+    assert answer.status == 200, answer
+    assert reader.buf == b"", "more bytes than one answer (pipelined answers are read one at a time)"
+    ident, path, handoffs = answer.body.decode().split(" ")
     return int(ident), path, int(handoffs)
 
 
@@ -216,17 +269,8 @@ def test_plain_gthread_hands_every_kept_alive_request_to_the_pool(tmp_path: Path
 def test_pipelined_requests_are_each_answered_in_order(long_linger: Server) -> None:
     with long_linger.connect() as sock:
         sock.sendall(request("/a") + request("/b") + request("/c"))
-        buf = b""
-        answers: list[str] = []
-        while len(answers) < 3:
-            buf += sock.recv(65536)
-            while b"\r\n\r\n" in buf:
-                head, _, rest = buf.partition(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                if len(rest) < length:
-                    break
-                answers.append(rest[:length].decode().split(" ")[1])  # the path
-                buf = rest[length:]
+        reader = Reader(sock)
+        answers = [reader.answer().body.decode().split(" ")[1] for _ in range(3)]  # the paths
     assert answers == ["/a", "/b", "/c"]
 
 
@@ -304,68 +348,6 @@ def test_stop_with_a_thread_lingering_exits_promptly(long_linger: Server) -> Non
 
 
 # -- the short parser: each request answered as plain gthread answers it --------------------------
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: list[tuple[str, str]]  # lower-case names, in order, less Date
-    body: bytes
-    closed: bool  # the server closed the connection after it
-
-
-class Reader:
-    """Answers off one connection, in order (pipelined answers may arrive in one read)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    def more(self) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed mid-answer: {self.buf!r}")
-        self.buf += chunk
-
-    def take(self, size: int) -> bytes:
-        while len(self.buf) < size:
-            self.more()
-        data, self.buf = self.buf[:size], self.buf[size:]
-        return data
-
-    def line(self) -> bytes:
-        while b"\r\n" not in self.buf:
-            self.more()
-        data, _, self.buf = self.buf.partition(b"\r\n")
-        return data
-
-    def answer(self) -> Answer:
-        """The next final answer (a 100 Continue before it is passed over), framed by
-        Content-Length, chunked coding or the connection's end."""
-        while True:
-            while b"\r\n\r\n" not in self.buf:
-                self.more()
-            head, _, self.buf = self.buf.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split(" ")[1])
-            if status >= 200:
-                break
-        headers = [(k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:])]
-        fields = dict(headers)
-        closed = False
-        if "content-length" in fields:
-            body = self.take(int(fields["content-length"]))
-        elif fields.get("transfer-encoding") == "chunked":
-            body = b""
-            while size := int(self.line().split(b";")[0], 16):
-                body += self.take(size)
-                self.take(2)
-            self.take(2)
-        else:
-            while chunk := self.sock.recv(65536):
-                self.buf += chunk
-            body, self.buf, closed = self.buf, b"", True
-        return Answer(status, [h for h in headers if h[0] != "date"], body, closed)
 
 
 def read_http(sock: socket.socket) -> Answer:
