@@ -1,9 +1,11 @@
-"""`vgpu limits`: show or change a running container's limits through its region file.
+"""`vgpu limits`: show or change a running container's limits: its grant and its region file.
 
     vgpu limits show --container-dir /var/lib/vgpu/containers/<pod-uid>_<container> [--json]
     vgpu limits set  --container-dir DIR --device 0 [--memory MIB] [--cores PCT] [--budget MIB]
 
-The region file is ``vgpu.region`` inside the container's folder; naming the file itself
+The limits live in the container's grant (``/var/lib/vgpu/grants/<folder>.limits``, written by the
+device plugin, read-only inside the container); the region file ``vgpu.region`` inside the
+container's folder holds usage and a copy of the limits. Naming the region file itself
 (``vgpu limits set REGION ...``, the older form) works too, as does ``--sm`` for ``--cores``.
 Sizes: a plain number is MiB (``--memory 4096``); with a suffix it is that unit (``512k``,
 ``4096m``, ``4g``; ``b`` for bytes). 0 lifts the limit (``--budget 0``: spill only past the
@@ -23,6 +25,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from vgpu.grant import apply_limits, as_granted, grant_beside, read_grant
 from vgpu.plugin.paths import REGION_FILE_NAME
 from vgpu.region import (
     FLAG_ALONE,
@@ -32,7 +35,6 @@ from vgpu.region import (
     Region,
     RegionError,
     Snapshot,
-    apply_limits,
 )
 
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -145,9 +147,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = _region_path(args)
         if args.limits_command == "show":
-            with Region(path) as region:
-                snap = region.snapshot()
-            print(json.dumps(asdict(snap), indent=2) if args.json else _table(snap))
+            grant_file = grant_beside(path)
+            granted = read_grant(grant_file) if grant_file is not None else None
+            if granted is None or path.exists():
+                with Region(path) as region:
+                    snap = region.snapshot()
+            else:  # granted, but no CUDA process has created the region yet
+                snap = Snapshot((), ())
+            differ: list[str] = []
+            if granted is not None:
+                snap, differ = as_granted(snap, granted)
+            if args.json:
+                grant_name = str(grant_file) if grant_file else None
+                print(json.dumps(asdict(snap) | {"grant": grant_name, "region_differs": differ}, indent=2))
+            else:
+                print(_table(snap))
+                print(f"limits granted in {grant_file}" if grant_file else "no grant: limits from the region")
+                for line in differ:
+                    print(f"the region's copy differs from the grant: {line} (the hook puts it back)")
             return 0
         change = apply_limits(
             path,

@@ -112,6 +112,31 @@ SLOT: tuple[Field, ...] = (
     Field("spilled", "uint64_t", MAX_DEVICES, doc="of those, bytes served from mapped host memory"),
 )
 
+# The grant (layout 1): what the device plugin granted one container, written on the host and
+# mounted read-only into the container at GRANT_PATH_IN_CONTAINER, so no process there can raise
+# its own limits. The region's limit words are only a mirror of it (see vgpu/grant.py).
+GRANT_MAGIC = int.from_bytes(b"VGPUGRNT", "little")
+GRANT_VERSION = 1
+PATH_BYTES = 256
+GRANT_PATH_IN_CONTAINER = "/etc/vgpu/limits"
+GRANT: tuple[Field, ...] = (
+    Field("magic", "uint64_t", doc="GRANT_MAGIC: the bytes 'VGPUGRNT'"),
+    Field("version", "uint32_t", doc="GRANT_VERSION"),
+    Field("size", "uint32_t", doc="bytes of this struct"),
+    Field("seq", "uint64_t", doc="odd while the host changes the grant, even otherwise"),
+    Field("checksum", "uint64_t", doc="FNV-1a 64 of every byte from num_devices to the end"),
+    Field("num_devices", "uint32_t", doc="devices granted (entries used below)"),
+    Field("priority", "uint32_t", doc="0 high, 1 normal"),
+    Field("sm_policy", "uint32_t", doc="0 = hold to the cap; 1 = work-conserving when alone on the card"),
+    Field("oversubscribe", "uint32_t", doc="1 = spill past the budget to mapped host memory"),
+    Field("context_reserve", "uint64_t", doc="bytes charged per CUDA context (the environment may raise it)"),
+    Field("limit", "uint64_t", MAX_DEVICES, doc="bytes per device (device plus host); 0 = no limit"),
+    Field("sm_limit", "uint32_t", MAX_DEVICES, doc="percent of SMs per device; 0 = no cap"),
+    Field("budget", "uint64_t", MAX_DEVICES, doc="device bytes before spilling; 0 = card's free memory"),
+    Field("uuid", "char", MAX_DEVICES, UUID_BYTES, doc="device UUID per index, NUL-terminated"),
+    Field("region_path", "char", PATH_BYTES, doc="the container's region file, NUL-terminated"),
+)
+
 # bits of the header's flags[] word, written only by the node monitor
 FLAG_YIELD = 1  # a priority-0 container is busy on this card: priority-1 launches wait
 FLAG_ALONE = 2  # no other container is busy on this card: a work-conserving container may pass its cap
@@ -146,7 +171,20 @@ def compute_layout(fields: Sequence[Field]) -> Layout:
 
 HEADER_LAYOUT = compute_layout(HEADER)
 SLOT_LAYOUT = compute_layout(SLOT)
+GRANT_LAYOUT = compute_layout(GRANT)
 REGION_SIZE = HEADER_LAYOUT.size + MAX_PROCS * SLOT_LAYOUT.size
+GRANT_PAYLOAD = GRANT_LAYOUT.offsets["num_devices"]  # the checksum covers [GRANT_PAYLOAD, size)
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+def fnv1a64(data: bytes) -> int:
+    """FNV-1a, 64 bits: the grant's checksum (the hook computes the same in C)."""
+    h = _FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
 def c_header() -> str:
@@ -168,11 +206,17 @@ def c_header() -> str:
         f"#define VGPU_FLAG_ALONE {FLAG_ALONE}u",
         f"#define VGPU_FLAG_GUARD {FLAG_GUARD}u",
         f"#define VGPU_ARBITER_STALE_NS {ARBITER_STALE_NS}ULL",
+        f"#define VGPU_GRANT_MAGIC 0x{GRANT_MAGIC:016x}ULL",
+        f"#define VGPU_GRANT_VERSION {GRANT_VERSION}u",
+        f"#define VGPU_PATH_BYTES {PATH_BYTES}",
+        f'#define VGPU_GRANT_PATH "{GRANT_PATH_IN_CONTAINER}"',
+        f"#define VGPU_GRANT_PAYLOAD {GRANT_PAYLOAD}u",
         "",
     ]
     for cname, fields, layout in (
         ("vgpu_region_header", HEADER, HEADER_LAYOUT),
         ("vgpu_region_slot", SLOT, SLOT_LAYOUT),
+        ("vgpu_grant", GRANT, GRANT_LAYOUT),
     ):
         lines.append(f"struct {cname} {{")
         for field in fields:
@@ -554,60 +598,6 @@ class LimitError(RegionError):
     def __init__(self, flag: str, message: str) -> None:
         super().__init__(f"{flag}: {message}")
         self.flag = flag
-
-
-def apply_limits(
-    path: str | os.PathLike[str],
-    device: int,
-    *,
-    memory_bytes: int | None = None,
-    sm_percent: int | None = None,
-    budget_bytes: int | None = None,
-) -> LimitChange:
-    """Live resize: the one code path that changes a running container's limits.
-
-    Everything is checked before anything is written, so a refused change leaves the region as
-    it was. The hook reads these words on every call: a new memory limit or budget holds from
-    the next allocation, a new SM limit from the next launch. Memory already taken is never
-    taken back: a limit below usage refuses new allocations until usage falls under it.
-    """
-    if memory_bytes is None and sm_percent is None and budget_bytes is None:
-        raise LimitError("--memory/--cores/--budget", "nothing to change; give at least one of them")
-    if memory_bytes is not None and memory_bytes < 0:
-        raise LimitError("--memory", f"{memory_bytes} is negative; give MiB >= 0 (0 = no limit)")
-    if budget_bytes is not None and budget_bytes < 0:
-        raise LimitError(
-            "--budget", f"{budget_bytes} is negative; give MiB >= 0 (0 = the card's free memory)"
-        )
-    if sm_percent is not None and not 0 <= sm_percent <= 100:
-        raise LimitError("--cores", f"{sm_percent} is not a percent; give 0..100 (0 = no cap)")
-    with Region(path, writable=True) as region:
-        count = region.num_devices
-        if not 0 <= device < count:
-            have = f"devices 0..{count - 1}" if count else "no devices"
-            raise LimitError(
-                "--device", f"{device} is out of range: the container has {have}; give one of those"
-            )
-        notes: list[str] = []
-        used = region.word("used", device)
-        if memory_bytes:
-            if memory_bytes < used:
-                notes.append(
-                    f"device {device}: the new limit {_mib(memory_bytes)} is below the {_mib(used)} in use; "
-                    "nothing is taken back, new allocations are refused until usage falls under it"
-                )
-            budget = budget_bytes if budget_bytes is not None else region.word("budget", device)
-            if budget and budget > memory_bytes:
-                notes.append(
-                    f"device {device}: the budget {_mib(budget)} is above the limit: nothing will spill"
-                )
-        if memory_bytes is not None:
-            region.set_limit(device, memory_bytes)
-        if budget_bytes is not None:
-            region.set_budget(device, budget_bytes)
-        if sm_percent is not None:
-            region.set_sm_limit(device, sm_percent)
-        return LimitChange(device, tuple(notes))
 
 
 def _mib(value: int) -> str:

@@ -1,6 +1,7 @@
 /* libvgpu internals shared by its files; nothing here is exported. */
 #ifndef VGPU_HOOK_H
 #define VGPU_HOOK_H
+#include <stddef.h>
 #include <stdint.h>
 #include "api.h"
 #include "region_layout.h"
@@ -69,6 +70,18 @@ HIDDEN uint64_t vgpu_context_reserve(void);
 HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
 HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL when not enabled */
 HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
+
+/* grant.c: the limits granted to the container, read-only to it (vgpu/grant.py) */
+HIDDEN int vgpu_grant_load(struct vgpu_config *cfg); /* 1: a grant governs cfg; 0: none; -1: damaged, cfg refuses */
+HIDDEN int vgpu_grant_state(void);                   /* 1: valid, 0: no grant, -1: damaged: refuse allocations */
+HIDDEN const struct vgpu_grant *vgpu_grant(void);    /* the read-only map, NULL without a grant */
+HIDDEN const char *vgpu_grant_path(void);
+HIDDEN uint64_t vgpu_fnv1a64(const void *data, size_t len);
+/* region.c: put the grant's words back into the region's copy; report = log what differed */
+HIDDEN void vgpu_region_mirror(int report);
+HIDDEN uint32_t vgpu_sm_limit(int idx);
+HIDDEN uint32_t vgpu_priority(void);
+HIDDEN uint32_t vgpu_sm_policy(void);
 
 /* track.c: what this process allocated, so frees can be uncharged */
 enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4, VGPU_KIND_SPILL = 5 };

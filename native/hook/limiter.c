@@ -295,14 +295,14 @@ static void broken(struct stream *s, struct vgpu_region_header *hd, CUresult rc)
                 rc == CUDA_ERROR_CONTEXT_IS_DESTROYED || rc == CUDA_ERROR_INVALID_CONTEXT || rc == CUDA_ERROR_DEINITIALIZED);
 }
 
-static int capped(struct vgpu_region_header *hd, int idx) {
-    uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+static int capped(int idx) {
+    uint32_t limit = vgpu_sm_limit(idx);
     return limit > 0 && limit < 100;
 }
 
 static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, const struct ev *b) {
     /* the bucket only runs under a cap: work done without one leaves no debt behind */
-    __atomic_add_fetch(&hd->tokens[idx], capped(hd, idx) ? b->predicted - busy : b->predicted, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hd->tokens[idx], capped(idx) ? b->predicted - busy : b->predicted, __ATOMIC_RELAXED);
     __atomic_add_fetch(&hd->busy_ns[idx], (uint64_t)busy, __ATOMIC_RELAXED);
     if (b->launches) {
         int64_t per = busy / (int64_t)b->launches;
@@ -365,11 +365,11 @@ static void gate(struct vgpu_region_header *hd, int idx, uint64_t now) {
     uint64_t t0 = now;
     int waited = 0;
     for (;;) {
-        uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+        uint32_t limit = vgpu_sm_limit(idx);
         uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
         int fresh = flags ? arbiter_fresh(hd, now) : 0;
         uint64_t wait;
-        if (fresh && (flags & VGPU_FLAG_YIELD) && __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0) {
+        if (fresh && (flags & VGPU_FLAG_YIELD) && vgpu_priority() != 0) {
             if (first_time(TOLD_YIELD))
                 VGPU_LOG(VGPU_LOG_INFO, "device %d: a priority-0 container is busy on this card; launches wait "
                          "until it is done (CUDA_TASK_PRIORITY=0 never waits)", idx);
@@ -378,7 +378,7 @@ static void gate(struct vgpu_region_header *hd, int idx, uint64_t now) {
         } else if (limit == 0 || limit >= 100) {
             floor_tokens(hd, idx);
             break;
-        } else if (fresh && (flags & VGPU_FLAG_ALONE) && __atomic_load_n(&hd->sm_policy, __ATOMIC_RELAXED) == 1) {
+        } else if (fresh && (flags & VGPU_FLAG_ALONE) && vgpu_sm_policy() == 1) {
             floor_tokens(hd, idx); /* work-conserving while alone; the cap resumes from an empty bucket */
             break;
         } else {
@@ -472,7 +472,7 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
      * whatever is queued, so a deeper queue would outlast its yield by seconds) and a priority-0
      * one tens of ms (so that it keeps launching, and so counts as active, while its work runs) */
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
-    int64_t queue_max = __atomic_load_n(&hd->priority, __ATOMIC_RELAXED) != 0 ? GUARD_QUEUE_NS : HIGH_QUEUE_NS;
+    int64_t queue_max = vgpu_priority() != 0 ? GUARD_QUEUE_NS : HIGH_QUEUE_NS;
     int guarded = (flags & VGPU_FLAG_GUARD) && arbiter_fresh(hd, now);
     while (s && harvest(s, hd)) {
         /* bounded look-ahead: an unmeasured device, or too much queued, waits for the GPU */
@@ -496,7 +496,7 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
         }
     }
     if (s && s->used) {
-        l->predicted = capped(hd, idx) ? L.avg[idx] : 0;
+        l->predicted = capped(idx) ? L.avg[idx] : 0;
         if (l->predicted) __atomic_sub_fetch(&hd->tokens[idx], l->predicted, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&L.mu);
@@ -550,7 +550,7 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (!hd) return 0;
     int idx = device_index();
     if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
-    uint32_t limit = __atomic_load_n(&hd->sm_limit[idx], __ATOMIC_RELAXED);
+    uint32_t limit = vgpu_sm_limit(idx);
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
     if ((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {
         stamp(hd, idx, coarse_ns());

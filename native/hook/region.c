@@ -26,6 +26,7 @@ static struct {
     struct vgpu_region_slot *slots;
     uint64_t context_reserve;
     int oversubscribe;
+    const char *path; /* the region file, for messages */
 } R = {.slot = -1};
 
 static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
@@ -240,6 +241,71 @@ static void *map_file(const struct vgpu_config *cfg) {
     return map;
 }
 
+/* The limit words as they hold now: the grant's where one governs (a damaged grant refuses every
+ * allocation: a limit of 1 byte), else the region's own (a process run by hand). */
+static uint64_t limit_word(int idx) {
+    int granted = vgpu_grant_state();
+    if (granted < 0) return 1;
+    if (granted > 0) return __atomic_load_n(&vgpu_grant()->limit[idx], __ATOMIC_RELAXED);
+    return __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
+}
+
+static uint64_t budget_word(int idx) {
+    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->budget[idx], __ATOMIC_RELAXED);
+    return __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
+}
+
+/* The region's limit words are a mirror of the grant, kept for the tools that read the region.
+ * The container can write them; a difference is put back, and logged where it was not ours. */
+void vgpu_region_mirror(int report) {
+    const struct vgpu_grant *g = vgpu_grant();
+    struct vgpu_region_header *h = R.h;
+    if (!g || !h || __atomic_load_n(&g->seq, __ATOMIC_ACQUIRE) & 1) return;
+    static int reports;
+    uint32_t n = g->num_devices <= VGPU_MAX_DEVICES ? g->num_devices : VGPU_MAX_DEVICES;
+#define MIRROR(what, field, i)                                                                                  \
+    do {                                                                                                        \
+        __typeof__(h->field) want = __atomic_load_n(&g->field, __ATOMIC_RELAXED);                               \
+        __typeof__(h->field) have = __atomic_load_n(&h->field, __ATOMIC_RELAXED);                               \
+        if (have == want) break;                                                                                \
+        if (report && __atomic_fetch_add(&reports, 1, __ATOMIC_RELAXED) < 20)                                   \
+            VGPU_LOG(VGPU_LOG_ERROR, "region file %s: its limits were changed on disk (device %d %s %llu there, " \
+                     "%llu granted in %s); the region's copy is ignored and put back, the granted limits hold", \
+                     R.path, (i), (what), (unsigned long long)have, (unsigned long long)want, vgpu_grant_path()); \
+        __atomic_store_n(&h->field, want, __ATOMIC_RELAXED);                                                    \
+    } while (0)
+    for (uint32_t i = 0; i < n; i++) {
+        MIRROR("memory limit", limit[i], (int)i);
+        MIRROR("SM limit", sm_limit[i], (int)i);
+        MIRROR("budget", budget[i], (int)i);
+    }
+    MIRROR("priority", priority, -1);
+    MIRROR("SM policy", sm_policy, -1);
+#undef MIRROR
+    if (h->num_devices != n || memcmp(h->uuid, g->uuid, sizeof h->uuid) != 0) {
+        if (report && __atomic_fetch_add(&reports, 1, __ATOMIC_RELAXED) < 20)
+            VGPU_LOG(VGPU_LOG_ERROR, "region file %s: its device list was changed on disk; put back from %s", R.path,
+                     vgpu_grant_path());
+        h->num_devices = n;
+        memcpy(h->uuid, g->uuid, sizeof h->uuid);
+    }
+}
+
+uint32_t vgpu_sm_limit(int idx) {
+    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_limit[idx], __ATOMIC_RELAXED);
+    return __atomic_load_n(&R.h->sm_limit[idx], __ATOMIC_RELAXED);
+}
+
+uint32_t vgpu_priority(void) {
+    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->priority, __ATOMIC_RELAXED);
+    return __atomic_load_n(&R.h->priority, __ATOMIC_RELAXED);
+}
+
+uint32_t vgpu_sm_policy(void) {
+    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_policy, __ATOMIC_RELAXED);
+    return __atomic_load_n(&R.h->sm_policy, __ATOMIC_RELAXED);
+}
+
 static void at_exit(void) __attribute__((destructor));
 static void at_exit(void) {
     if (!R.enabled || R.exiting) return;
@@ -263,6 +329,7 @@ static void attach(void) {
     vgpu_log_init();
     struct vgpu_config cfg;
     vgpu_config_load(&cfg);
+    vgpu_grant_load(&cfg); /* a grant, where one is mounted, overrides the environment's limits */
     if (!cfg.enabled) return;
     R.context_reserve = cfg.context_reserve;
     R.oversubscribe = cfg.oversubscribe;
@@ -276,6 +343,8 @@ static void attach(void) {
         init_header(map, &cfg);
     }
     R.h = map;
+    R.path = cfg.region_path && map != NULL ? cfg.region_path : "(private)";
+    vgpu_region_mirror(1); /* a region found with other limits than the grant's was changed on disk */
     R.slots = (struct vgpu_region_slot *)((char *)map + sizeof(struct vgpu_region_header));
     pthread_atfork(NULL, NULL, child_after_fork);
     R.enabled = 1;
@@ -294,7 +363,8 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
     int locked = lock();
     int k = my_slot_locked();
     /* limit and budget are live-resizable: read on every call, never cached */
-    uint64_t limit = __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
+    uint64_t limit = limit_word(idx);
+    vgpu_region_mirror(1);
     if (!force && limit) {
         int over = bytes > limit || R.h->used[idx] > limit - bytes;
         if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;
@@ -313,7 +383,7 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
         }
     }
     if (over_budget) {
-        uint64_t budget = __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
+        uint64_t budget = budget_word(idx);
         uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
         *over_budget = budget && (bytes > budget || resident > budget - bytes);
     }
@@ -356,7 +426,7 @@ void vgpu_uncharge_spilled(int idx, uint64_t bytes) {
 
 uint64_t vgpu_budget(int idx) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
-    return __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
+    return budget_word(idx);
 }
 
 void vgpu_uncharge(int idx, uint64_t bytes) {
@@ -374,7 +444,7 @@ void vgpu_uncharge(int idx, uint64_t bytes) {
 
 uint64_t vgpu_limit(int idx) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
-    return __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
+    return limit_word(idx);
 }
 
 uint64_t vgpu_used(int idx) {
@@ -384,7 +454,7 @@ uint64_t vgpu_used(int idx) {
 
 const char *vgpu_uuid(int idx) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return "";
-    return R.h->uuid[idx];
+    return vgpu_grant() ? vgpu_grant()->uuid[idx] : R.h->uuid[idx]; /* the region's copy is the container's */
 }
 
 uint64_t vgpu_context_reserve(void) { return vgpu_enabled() ? R.context_reserve : 0; }

@@ -14,6 +14,11 @@
 #define VGPU_FLAG_ALONE 2u
 #define VGPU_FLAG_GUARD 4u
 #define VGPU_ARBITER_STALE_NS 1000000000ULL
+#define VGPU_GRANT_MAGIC 0x544e524755504756ULL
+#define VGPU_GRANT_VERSION 1u
+#define VGPU_PATH_BYTES 256
+#define VGPU_GRANT_PATH "/etc/vgpu/limits"
+#define VGPU_GRANT_PAYLOAD 32u
 
 struct vgpu_region_header {
     uint64_t magic; /* MAGIC: the bytes 'VGPUREGN' */
@@ -82,6 +87,41 @@ _Static_assert(offsetof(struct vgpu_region_slot, used) == 16, "vgpu_region_slot.
 _Static_assert(offsetof(struct vgpu_region_slot, spilled) == 144, "vgpu_region_slot.spilled moved: regenerate from vgpu/region.py");
 _Static_assert(sizeof(struct vgpu_region_slot) == 272, "vgpu_region_slot size changed");
 #define VGPU_REGION_SLOT_FIELDS(X) X(pid) X(active) X(start_time) X(used) X(spilled)
+
+struct vgpu_grant {
+    uint64_t magic; /* GRANT_MAGIC: the bytes 'VGPUGRNT' */
+    uint32_t version; /* GRANT_VERSION */
+    uint32_t size; /* bytes of this struct */
+    uint64_t seq; /* odd while the host changes the grant, even otherwise */
+    uint64_t checksum; /* FNV-1a 64 of every byte from num_devices to the end */
+    uint32_t num_devices; /* devices granted (entries used below) */
+    uint32_t priority; /* 0 high, 1 normal */
+    uint32_t sm_policy; /* 0 = hold to the cap; 1 = work-conserving when alone on the card */
+    uint32_t oversubscribe; /* 1 = spill past the budget to mapped host memory */
+    uint64_t context_reserve; /* bytes charged per CUDA context (the environment may raise it) */
+    uint64_t limit[16]; /* bytes per device (device plus host); 0 = no limit */
+    uint32_t sm_limit[16]; /* percent of SMs per device; 0 = no cap */
+    uint64_t budget[16]; /* device bytes before spilling; 0 = card's free memory */
+    char uuid[16][64]; /* device UUID per index, NUL-terminated */
+    char region_path[256]; /* the container's region file, NUL-terminated */
+};
+_Static_assert(offsetof(struct vgpu_grant, magic) == 0, "vgpu_grant.magic moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, version) == 8, "vgpu_grant.version moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, size) == 12, "vgpu_grant.size moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, seq) == 16, "vgpu_grant.seq moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, checksum) == 24, "vgpu_grant.checksum moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, num_devices) == 32, "vgpu_grant.num_devices moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, priority) == 36, "vgpu_grant.priority moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, sm_policy) == 40, "vgpu_grant.sm_policy moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, oversubscribe) == 44, "vgpu_grant.oversubscribe moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, context_reserve) == 48, "vgpu_grant.context_reserve moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, limit) == 56, "vgpu_grant.limit moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, sm_limit) == 184, "vgpu_grant.sm_limit moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, budget) == 248, "vgpu_grant.budget moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, uuid) == 376, "vgpu_grant.uuid moved: regenerate from vgpu/region.py");
+_Static_assert(offsetof(struct vgpu_grant, region_path) == 1400, "vgpu_grant.region_path moved: regenerate from vgpu/region.py");
+_Static_assert(sizeof(struct vgpu_grant) == 1656, "vgpu_grant size changed");
+#define VGPU_GRANT_FIELDS(X) X(magic) X(version) X(size) X(seq) X(checksum) X(num_devices) X(priority) X(sm_policy) X(oversubscribe) X(context_reserve) X(limit) X(sm_limit) X(budget) X(uuid) X(region_path)
 
 #define VGPU_REGION_SIZE 72128u
 #endif

@@ -88,6 +88,13 @@ class Holder:
         self.held = self.proc.stdout.readline().strip()
         self.locked = self.proc.stdout.readline().strip() if lock else ""
 
+    def __enter__(self) -> Holder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.release()
+
     @property
     def pid(self) -> int:
         return self.proc.pid

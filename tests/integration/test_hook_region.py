@@ -35,6 +35,11 @@ def test_c_and_python_lay_the_region_out_identically(built: Built) -> None:
     assert int(c["slot_size"]) == region.SLOT_LAYOUT.size
     assert int(c["region_size"]) == region.REGION_SIZE
     assert int(c["magic"]) == region.MAGIC and int(c["version"]) == region.LAYOUT_VERSION
+    for name, offset in region.GRANT_LAYOUT.offsets.items():
+        assert int(c[f"grant.{name}"]) == offset, name
+    assert int(c["grant_size"]) == region.GRANT_LAYOUT.size
+    assert (int(c["grant_magic"]), int(c["grant_version"])) == (region.GRANT_MAGIC, region.GRANT_VERSION)
+    assert int(c["grant_payload"]) == region.GRANT_PAYLOAD
 
 
 def test_the_python_reader_sees_what_the_hook_wrote(built: Built, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from vgpu.annotations import (
     DeviceAllocation,
     encode_allocation,
 )
+from vgpu.grant import Grant, read_grant
 from vgpu.plugin.allocate import AllocateError, Allocator
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
@@ -143,10 +144,18 @@ def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tm
     region_dir = tmp_path / f"var/lib/vgpu/containers/{uid}_main"
     assert mounts[f"/var/lib/vgpu/containers/{uid}_main"] == (str(region_dir), False)
     assert region_dir.is_dir()
-    # the granted priority is recorded on the host, out of the container's reach (not mounted)
-    record = tmp_path / f"var/lib/vgpu/grants/{uid}_main.priority"
-    assert record.read_text() == "1\n" and record.parent.stat().st_mode & 0o777 == 0o700
-    assert all(not host.startswith(str(record.parent)) for host, _ in mounts.values())
+    # the limits are granted on the host and mounted read-only: the container cannot raise them
+    record = tmp_path / f"var/lib/vgpu/grants/{uid}_main.limits"
+    assert read_grant(record) == Grant(
+        uuids=("GPU-b",),
+        limits=(3000 << 20,),
+        sm_limits=(30,),
+        priority=1,
+        region_path=f"/var/lib/vgpu/containers/{uid}_main/vgpu.region",
+    )
+    assert record.parent.stat().st_mode & 0o777 == 0o700 and record.stat().st_mode & 0o777 == 0o644
+    assert mounts["/etc/vgpu/limits"] == (str(record), True)
+    assert [host for host, _ in mounts.values() if host.startswith(str(record.parent))] == [str(record)]
     lib_host, _ = mounts["/usr/local/vgpu/libvgpu.so"]
     preload_host, ro = mounts["/etc/ld.so.preload"]
     assert ro and Path(preload_host).read_text() == "/usr/local/vgpu/libvgpu.so\n"
@@ -165,6 +174,16 @@ def test_several_vgpus_are_indexed_in_the_order_of_visible_devices(pods: Pods, t
     assert envs["CUDA_TASK_PRIORITY"] == "0"
     # memory scaled 2x: half of each grant is the card's, the rest spills to host memory
     assert (envs["CUDA_DEVICE_MEMORY_BUDGET_0"], envs["CUDA_DEVICE_MEMORY_BUDGET_1"]) == ("500m", "1000m")
+    (grant,) = (tmp_path / "var/lib/vgpu/grants").glob("*.limits")
+    assert read_grant(grant) == Grant(
+        uuids=("GPU-d", "GPU-a"),
+        limits=(1000 << 20, 2000 << 20),
+        sm_limits=(10, 0),
+        budgets=(500 << 20, 1000 << 20),
+        priority=0,
+        oversubscribe=True,
+        region_path=f"/var/lib/vgpu/containers/{grant.name.removesuffix('.limits')}/vgpu.region",
+    )
 
 
 @pytest.mark.parametrize(
@@ -421,10 +440,13 @@ def test_an_unhealthy_card_fails_the_pod(pods: Pods, tmp_path: Path) -> None:
     assert pods.phase("p") == "failed"
 
 
-def test_without_a_hook_library_only_the_region_folder_is_mounted(pods: Pods, tmp_path: Path) -> None:
+def test_without_a_hook_library_only_the_region_folder_and_the_grant_are_mounted(
+    pods: Pods, tmp_path: Path
+) -> None:
     pods.add("p", {"main": [("GPU-a", 1000, 0)]})
     served = make(pods, tmp_path, hook=False).allocate_container(["GPU-a::0"])
-    assert [m.container_path for m in served.response.mounts] == ["/var/lib/vgpu/containers/uid-p_main"]
+    mounts = [m.container_path for m in served.response.mounts]
+    assert mounts == ["/var/lib/vgpu/containers/uid-p_main", "/etc/vgpu/limits"]
 
 
 def test_a_restarted_plugin_continues_a_half_served_pod_from_its_folders(pods: Pods, tmp_path: Path) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -43,11 +43,13 @@ from vgpu.annotations import (
     decode_allocation,
 )
 from vgpu.errors import AnnotationError, KubeError
+from vgpu.grant import Grant, write_grant
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
+from vgpu.region import GRANT_PATH_IN_CONTAINER
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +378,6 @@ class Allocator:
         self.paths.containers_dir.chmod(0o700)
         host_dir.chmod(0o777)
         priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
-        self._grant_priority(host_dir.name, priority)
         envs = {
             "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
             "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
@@ -393,7 +394,25 @@ class Allocator:
         if self.config.oversubscribe:
             envs["CUDA_OVERSUBSCRIBE"] = "true"
         envs["CUDA_SM_POLICY"] = self.config.sm_policy
-        mounts = [api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False)]
+        # The limits themselves go where the container can only read them: the hook takes them
+        # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
+        grant = Grant(
+            uuids=tuple(d.uuid for d in container.devices),
+            limits=tuple(d.memory_mib << 20 for d in container.devices),
+            sm_limits=tuple(min(d.cores, 100) for d in container.devices),
+            budgets=tuple(
+                math.floor(d.memory_mib / scaling) << 20 if spill else 0 for d in container.devices
+            ),
+            priority=int(priority),
+            sm_policy=1 if self.config.sm_policy == "elastic" else 0,
+            oversubscribe=self.config.oversubscribe,
+            region_path=f"{inside}/{REGION_FILE_NAME}",
+        )
+        record = self._write_grant(host_dir.name, grant)
+        mounts = [
+            api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False),
+            api_pb2.Mount(container_path=GRANT_PATH_IN_CONTAINER, host_path=str(record), read_only=True),
+        ]
         if self.hook is not None:
             mounts += [
                 api_pb2.Mount(
@@ -405,15 +424,15 @@ class Allocator:
             ]
         return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
 
-    def _grant_priority(self, folder_name: str, priority: str) -> None:
-        """Record the priority on the host, where the arbiter trusts it over the region's word."""
+    def _write_grant(self, folder_name: str, grant: Grant) -> Path:
+        """The container's grant on the host, in a folder only root reaches (the arbiter, the
+        monitor and ``vgpu limits`` read it there); the file itself is 0644 for the read-only mount."""
         grants = self.paths.grants_dir
         grants.mkdir(parents=True, exist_ok=True)
         grants.chmod(0o700)
-        record = self.paths.priority_record(folder_name)
-        tmp = record.with_name(f".{record.name}.{os.getpid()}")
-        tmp.write_text(priority + "\n")
-        os.replace(tmp, record)
+        record = self.paths.grant(folder_name)
+        write_grant(record, grant)
+        return record
 
     def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:
         try:

@@ -21,9 +21,10 @@ flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a
 held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
 within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
 
-A container's priority is the one the device plugin granted it, recorded at Allocate under
-``/var/lib/vgpu/grants/`` (not mounted into any container); the region's ``priority`` word,
-which the container can write, counts only where there is no record (a container run by hand).
+A container's priority is the one the device plugin granted it, in its grant under
+``/var/lib/vgpu/grants/`` (mounted read-only into the container; vgpu/grant.py), or the
+priority record plugins before the grant wrote there; the region's ``priority`` word, which the
+container can write, counts only where there is neither (a container run by hand).
 
 The region files stay open between passes, never mapped (``Region(..., mapped=False)``): the
 container can cut its file short at any moment, and a mapped page past the end of the file
@@ -38,6 +39,7 @@ arbiter writes nothing but ``flags`` and ``arbiter_ns``, each at its aligned off
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import threading
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vgpu.errors import ConfigError
+from vgpu.grant import GrantError, grant_path, read_grant
 from vgpu.plugin.paths import REGION_FILE_NAME, priority_record
 from vgpu.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
 
@@ -210,6 +213,14 @@ class Arbiter:
         ``grants_dir``, out of the container's reach), or None where there is no record."""
         if self.grants_dir is None:
             return None
+        try:
+            return read_grant(grant_path(self.grants_dir, path.parent.name)).priority
+        except GrantError as err:
+            if isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOENT:
+                pass  # no grant: a container started by an older plugin has a priority record
+            else:
+                self.bad.report(path, f"unreadable grant: {err}; the region's own word is used")
+                return None
         try:
             text = priority_record(self.grants_dir, path.parent.name).read_text().strip()
         except OSError:

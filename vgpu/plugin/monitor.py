@@ -8,7 +8,7 @@ to yield, live processes. Pod names come from the API server (the node's pods, l
 every ``pod_cache_s``); without it the ``pod_uid`` label still identifies the pod.
 
 ``resize_container`` is the monitor's way to change a running container's limits (live
-resize); ``vgpu limits set`` goes through the same ``vgpu.region.apply_limits``.
+resize); ``vgpu limits set`` goes through the same ``vgpu.grant.apply_limits``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
 from vgpu.errors import KubeError
+from vgpu.grant import GrantError, apply_limits, as_granted, read_grant
 from vgpu.plugin.arbiter import Arbiter, BadRegions
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
-from vgpu.region import FLAG_YIELD, LimitChange, Region, RegionError, apply_limits
+from vgpu.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -62,6 +63,7 @@ class NodeCollector(Collector):
         self._pods: dict[str, tuple[str, str]] = {}
         self._pods_at = -1e9
         self._lock = threading.Lock()
+        self._differ_told: dict[str, str] = {}  # per container folder, the last difference logged
 
     def _pod_names(self) -> dict[str, tuple[str, str]]:
         if self.list_pods is None:
@@ -156,6 +158,12 @@ class NodeCollector(Collector):
         c_prio = GaugeMetricFamily(
             "vgpu_container_priority", "The container's task priority: 0 high, 1 normal", labels=p_labels
         )
+        c_differs = GaugeMetricFamily(
+            "vgpu_container_region_limits_differ",
+            "1 while the limits copied into the container's region differ from its grant (the container "
+            "wrote them; the hook puts them back and holds to the grant)",
+            labels=p_labels,
+        )
         p_spilled = GaugeMetricFamily(
             "vgpu_process_memory_spilled_bytes",
             "Bytes one process of the container holds in mapped host memory",
@@ -173,6 +181,7 @@ class NodeCollector(Collector):
                 self.bad.report(folder / REGION_FILE_NAME, err)
                 continue
             per_container = [self.node, namespace, pod, pod_uid, container]
+            snap = self._as_granted(folder, snap, per_container, c_differs)
             c_procs.add_metric(per_container, float(len(snap.processes)))
             c_prio.add_metric(per_container, float(snap.priority))
             for dev in snap.devices:
@@ -189,8 +198,33 @@ class NodeCollector(Collector):
                     if dev.index < len(proc.spilled_bytes):
                         p_spilled.add_metric([*labels, str(proc.pid)], float(proc.spilled_bytes[dev.index]))
         yield from (c_used, c_limit, c_sm, c_budget, c_spilled, c_busy, c_throttled, c_yield)
-        yield from (c_procs, c_prio, p_spilled)
+        yield from (c_procs, c_prio, c_differs, p_spilled)
         yield from self._own_metrics()
+
+    def _as_granted(
+        self, folder: Path, snap: Snapshot, per_container: list[str], differs: GaugeMetricFamily
+    ) -> Snapshot:
+        """The limits the container was granted (its region holds only a copy it can write)."""
+        record = self.paths.grant(folder.name)
+        try:
+            grant = read_grant(record)
+        except GrantError as err:
+            if record.exists():
+                self.bad.report(record, err)
+            return snap
+        snap, differ = as_granted(snap, grant)
+        differs.add_metric(per_container, 1.0 if differ else 0.0)
+        said = "; ".join(differ)
+        if differ and self._differ_told.get(folder.name) != said:
+            log.warning(
+                "container %s wrote limits into its region that differ from its grant (%s); "
+                "its hook holds to the grant %s",
+                folder.name,
+                said,
+                record,
+            )
+        self._differ_told[folder.name] = said
+        return snap
 
     def _own_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         bad = CounterMetricFamily(

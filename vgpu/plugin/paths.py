@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from vgpu.grant import grant_path
+
 PLUGIN_SOCKET_NAME = "vgpu.sock"
 KUBELET_SOCKET_NAME = "kubelet.sock"
 REGION_FILE_NAME = "vgpu.region"
@@ -52,7 +54,12 @@ class HostPaths:
         container's own folder is mounted writable into it, so its region's words are claims."""
         return self.vgpu_dir / "grants"
 
+    def grant(self, folder_name: str) -> Path:
+        """The container's grant (vgpu/grant.py), mounted read-only into it."""
+        return grant_path(self.grants_dir, folder_name)
+
     def priority_record(self, folder_name: str) -> Path:
+        """The priority record of plugins before the grant (read for containers they started)."""
         return priority_record(self.grants_dir, folder_name)
 
     @staticmethod
@@ -62,8 +69,8 @@ class HostPaths:
 
 
 def priority_record(grants_dir: Path, folder_name: str) -> Path:
-    """The granted priority of the container whose folder is ``containers/<folder_name>``: the
-    device plugin writes it, the arbiter reads it."""
+    """The granted priority of the container whose folder is ``containers/<folder_name>``, as
+    plugins before the grant wrote it; the arbiter still reads it where a container has no grant."""
     return grants_dir / f"{folder_name}.priority"
 
 
