@@ -10,6 +10,7 @@ import pytest
 
 from vgpu import region
 from vgpu.cli import main
+from vgpu.grant import Grant, read_grant, write_grant
 from vgpu.plugin.paths import REGION_FILE_NAME
 
 MIB = 1 << 20
@@ -136,3 +137,26 @@ def test_a_limit_is_changed_by_one_store_of_its_own_word(folder: Path) -> None:
     changed = [i for i in range(len(before)) if before[i] != after[i]]
     assert changed and min(changed) >= at and max(changed) < at + 8
     assert struct.unpack_from("=Q", after, at)[0] == 0x0102030405060708
+
+
+def test_with_a_grant_set_changes_it_and_show_names_a_region_that_differs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "var/lib/vgpu/containers/uid-1_main"
+    folder.mkdir(parents=True)
+    path = folder / REGION_FILE_NAME
+    # the container raised its region's copy to 64 GiB; it was granted 3000 MiB
+    region.format_region(path, ["GPU-a"], limits=[64 << 30], sm_limits=[30])
+    grant = tmp_path / "var/lib/vgpu/grants/uid-1_main.limits"
+    write_grant(grant, Grant(("GPU-a",), (3000 * MIB,), (30,)))
+    assert main(["limits", "show", "--container-dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "3000 MiB" in next(line for line in out.splitlines() if line.startswith("0 "))
+    assert f"limits granted in {grant}" in out
+    assert f"device 0 memory limit {64 << 30} in the region, {3000 * MIB} granted" in out
+    assert main(["limits", "set", "--container-dir", str(folder), "--device", "0", "--memory", "4096"]) == 0
+    assert read_grant(grant).limits == (4096 * MIB,)
+    assert devices(folder)[0].limit_bytes == 4096 * MIB  # the copy follows
+    assert main(["limits", "show", "--container-dir", str(folder), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["grant"] == str(grant) and shown["region_differs"] == []

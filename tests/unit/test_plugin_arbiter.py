@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from vgpu import region
 from vgpu.errors import ConfigError
+from vgpu.grant import Grant, grant_path, write_grant
 from vgpu.plugin.arbiter import Activity, Arbiter, add_arguments, decide, settings
 from vgpu.plugin.paths import REGION_FILE_NAME
 
@@ -156,6 +157,28 @@ def test_the_granted_priority_wins_over_what_a_container_writes_into_its_region(
     poke(hi, "last_launch_ns", 0, clock.ns - 10 * MS)
     arbiter.run_pass()
     assert (word(lo, "flags"), word(sly, "flags"), word(hi, "flags")) == (Y | G, Y | G, G)
+    arbiter.stop()
+
+
+def test_the_priority_in_the_grant_wins_and_an_older_plugins_record_still_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    containers, grants = tmp_path / "containers", tmp_path / "grants"
+    sly = container(containers, "uid-1_sly", ["GPU-a"], 0)  # granted 1, claims 0 in its region
+    hi = container(containers, "uid-2_hi", ["GPU-a"], 1)  # granted 0 by an older plugin's record
+    lo = container(containers, "uid-3_lo", ["GPU-a"], 1)
+    write_grant(grant_path(grants, "uid-1_sly"), Grant(("GPU-a",), (1 << 30,), priority=1))
+    write_grant(grant_path(grants, "uid-3_lo"), Grant(("GPU-a",), (1 << 30,), priority=1))
+    (grants / "uid-2_hi.priority").write_text("0\n")
+    arbiter = Arbiter(containers, window_s=0.1, clock=clock, grants_dir=grants)
+    arbiter.rescan()
+    for path in (sly, hi, lo):
+        poke(path, "last_launch_ns", 0, clock.ns - 10 * MS)
+    with caplog.at_level(logging.WARNING):
+        arbiter.run_pass()
+    assert (word(sly, "flags"), word(hi, "flags"), word(lo, "flags")) == (Y | G, G, Y | G)
+    assert "claims priority 0 in its region, granted 1" in caplog.text
     arbiter.stop()
 
 

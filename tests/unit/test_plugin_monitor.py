@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from pathlib import Path
@@ -12,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu import region
+from vgpu.grant import Grant, write_grant
 from vgpu.plugin.arbiter import Arbiter
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
@@ -206,3 +208,25 @@ def test_the_collector_never_maps_a_region_and_skips_one_cut_short(
 
 def labels(pod_uid: str, container: str) -> dict[str, str]:
     return {"container": container, "namespace": "", "node": "n1", "pod": "", "pod_uid": pod_uid}
+
+
+def test_limits_come_from_the_grant_and_a_region_that_differs_is_flagged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths = HostPaths(tmp_path)
+    folder = paths.container_dir("uid-1", "train")
+    # the container rewrote its region's copy: 64 GiB and no SM cap, where it was granted 3000 MiB and 30 %
+    write_region(folder / REGION_FILE_NAME, [("GPU-a", 64 << 30, 0)], [(101, [100 * MIB])])
+    write_grant(paths.grant(folder.name), Grant(("GPU-a",), (3000 * MIB,), (30,), priority=0))
+    c = {"container": "train", "namespace": "", "node": "n1", "pod": "", "pod_uid": "uid-1"}
+    with caplog.at_level(logging.WARNING):
+        got = scrape(tmp_path)
+    assert got[key("vgpu_container_memory_limit_bytes", uuid="GPU-a", **c)] == 3000 * MIB
+    assert got[key("vgpu_container_sm_limit_ratio", uuid="GPU-a", **c)] == 0.3
+    assert got[key("vgpu_container_memory_used_bytes", uuid="GPU-a", **c)] == 100 * MIB
+    assert got[key("vgpu_container_region_limits_differ", **c)] == 1.0
+    assert "wrote limits into its region that differ from its grant" in caplog.text
+    with region.Region(folder / REGION_FILE_NAME, writable=True) as r:  # the hook put it back
+        r.set_limit(0, 3000 * MIB)
+        r.set_sm_limit(0, 30)
+    assert scrape(tmp_path)[key("vgpu_container_region_limits_differ", **c)] == 0.0
