@@ -116,7 +116,7 @@ static uint64_t thread_id(void) {
 }
 
 /* once-only log lines */
-enum { TOLD_LIMIT, TOLD_YIELD, TOLD_EVENTS, TOLD_BROKEN, TOLD_STREAMS, TOLD_NO_EVENTS, TOLD_MAX };
+enum { TOLD_LIMIT, TOLD_YIELD, TOLD_EVENTS, TOLD_BROKEN, TOLD_STREAMS, TOLD_NO_EVENTS, TOLD_TAMPER, TOLD_MAX };
 static int told[TOLD_MAX];
 static int first_time(int what) { return !__atomic_exchange_n(&told[what], 1, __ATOMIC_RELAXED); }
 
@@ -142,6 +142,21 @@ static void refill(struct vgpu_region_header *h, int i, uint64_t now, uint32_t l
             __atomic_store_n(&h->tokens[i], burst, __ATOMIC_RELEASE);
         return;
     }
+    if (last > now + 1000000000ULL) {
+        /* a refill stamp in the future never comes due: only a write into the region makes one
+         * (the container can write its region, never its grant); start the bucket over */
+        if (first_time(TOLD_TAMPER))
+            VGPU_LOG(VGPU_LOG_ERROR, "device %d: the region's compute bucket was changed on disk; it is reset "
+                     "and the granted SM limit holds", i);
+        if (__atomic_compare_exchange_n(&h->refill_ns[i], &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&h->tokens[i], 0, __ATOMIC_RELEASE);
+        return;
+    }
+    /* more than a full bucket is never spent: trimmed on every pass, not only at a refill, so a
+     * bucket written full on disk (or left over a shrunk limit) buys one burst at most */
+    int64_t held = __atomic_load_n(&h->tokens[i], __ATOMIC_RELAXED);
+    while (held > burst &&
+           !__atomic_compare_exchange_n(&h->tokens[i], &held, burst, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {}
     if (now <= last || now - last < REFILL_MIN_NS) return;
     if (!__atomic_compare_exchange_n(&h->refill_ns[i], &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
     uint64_t gap = now - last;

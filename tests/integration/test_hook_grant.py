@@ -239,3 +239,24 @@ def test_in_a_containers_position_a_process_cannot_lift_its_limit(built: Built) 
         )
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_granted_sm_limit_holds_when_the_region_raises_it_or_fills_its_bucket(
+    built: Built, container: tuple[Path, Path]
+) -> None:
+    grant, region = container  # SM limit 30 % granted
+    environ = granted_env(built, grant, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region))  # t_sm maps it too
+    # step 1: the region's SM limit written to 100; step 2: its bucket filled and its refill
+    # stamp pushed an hour ahead, as any process of the container could
+    r = run(built, "t_sm", "link", "phases", "kernel", "0.8,1.2:limit=100,1.2:steal=1", environ=environ)
+    assert r.returncode == 0, r.stderr
+    shares = [float(r.values[f"step{i}_share"]) for i in range(3)]
+    assert all(0.22 <= s <= 0.38 for s in shares), shares
+    assert "the region's compute bucket was changed on disk" in r.stderr
+
+
+def test_without_a_grant_a_region_raised_to_100_percent_runs_free(built: Built, tmp_path: Path) -> None:
+    """The control for the test above: the same writes lift a limit that only the region holds."""
+    environ = env(built, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "region"), CUDA_DEVICE_SM_LIMIT="30")
+    r = run(built, "t_sm", "link", "phases", "kernel", "0.8,1.2:limit=100", environ=environ)
+    assert float(r.values["step1_share"]) >= 0.7, r.values

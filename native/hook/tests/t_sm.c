@@ -4,7 +4,8 @@
  *                                         created); THREADS each on its own created stream
  *   phases PATH SPEC                      SPEC = step,step,... with step = SECONDS[:ACTION[+ACTION...]],
  *                                         ACTION: limit=N  flags=N  fresh=0|1 (keep arbiter_ns fresh),
- *                                         as the node monitor writes them; prints each step's share
+ *                                         as the node monitor writes them, or steal=1 (fill the
+ *                                         bucket on disk as a tenant could); prints each step's share
  *   queue PATH SPEC                       as phases, never syncing: prints each step's deepest queue
  *   capture                               launches into a capturing stream, then on another stream
  *   events_fail                           every event call fails for a while (a destroyed context)
@@ -156,6 +157,12 @@ static void *monitor(void *arg) {
                 __atomic_store_n(&hd->flags[0], (uint32_t)atoi(action + 6), __ATOMIC_RELAXED);
             else if (strncmp(action, "fresh=", 6) == 0)
                 fresh = atoi(action + 6);
+            else if (strncmp(action, "steal=", 6) == 0 && atoi(action + 6)) {
+                /* a tenant's write into its region: a bucket full for hours, its refill stamp
+                 * an hour ahead so it would never be trimmed at a refill */
+                __atomic_store_n(&hd->refill_ns[0], now_ns() + 3600000000000ULL, __ATOMIC_RELEASE);
+                __atomic_store_n(&hd->tokens[0], (int64_t)1 << 60, __ATOMIC_RELEASE);
+            }
         }
         uint64_t t0 = now_ns(), until = t0 + (uint64_t)(atof(tok) * 1e9);
         if (fresh) __atomic_store_n(&hd->arbiter_ns, t0, __ATOMIC_RELEASE);
