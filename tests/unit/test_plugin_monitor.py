@@ -230,3 +230,112 @@ def test_limits_come_from_the_grant_and_a_region_that_differs_is_flagged(
         r.set_limit(0, 3000 * MIB)
         r.set_sm_limit(0, 30)
     assert scrape(tmp_path)[key("vgpu_container_region_limits_differ", **c)] == 0.0
+
+
+class Clock:
+    """CLOCK_MONOTONIC as the collector and the arbiter read it, moved by the test."""
+
+    def __init__(self) -> None:
+        self.ns = 1_000 * S
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+S = 1_000_000_000
+
+
+def set_busy(path: Path, index: int, busy_ns: int) -> None:
+    """What the hook's limiter does as intervals complete: one word of the file grows."""
+    with path.open("r+b") as f:
+        f.seek(region.HEADER_LAYOUT.offsets["busy_ns"] + 8 * index)
+        f.write(struct.pack("=Q", busy_ns))
+
+
+def ratios(collector: NodeCollector) -> dict[str, float]:
+    """vgpu_container_sm_busy_ratio by card UUID, from one real scrape."""
+    text = generate_latest(make_registry(collector)).decode()
+    return {
+        s.labels["uuid"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vgpu_container_sm_busy_ratio"
+    }
+
+
+def test_the_busy_ratio_follows_busy_ns_between_scrapes(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    path = paths.container_dir("uid-1", "train") / REGION_FILE_NAME
+    write_region(path, [("GPU-a", 0, 30), ("GPU-b", 0, 0)], [(101, [0, 0])])
+    set_busy(path, 0, 40 * S)  # the container ran before the monitor started
+    clock = Clock()
+    discovery = Cards()
+    collector = NodeCollector(
+        "n1", DeviceState(discovery.cards(), NodeConfig()), discovery, paths, clock=clock
+    )
+    assert ratios(collector) == {}  # nothing earlier to compare with: no series, not 40 s / 0
+    clock.ns += 5 * S
+    set_busy(path, 0, 40 * S + 3 * S // 2)  # 1.5 s of GPU time in 5 s
+    assert ratios(collector) == {"GPU-a": 0.3, "GPU-b": 0.0}
+    for _ in range(4):  # scrapes every 5 s; the card 80 % busy meanwhile
+        clock.ns += 5 * S
+        set_busy(path, 0, collector_busy(path) + 4 * S)
+    # the window is the last 10 s (from the newest scrape at least that old): only the 80 % part
+    assert ratios(collector)["GPU-a"] == pytest.approx(0.8)
+    clock.ns += 10 * S  # idle since
+    assert ratios(collector)["GPU-a"] == 0.0
+
+
+def collector_busy(path: Path) -> int:
+    with region.Region(path) as r:
+        return r.word("busy_ns", 0)
+
+
+def test_with_an_arbiter_the_ratio_covers_its_passes_and_a_first_scrape_has_one(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    path = paths.container_dir("uid-1", "train") / REGION_FILE_NAME
+    write_region(path, [("GPU-a", 0, 50)], [])
+    clock = Clock()
+    arbiter = Arbiter(paths.containers_dir, clock=clock)
+    arbiter.rescan()
+    busy = 0
+    for step in range(120):  # 30 s of passes every 250 ms: 20 s at 25 %, then 10 s at 50 %
+        clock.ns += S // 4
+        busy += S // 16 if step < 80 else S // 8
+        set_busy(path, 0, busy)
+        arbiter.run_pass()
+    discovery = Cards()
+    collector = NodeCollector(
+        "n1", DeviceState(discovery.cards(), NodeConfig()), discovery, paths, arbiter=arbiter
+    )
+    assert collector.clock is clock and collector.timeshare is arbiter.timeshare
+    # the first scrape already has a ratio from the arbiter's samples: checkpoints a second apart
+    # (the first pass, 0.25 s in, then 1.25 s ...), the reference the newest one at least 10 s
+    # old (19.25 s in), so 10.75 s: 0.75 s of the 25 % part and the 10 s at 50 %
+    assert ratios(collector)["GPU-a"] == pytest.approx((0.75 * 0.25 + 10 * 0.5) / 10.75)
+    arbiter.stop()
+
+
+def test_a_replaced_region_starts_its_ratio_anew_and_a_removed_one_is_forgotten(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    path = paths.container_dir("uid-1", "train") / REGION_FILE_NAME
+    write_region(path, [("GPU-a", 0, 50)], [])
+    set_busy(path, 0, 100 * S)
+    clock = Clock()
+    discovery = Cards()
+    collector = NodeCollector(
+        "n1", DeviceState(discovery.cards(), NodeConfig()), discovery, paths, clock=clock
+    )
+    ratios(collector)
+    clock.ns += 2 * S
+    set_busy(path, 0, 101 * S)
+    assert ratios(collector) == {"GPU-a": 0.5}
+    write_region(path, [("GPU-a", 0, 50)], [])  # the container restarted: a fresh file, busy_ns 0
+    clock.ns += 2 * S
+    assert ratios(collector) == {}  # not (0 - 101 s) / 2 s
+    clock.ns += 2 * S
+    set_busy(path, 0, S // 2)
+    assert ratios(collector) == {"GPU-a": 0.25}
+    path.unlink()
+    assert ratios(collector) == {}
+    assert collector.timeshare.ratio(("uid-1_train", 0, "GPU-a")) is None  # nothing kept for it

@@ -16,7 +16,9 @@ high-priority neighbour is busy on the same card. The arbiter, a thread of the n
   rarely has seconds of work queued in the driver: a normal one's runs, yield or not, and a high
   one waits in a long sync without launching, looking idle while its work still runs;
 
-and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The hook ignores
+and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The ``busy_ns`` it
+reads on each pass also goes into ``timeshare`` (``vgpu.plugin.timeshare``), from which the
+collector reports each container's busy share of the last 10 s. The hook ignores
 flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a container
 held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
 within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
@@ -52,6 +54,7 @@ from pathlib import Path
 from vgpu.errors import ConfigError
 from vgpu.grant import GrantError, grant_path, read_grant
 from vgpu.plugin.paths import REGION_FILE_NAME, priority_record
+from vgpu.plugin.timeshare import TimeShare
 from vgpu.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
 
 log = logging.getLogger(__name__)
@@ -151,6 +154,7 @@ class Arbiter:
         bad: BadRegions | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         grants_dir: Path | None = None,
+        timeshare: TimeShare | None = None,
     ) -> None:
         self.containers_dir = Path(containers_dir)
         self.grants_dir = grants_dir
@@ -159,6 +163,8 @@ class Arbiter:
         self.rescan_s = rescan_s
         self.bad = bad if bad is not None else BadRegions()
         self.clock = clock
+        # every pass samples busy_ns for the collector's vgpu_container_sm_busy_ratio
+        self.timeshare = timeshare if timeshare is not None else TimeShare()
         self.stats = ArbiterStats()
         self._tracked: dict[Path, _Tracked] = {}
         self._stop = threading.Event()
@@ -251,6 +257,7 @@ class Arbiter:
             name = path.parent.name
             try:
                 h = t.region.read_header()  # one pread; a file cut short raises, never a signal
+                read_at = self.clock()
                 priority = h.word("priority")
                 if t.granted is not None and priority != t.granted:
                     # the container wrote its own region: the grant holds (a container that made
@@ -270,6 +277,7 @@ class Arbiter:
                     busy = h.word("busy_ns", i)
                     active = (last != 0 and now - last <= self.window_ns) or busy > t.busy[i]
                     t.busy[i] = busy
+                    self.timeshare.record((name, i, uuid), read_at, busy)
                     cards[uuid].append(Activity(name, i, priority, active))
             except (RegionError, ValueError, IndexError, OSError) as err:
                 self.bad.report(path, err)

@@ -4,8 +4,11 @@ Per card, from discovery (NVML): memory total and used, utilization, health. Per
 from the hook's region files (contract 5) under ``<root>/var/lib/vgpu/containers/<pod-uid>_<container>/``:
 memory used, limit, budget and spilled per device, SM limit, GPU busy and throttled time,
 priority, whether the arbiter (``vgpu.plugin.arbiter``, a thread of the same monitor) tells it
-to yield, live processes. Pod names come from the API server (the node's pods, looked up at most
-every ``pod_cache_s``); without it the ``pod_uid`` label still identifies the pod.
+to yield, live processes, and the share of wall time its work kept the card busy over the last
+10 s (``vgpu.plugin.timeshare``: samples of ``busy_ns`` from the arbiter's passes and the
+scrapes; no series before two samples a second apart). Pod names come from the API server
+(the node's pods, looked up at most every ``pod_cache_s``); without it the ``pod_uid`` label
+still identifies the pod.
 
 ``resize_container`` is the monitor's way to change a running container's limits (live
 resize); ``vgpu limits set`` goes through the same ``vgpu.grant.apply_limits``.
@@ -32,6 +35,7 @@ from vgpu.plugin.arbiter import Arbiter, BadRegions
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.plugin.timeshare import TimeShare
 from vgpu.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,8 @@ class NodeCollector(Collector):
         pod_cache_s: float = 10.0,
         arbiter: Arbiter | None = None,
         bad: BadRegions | None = None,
+        timeshare: TimeShare | None = None,
+        clock: Callable[[], int] | None = None,
     ) -> None:
         self.node = node
         self.state = state
@@ -60,6 +66,13 @@ class NodeCollector(Collector):
         self.pod_cache_s = pod_cache_s
         self.arbiter = arbiter
         self.bad = bad if bad is not None else (arbiter.bad if arbiter is not None else BadRegions())
+        # with an arbiter, its passes sample busy_ns too (every 25 ms): share its history and clock
+        if timeshare is None:
+            timeshare = arbiter.timeshare if arbiter is not None else TimeShare()
+        self.timeshare = timeshare
+        if clock is None:
+            clock = arbiter.clock if arbiter is not None else time.monotonic_ns
+        self.clock = clock
         self._pods: dict[str, tuple[str, str]] = {}
         self._pods_at = -1e9
         self._lock = threading.Lock()
@@ -141,6 +154,12 @@ class NodeCollector(Collector):
             "GPU time the container's work took on the card",
             labels=c_labels,
         )
+        c_busy_ratio = GaugeMetricFamily(
+            "vgpu_container_sm_busy_ratio",
+            "Share of wall time the container's work kept the card busy, over the last 10 s "
+            "(the hook's busy_ns; it measures only launches under a compute limit or a priority flag)",
+            labels=c_labels,
+        )
         c_throttled = CounterMetricFamily(
             "vgpu_container_sm_throttled_seconds",
             "Time the container's launches waited (SM cap or a higher-priority neighbour)",
@@ -170,6 +189,7 @@ class NodeCollector(Collector):
             labels=[*c_labels, "pid"],
         )
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
+        sampled: list[tuple[str, int, str]] = []
         for folder in sorted(self._region_dirs()):
             pod_uid, _, container = folder.name.partition("_")
             namespace, pod = names.get(pod_uid, ("", ""))
@@ -177,6 +197,7 @@ class NodeCollector(Collector):
                 # never mapped: a container cutting its file short mid-read must not SIGBUS us
                 with Region(folder / REGION_FILE_NAME, mapped=False) as region:
                     snap = region.snapshot()
+                read_at = self.clock()
             except RegionError as err:
                 self.bad.report(folder / REGION_FILE_NAME, err)
                 continue
@@ -192,12 +213,19 @@ class NodeCollector(Collector):
                 c_budget.add_metric(labels, float(dev.budget_bytes))
                 c_spilled.add_metric(labels, float(dev.spilled_bytes))
                 c_busy.add_metric(labels, dev.busy_ns / 1e9)
+                share_key = (folder.name, dev.index, dev.uuid)
+                sampled.append(share_key)
+                self.timeshare.record(share_key, read_at, dev.busy_ns)
+                share = self.timeshare.ratio(share_key)
+                if share is not None:
+                    c_busy_ratio.add_metric(labels, share)
                 c_throttled.add_metric(labels, dev.throttled_ns / 1e9)
                 c_yield.add_metric(labels, 1.0 if dev.flags & FLAG_YIELD else 0.0)
                 for proc in snap.processes:
                     if dev.index < len(proc.spilled_bytes):
                         p_spilled.add_metric([*labels, str(proc.pid)], float(proc.spilled_bytes[dev.index]))
-        yield from (c_used, c_limit, c_sm, c_budget, c_spilled, c_busy, c_throttled, c_yield)
+        self.timeshare.keep_only(sampled)  # containers whose region is gone (or unreadable now)
+        yield from (c_used, c_limit, c_sm, c_budget, c_spilled, c_busy, c_busy_ratio, c_throttled, c_yield)
         yield from (c_procs, c_prio, c_differs, p_spilled)
         yield from self._own_metrics()
 
