@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hook_harness import Built, Holder, build, env, run
+from hook_harness import Built, Holder, build, env, parse, run
 
 from vgpu.grant import Grant, apply_limits, encode, read_grant, write_grant
 from vgpu.region import GRANT_LAYOUT, GRANT_PAYLOAD, HEADER_LAYOUT, Region
@@ -101,18 +101,24 @@ def test_limits_written_into_the_region_are_put_back_logged_and_do_not_hold(
             assert (r.word("limit", 0), r.word("sm_limit", 0)) == (1 << 30, 30)
 
 
-def test_a_running_process_puts_back_a_limit_changed_under_it(
+def test_a_running_process_catches_a_limit_changed_under_it_at_its_next_allocation(
     built: Built, container: tuple[Path, Path]
 ) -> None:
     grant, region = container
-    environ = granted_env(built, grant)
-    # t_alloc in link mode allocates until refused; a region rewritten before its first
-    # allocation is caught at that allocation, not only at attach
-    with Holder(built, 0, environ):
-        with Region(region, writable=True) as r:
-            r.set_limit(0, 0)  # 0: no limit at all
-        r2 = run(built, "t_alloc", "link", "alloc", "256", environ=environ)
-    assert r2.int("chunks") == 4 and TAMPERED in r2.stderr
+    # attached and one chunk in before the region is touched: only the allocation path can see it
+    proc = subprocess.Popen(
+        [built.prog("t_alloc"), "link", "alloc", "256"],
+        env=granted_env(built, grant, T_ALLOC_PAUSE="1"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline(), proc.stdout.readline()]
+    assert "paused=1\n" in lines, lines
+    with Region(region, writable=True) as r:
+        r.set_limit(0, 0)  # 0: no limit at all
+    out, err = proc.communicate("go\n", timeout=60)
+    values, _ = parse("".join(lines) + out)
+    assert int(values["chunks"]) == 4 and TAMPERED in err, (values, err)
 
 
 def test_a_live_resize_through_the_grant_reaches_new_and_running_processes_untold(

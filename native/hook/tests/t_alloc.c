@@ -1,5 +1,5 @@
 /* One allocation path, until the driver or the hook says no; then a free and a retry.
- * usage: t_alloc MODE PATH CHUNK_MIB [DEVICE]
+ * usage: t_alloc MODE PATH CHUNK_MIB [DEVICE]   (T_ALLOC_PAUSE=1: stop after the first chunk until a line on stdin)
  * PATH: alloc pitch managed async pool vmm array array3d mipmap */
 #include "common.h"
 
@@ -66,7 +66,15 @@ int main(int argc, char **argv) {
     unsigned long long handles[4096];
     int n = 0;
     CUresult rc = CUDA_SUCCESS;
-    while (n < 4096 && (rc = take(&handles[n])) == CUDA_SUCCESS) n++;
+    const char *pause = getenv("T_ALLOC_PAUSE"); /* after the first chunk, wait for a line on stdin */
+    while (n < 4096 && (rc = take(&handles[n])) == CUDA_SUCCESS) {
+        if (++n == 1 && pause && *pause) {
+            printf("paused=1\n");
+            fflush(stdout);
+            char line[8];
+            if (!fgets(line, sizeof line, stdin)) die("stdin closed while paused", 0);
+        }
+    }
     printf("chunks=%d\nrefused=%d\n", n, rc);
     printf("driver_used=%llu\n", driver_used(dev));
     if (n > 0) {
