@@ -45,6 +45,9 @@ PHASE_BOUND = "bound"
 PHASE_ALLOCATED = "allocated"
 PHASE_FAILED = "failed"
 PHASES = (PHASE_BOUND, PHASE_ALLOCATED, PHASE_FAILED)
+# written by the extender on a pod it refused for lack of room once room frees (when, RFC 3339):
+# the pod's own update makes kube-scheduler retry it (see vgpu.extender.state.NUDGE_WINDOW_S)
+ROOM_FREED_ANNOTATION = PREFIX + "room-freed"
 
 # contract 1: what a user may write on a pod
 USE_GPUTYPE_ANNOTATION = "nvidia.com/use-gputype"

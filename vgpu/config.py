@@ -33,6 +33,11 @@ class SchedulerConfig:
     default_mem: MiB per vGPU when a container gives only ``nvidia.com/gpu``; 0 means the whole card.
     default_cores: percent of a card per vGPU when not given; 0 means no compute cap.
     node_policy / gpu_policy: cluster defaults, overridden per pod by annotation.
+    reject_unsatisfiable: the validating webhook also denies a request larger than any card or
+    node the cluster has now (more memory per vGPU than the largest card, more vGPUs in a
+    container than any node's cards). Off by default: a cluster autoscaler or a batch queue adds
+    such nodes after the pod exists, so the pod is admitted and waits Pending with the shortage
+    in its scheduling reason. Requests no node could ever hold are denied either way.
     """
 
     default_mem: int = 0
@@ -55,6 +60,8 @@ class SchedulerConfig:
     identity: str = ""  # who holds the Lease; empty: the host name (the pod's name in a cluster)
     lease_duration_s: int = 15
     plugin_lease_grace_s: int = 5
+    # admission: also deny what the cluster's present cards and nodes cannot hold (see above)
+    reject_unsatisfiable: bool = False
 
     def __post_init__(self) -> None:
         _check(self)
@@ -67,6 +74,10 @@ _INT_FIELDS = {
     "lease_duration_s": 1,
     "plugin_lease_grace_s": 0,
 }
+
+_BOOL_FIELDS = ("reject_unsatisfiable",)
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
 
 
 def _camel(name: str) -> str:
@@ -83,6 +94,10 @@ def _check(cfg: SchedulerConfig) -> None:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError("settings", _camel(name), f"must be an integer >= {minimum}, got {value!r}")
+    for name in _BOOL_FIELDS:
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            raise ConfigError("settings", _camel(name), f"must be true or false, got {value!r}")
     if cfg.default_cores > 100:
         raise ConfigError(
             "settings", "defaultCores", f"must be 0..100 (percent of a card), got {cfg.default_cores}"
@@ -104,6 +119,15 @@ def _coerce(source: str, key: str, name: str, value: Any) -> Any:
             return int(str(value).strip())
         except ValueError as err:
             raise ConfigError(source, key, f"must be an integer, got {value!r}") from err
+    if name in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ConfigError(source, key, f"must be true or false, got {value!r}")
     if value is None:
         return None
     if not isinstance(value, str | int | float):

@@ -68,6 +68,11 @@ class _Search:
         other = self.usage.get(card.uuid, ZERO)
         new_cur = cur + add
         new_fp = fp.max(new_cur)
+        # the pod alone is more than the card, empty or not: no waiting helps on this card
+        if new_fp.memory_mib > card.memory_mib:
+            return f"smaller than asked ({card.memory_mib} MiB)"
+        if new_fp.cores > card.cores:
+            return f"fewer cores than asked ({card.cores}%)"
         if other.exclusive > 0 or (new_fp.exclusive > 0 and other.count > 0):
             return "held exclusively"
         if new_cur.exclusive > 0 and new_cur.count > 1:

@@ -206,6 +206,7 @@ def test_the_extender_runs_with_the_contracts_command_line() -> None:
         "gpu-policy": "spread",
         "default-mem": "0",
         "default-cores": "0",
+        "reject-unsatisfiable": "false",
     }
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "extender")["volumeMounts"]}
     assert mounts["/etc/vgpu/tls"] == "extender-tls"
@@ -233,6 +234,21 @@ def test_extender_values_reach_its_settings() -> None:
     config = load_config({k: getattr(args, k) for k in extender_cli.FLAGS}, env={})
     assert (config.node_policy, config.gpu_policy) == ("spread", "binpack")
     assert (config.default_mem, config.default_cores, config.workers) == (4096, 25, 3)
+
+
+def test_reject_unsatisfiable_reaches_the_extender_settings_and_only_as_a_boolean() -> None:
+    def settings(*args: str) -> bool:
+        pod = find(render(*args), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+        parser = argparse.ArgumentParser()
+        extender_cli.register(parser)
+        parsed = parser.parse_args(container(pod, "extender")["command"][2:])
+        return load_config({k: getattr(parsed, k) for k in extender_cli.FLAGS}, env={}).reject_unsatisfiable
+
+    assert settings() is False
+    assert settings("--set", "scheduler.admission.rejectUnsatisfiable=true") is True
+    refused = template("--set-string", "scheduler.admission.rejectUnsatisfiable=yes")
+    assert refused.returncode != 0
+    assert "/scheduler/admission/rejectUnsatisfiable" in refused.stderr and "want boolean" in refused.stderr
 
 
 def test_extender_extra_env_reaches_only_the_extender_container() -> None:

@@ -66,3 +66,18 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env={}, file=tmp_path / "nope.yaml")
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_reject_unsatisfiable_is_a_boolean_from_flag_environment_or_file(tmp_path: Path) -> None:
+    assert load_config(env={}).reject_unsatisfiable is False
+    f = tmp_path / "cfg.yaml"
+    f.write_text("rejectUnsatisfiable: true\n")
+    assert load_config(env={}, file=f).reject_unsatisfiable is True
+    assert load_config(env={"VGPU_REJECT_UNSATISFIABLE": "false"}, file=f).reject_unsatisfiable is False
+    assert load_config(flags={"reject_unsatisfiable": "True"}, env={}).reject_unsatisfiable is True
+    with pytest.raises(ConfigError) as info:
+        load_config(flags={"reject_unsatisfiable": "maybe"}, env={})
+    assert "--reject-unsatisfiable" in str(info.value) and "true or false" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"VGPU_REJECT_UNSATISFIABLE": "2"})
+    assert "VGPU_REJECT_UNSATISFIABLE" in str(info.value)

@@ -237,19 +237,68 @@ def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(clie
     assert "patch" not in client.post("/webhook/mutate", json=review(chosen)).get_json()["response"]
 
 
-def test_the_validating_webhook_denies_impossible_requests_naming_the_field(client: FlaskClient) -> None:
-    resp = client.post(
-        "/webhook/validate", json=review(gpu_pod(gpumem=1000, gpumem_percentage=10))
-    ).get_json()
-    assert not resp["response"]["allowed"]
-    assert "nvidia.com/gpumem-percentage" in resp["response"]["status"]["message"]
-    too_big = client.post("/webhook/validate", json=review(gpu_pod(gpumem=20000))).get_json()["response"]
-    assert not too_big["allowed"] and "largest card" in too_big["status"]["message"]
-    too_many = client.post("/webhook/validate", json=review(gpu_pod(gpu=3, gpumem=1))).get_json()["response"]
-    assert not too_many["allowed"] and "spec.containers[0]" in too_many["status"]["message"]
-    assert client.post("/webhook/validate", json=review(gpu_pod(gpumem=100))).get_json()["response"][
-        "allowed"
-    ]
+@pytest.mark.parametrize(
+    ("limits", "field"),
+    [
+        ({"gpumem": 1000, "gpumem_percentage": 10}, "nvidia.com/gpumem-percentage"),
+        ({"gpucores": 101}, "nvidia.com/gpucores"),
+        ({"gpumem": -5}, "nvidia.com/gpumem"),
+        ({"gpumem": "1.5"}, "nvidia.com/gpumem"),
+        ({"gpumem": "lots"}, "nvidia.com/gpumem"),
+        ({"gpumem_percentage": 120}, "nvidia.com/gpumem-percentage"),
+    ],
+)
+@pytest.mark.parametrize("reject_unsatisfiable", [False, True])
+def test_the_validating_webhook_denies_what_no_node_could_ever_hold_naming_the_field(
+    state: SchedulerState, limits: dict[str, Any], field: str, reject_unsatisfiable: bool
+) -> None:
+    client = create_app(SchedulerConfig(reject_unsatisfiable=reject_unsatisfiable), state).test_client()
+    resp = client.post("/webhook/validate", json=review(gpu_pod(**limits))).get_json()["response"]
+    assert not resp["allowed"] and resp["status"]["code"] == 422
+    message = resp["status"]["message"]
+    assert message.startswith("vGPU request can never be satisfied: pod: spec.containers[0]")
+    assert field in message
+
+
+def test_the_validating_webhook_admits_a_pod_larger_than_any_card_or_node_of_today(
+    client: FlaskClient,
+) -> None:
+    """By default: an autoscaler or a batch queue may add the card it needs after the pod exists."""
+    for limits in ({"gpumem": 20000}, {"gpu": 3, "gpumem": 1}, {"gpu": 1}, {"gpumem": 100}):
+        resp = client.post("/webhook/validate", json=review(gpu_pod(**limits))).get_json()["response"]
+        assert resp["allowed"], (limits, resp)
+
+
+def test_the_validating_webhook_with_reject_unsatisfiable_denies_what_the_cluster_cannot_hold_now(
+    state: SchedulerState,
+) -> None:
+    client = create_app(SchedulerConfig(reject_unsatisfiable=True), state).test_client()
+
+    def answer(**limits: Any) -> dict[str, Any]:
+        got: dict[str, Any] = client.post("/webhook/validate", json=review(gpu_pod(**limits))).get_json()
+        return got["response"]
+
+    too_big = answer(gpumem=20000)
+    assert not too_big["allowed"]
+    assert "spec.containers[0].resources.limits[nvidia.com/gpumem]: 20000 MiB" in too_big["status"]["message"]
+    assert "largest card has (10000 MiB); ask for at most 10000" in too_big["status"]["message"]
+    assert "scheduler.admission.rejectUnsatisfiable" in too_big["status"]["message"]
+    too_many = answer(gpu=3, gpumem=1)
+    assert not too_many["allowed"]
+    assert "spec.containers[0].resources.limits[nvidia.com/gpu]: 3 vGPUs" in too_many["status"]["message"]
+    assert answer(gpumem=10000)["allowed"] and answer(gpu=2, gpumem=1)["allowed"]
+    # before any node is known there is nothing to compare with: admitted
+    state.replace_nodes([])
+    assert answer(gpumem=20000)["allowed"]
+
+
+def test_a_pod_larger_than_every_card_is_refused_by_filter_naming_the_shortage(client: FlaskClient) -> None:
+    """What a user sees in FailedScheduling when admission let such a pod in."""
+    body = client.post("/filter", json={"Pod": gpu_pod(gpumem=20000), "NodeNames": ["a", "b"]}).get_json()
+    assert body["NodeNames"] == [] and body["FailedNodes"] == {}
+    for reason in body["FailedAndUnresolvableNodes"].values():
+        assert "needs 1 vGPU(s) of 20000 MiB" in reason
+        assert "2 card(s) smaller than asked (10000 MiB)" in reason
 
 
 @pytest.mark.parametrize(

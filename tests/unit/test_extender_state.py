@@ -12,7 +12,7 @@ from hypothesis import strategies as hst
 from vgpu import annotations as ann
 from vgpu.config import SchedulerConfig
 from vgpu.errors import KubeError
-from vgpu.extender.state import ASSUME_TTL_S, SchedulerState
+from vgpu.extender.state import ASSUME_TTL_S, NUDGE_WINDOW_S, SchedulerState
 from vgpu.ledger import Usage
 
 CFG = SchedulerConfig()
@@ -401,3 +401,26 @@ def test_with_several_nodes_answered_nothing_is_held() -> None:
     st = _cluster([9000, 0, 0], keep=2)
     assert st.filter(_pod(1000, uid="p1"), ["n0", "n1", "n2"]).nodes == ["n0", "n1"]
     assert st.assumed == {} and st.ledger.node_of("p1") is None
+
+
+def test_pods_refused_for_lack_of_room_just_before_it_frees_are_nudged_once() -> None:
+    """kube-scheduler may retry a refused pod on the very deletion that frees the room, before our
+    watch delivered it; those pods are handed to the Syncer to annotate, so they are retried."""
+    st, now = _assuming([9000])  # n0: one card, 1000 MiB free
+    assert st.filter(_pod(5000, uid="early"), ["n0"]).failed
+    now[0] += NUDGE_WINDOW_S + 1
+    assert st.filter(_pod(5000, uid="late"), ["n0"]).failed
+    assert st.filter(_pod(5000, uid="gone"), ["n0"]).failed
+    st.apply_pod({"metadata": {"uid": "gone"}}, deleted=True)  # never there: frees nothing
+    huge = st.filter(_pod(50000, uid="huge"), ["n0"])
+    assert huge.unresolvable and not huge.failed  # smaller than asked: waiting does not help
+    assert st.filter(_pod(500, uid="fits"), ["n0"]).nodes == ["n0"]
+    assert not st.room_freed.is_set()
+    now[0] += 0.05
+    st.apply_pod({"metadata": {"uid": "held-0"}}, deleted=True)  # the pod holding n0 leaves
+    assert st.room_freed.is_set()
+    assert st.take_nudges() == [("late", "d", "late")]
+    assert st.take_nudges() == []  # once: a new refusal notes it again
+    assert st.filter(_pod(9900, uid="late"), ["n0"]).failed  # n0 still holds "fits"
+    st.apply_pod({"metadata": {"uid": "fits"}}, deleted=True)
+    assert st.take_nudges() == [("late", "d", "late")]

@@ -159,6 +159,21 @@ def test_more_memory_than_the_card_has_is_unresolvable() -> None:
     assert isinstance(r, Rejection) and r.unresolvable
 
 
+def test_a_card_smaller_than_the_request_is_named_as_such_not_as_full() -> None:
+    """Waiting for other pods to leave cannot help there: the reason says so, busy card or not."""
+    busy = {"GPU-0": Usage(9000, 0, 1, 0)}
+    r = fit_node("n", node(card(0), card(1, mem=40000)), busy, pod(ctr(gpumem=20000)))
+    assert isinstance(r, Plan)  # the larger card takes it
+    r = fit_node("n", node(card(0), card(1, mem=16000)), busy, pod(ctr(gpumem=20000)))
+    assert isinstance(r, Rejection) and r.unresolvable
+    assert "2 card(s) smaller than asked (10000 MiB)" not in r.reason
+    assert "1 card(s) smaller than asked (10000 MiB)" in r.reason
+    assert "1 card(s) smaller than asked (16000 MiB)" in r.reason
+    scaled = fit_node("n", node(card(0, cores=50)), {}, pod(ctr(gpumem=100, gpucores=80)))
+    assert isinstance(scaled, Rejection) and scaled.unresolvable
+    assert "1 card(s) fewer cores than asked (50%)" in scaled.reason
+
+
 def test_a_pod_without_vgpu_fits_any_node_with_an_empty_allocation() -> None:
     p = plan(fit_node("n", node(), {}, pod({"name": "c"})))
     assert p.allocation.containers == () and p.footprint == {}

@@ -178,7 +178,8 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
     @verb("validate", lambda e: {"Error": e})
     def validate(raw: bytes) -> tuple[int, Any]:
         try:
-            return 200, webhook.validate(_body(raw), config, st.largest_card())
+            largest = st.largest_card() if config.reject_unsatisfiable else None
+            return 200, webhook.validate(_body(raw), config, largest)
         except webhook.ReviewError as err:
             raise BadRequest(str(err)) from err
 

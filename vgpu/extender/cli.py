@@ -3,14 +3,18 @@
     vgpu extender --kubeconfig PATH --listen HOST:PORT --cert-file PEM --key-file PEM
                   --metrics-listen HOST:PORT --namespace NS --scheduler-name vgpu-scheduler
                   [--workers N] [--node-policy binpack|spread] [--gpu-policy binpack|spread]
-                  [--default-mem MIB] [--default-cores PCT] [--filter-keep N] [--config FILE]
+                  [--default-mem MIB] [--default-cores PCT] [--filter-keep N]
+                  [--reject-unsatisfiable true|false] [--config FILE]
 
 Without --kubeconfig: the in-cluster service account. Settings: flag > ``VGPU_*`` environment >
 --config file > defaults (see vgpu.config). ``--workers`` is the number of threads of the single
 worker process that holds the ledger (see vgpu.extender.server for why not processes).
 ``--filter-keep`` (or ``VGPU_FILTER_KEEP``): how many of the feasible nodes ``filter`` answers for a
 vGPU pod, the best by the pod's node policy (default 1: kube-scheduler then binds there without
-scoring; see docs/scheduling.md).
+scoring; see docs/scheduling.md). ``--reject-unsatisfiable true`` (or
+``VGPU_REJECT_UNSATISFIABLE``): the validating webhook also denies a request larger than any card
+or node the cluster has now; by default such a pod is admitted and waits Pending (a cluster
+autoscaler may add the node it needs).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="feasible nodes filter answers for a vGPU pod, the best by its node policy (default 1)",
     )
+    parser.add_argument(
+        "--reject-unsatisfiable",
+        metavar="true|false",
+        help="the webhook also denies requests larger than any card or node the cluster has now "
+        "(default false: such pods wait Pending, e.g. for a cluster autoscaler)",
+    )
     parser.add_argument("--identity", help="holder name for the Lease (default: host name)")
     parser.add_argument("--config", help="YAML/JSON settings file (keys: defaultMem, nodePolicy, ...)")
     parser.add_argument("--insecure-http", action="store_true", help="serve plain HTTP (tests only)")
@@ -68,6 +78,7 @@ FLAGS = (
     "default_mem",
     "default_cores",
     "identity",
+    "reject_unsatisfiable",
 )
 
 

@@ -53,6 +53,18 @@ FILTER_KEEP = 1
 # or at once when it is filtered again or deleted.
 ASSUME_TTL_S = 30.0
 
+# A pod filter refused for lack of room is retried by kube-scheduler on cluster events, among
+# them the deletion of the pod that frees the room. That event can reach kube-scheduler, and the
+# retry reach filter, before our own pod watch has delivered it: the retry is refused again and
+# no further event comes, so kube-scheduler would wait for its next sweep of unschedulable pods
+# (every 30 s, for pods waiting longer than --pod-max-in-unschedulable-pods-duration). So when
+# the ledger frees room, pods refused within this many seconds before are nudged: the Syncer
+# annotates each (ann.ROOM_FREED_ANNOTATION), and a pod's own update makes kube-scheduler retry
+# it. At most NUDGE_MAX per freeing, the most recently refused first; REFUSED_KEPT pods tracked.
+NUDGE_WINDOW_S = 5.0
+NUDGE_MAX = 100
+REFUSED_KEPT = 4096
+
 
 class KubeAPI(Protocol):
     """What the state needs from the API server (satisfied by :class:`vgpu.kube.Kube`)."""
@@ -140,6 +152,11 @@ class SchedulerState:
         self.synced = threading.Event()
         self.leader = threading.Event()
         self.inventory_errors = 0
+        # pods filter refused for lack of room: uid -> (when, namespace, name), oldest first; and
+        # when the ledger last freed room (see NUDGE_WINDOW_S), with an event the Syncer waits on
+        self.refused: dict[str, tuple[float, str, str]] = {}
+        self.freed_at = 0.0
+        self.room_freed = threading.Event()
 
     # -- feeding: nodes ------------------------------------------------------------------------
     def apply_node(self, node: Obj) -> None:
@@ -223,9 +240,10 @@ class SchedulerState:
         with self.lock:
             if deleted:
                 self.assumed.pop(uid, None)
-                self.ledger.release(uid)
+                self._release(uid)
                 self.pod_rv.pop(uid, None)
                 self.recent_pods.pop(uid, None)
+                self.refused.pop(uid, None)
                 self._pod_raw.pop(uid, None)
                 return
             if rv and rv < self.pod_rv.get(uid, 0):
@@ -234,7 +252,8 @@ class SchedulerState:
             if (pod.get("status") or {}).get("phase") in TERMINAL:
                 self._pod_raw.pop(uid, None)
                 self.assumed.pop(uid, None)
-                self.ledger.release(uid)  # finished pods hold nothing, as for any Kubernetes resource
+                self.refused.pop(uid, None)
+                self._release(uid)  # finished pods hold nothing, as for any Kubernetes resource
                 return
             raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
             if raw is None:
@@ -266,11 +285,46 @@ class SchedulerState:
             for uid in list(self.ledger.pods()):
                 if uid not in seen and uid not in self.binding:
                     self.assumed.pop(uid, None)
-                    self.ledger.release(uid)
+                    self._release(uid)
                     self.pod_rv.pop(uid, None)
                     self._pod_raw.pop(uid, None)
             for p in pods:
                 self.apply_pod(p)
+
+    def _release(self, uid: str) -> None:
+        """A pod left for good (deleted, finished, gone from a fresh list): free its room and
+        note it for the nudge (see NUDGE_WINDOW_S). Caller holds the lock."""
+        if self.ledger.node_of(uid) is None:
+            return
+        self.ledger.release(uid)
+        self.freed_at = self.clock()
+        self.room_freed.set()
+
+    def _note_refusal(self, pod: Obj, uid: str | None, result: FilterResult, now: float) -> None:
+        """Remember a pod refused for lack of room (some node failed, none fit). Caller holds the lock."""
+        if not uid:
+            return
+        self.refused.pop(uid, None)  # re-inserted last: the dict stays in refusal order
+        if result.nodes or not result.failed or result.error:
+            return
+        meta = pod.get("metadata") or {}
+        self.refused[uid] = (now, str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
+        while len(self.refused) > REFUSED_KEPT:
+            self.refused.pop(next(iter(self.refused)))
+
+    def take_nudges(self) -> list[tuple[str, str, str]]:
+        """(uid, namespace, name) of the pods to nudge since room last freed, most recent first;
+        each is forgotten (a new refusal notes it again)."""
+        with self.lock:
+            since = self.freed_at - NUDGE_WINDOW_S
+            out: list[tuple[str, str, str]] = []
+            for uid, (when, namespace, name) in reversed(self.refused.items()):
+                if when < since or len(out) == NUDGE_MAX:
+                    break
+                out.append((uid, namespace, name))
+            for uid, _, _ in out:
+                del self.refused[uid]
+            return out
 
     # -- asking ----------------------------------------------------------------------------------
     def node_problem(self, name: str, now: float) -> str | None:
@@ -321,9 +375,12 @@ class SchedulerState:
                 kept = self._filter_in_policy_order(request, single, node_names, now, cache)
                 if kept is not None:
                     self._assume(uid, request, kept, now)
+                    if uid:
+                        self.refused.pop(uid, None)
                     return FilterResult(nodes=kept)
             result = self._filter_every_node(request, uid, node_names, now, cache)
             self._assume(uid, request, result.nodes, now)
+            self._note_refusal(pod, uid, result, now)
             return result
 
     def _assume(self, uid: str | None, request: PodRequest, nodes: list[str], now: float) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vgpu import annotations as ann
 from vgpu.errors import ConflictError, KubeError
 from vgpu.extender.state import SchedulerState
 from vgpu.kube import Gone, Kube, now_micro, parse_time
@@ -57,6 +58,7 @@ class Syncer:
             ),
             ("leader", self._lead),
             ("metrics", self._metrics),
+            ("nudge", self._nudge),
         ]
         for name, target in loops:
             t = threading.Thread(target=target, name=f"vgpu-sync-{name}", daemon=True)
@@ -217,6 +219,24 @@ class Syncer:
         except KubeError as err:
             log.warning("could not release the extender Lease: %s", err)
         self.state.leader.clear()
+
+    # -- retries after room frees ----------------------------------------------------------------------
+    def _nudge(self) -> None:
+        """Annotate the pods refused just before room freed, so kube-scheduler retries them now
+        rather than at its next sweep (see vgpu.extender.state.NUDGE_WINDOW_S)."""
+        while not self.stop.is_set():
+            if not self.state.room_freed.wait(1.0):
+                continue
+            self.state.room_freed.clear()
+            if not self.state.leader.is_set():
+                continue  # a standby replica refused nothing; the active one nudges
+            for uid, namespace, name in self.state.take_nudges():
+                try:
+                    self.kube.patch_pod_annotations(
+                        namespace, name, {ann.ROOM_FREED_ANNOTATION: now_micro()}, uid=uid
+                    )
+                except KubeError as err:  # gone, or re-created under its name: nothing to retry
+                    log.info("could not nudge pod %s/%s for a retry: %s", namespace, name, err)
 
     # -- gauges --------------------------------------------------------------------------------------
     def _metrics(self) -> None:

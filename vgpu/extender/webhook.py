@@ -5,9 +5,18 @@
   ``gpumem``/``gpumem-percentage``/``gpucores``/``priority`` without ``nvidia.com/gpu`` gets
   ``nvidia.com/gpu: 1`` added (contract 1's default), since kubelet calls the device plugin's
   Allocate only for containers that ask for ``nvidia.com/gpu`` itself.
-* validate: a pod whose vGPU request can never be satisfied is denied with a message naming the
-  field: the static rules of contract 1 (see :mod:`vgpu.requests`), and, once nodes are known,
-  more memory per vGPU than the largest card or more vGPUs in a container than any node's cards.
+* validate: a pod whose vGPU request no node could ever hold is denied with a message naming the
+  field: the static rules of contract 1 (see :mod:`vgpu.requests`: cores over 100, negative or
+  fractional sizes, ``gpumem`` with ``gpumem-percentage``...). A request merely larger than the
+  cluster is today (more memory per vGPU than the largest card, more vGPUs in a container than
+  any node's cards) is admitted: a cluster autoscaler or a batch queue may add the node after the
+  pod exists, and until then the pod waits Pending with the shortage in its scheduling reason.
+  With ``reject_unsatisfiable`` (chart value ``scheduler.admission.rejectUnsatisfiable``) that
+  cluster-shape check denies it too, once nodes are known.
+
+  ``split`` (vGPUs per card) gives no rule of its own here: the vGPUs of one container each take
+  a different card, so a request never asks for more than one vGPU of a card, and the number of
+  cards a container needs is a cluster-shape question like the others.
 """
 
 from __future__ import annotations
@@ -104,29 +113,43 @@ def mutate(review: Any, config: SchedulerConfig) -> Obj:
 
 
 def validate(review: Any, config: SchedulerConfig, largest: tuple[int, int] | None = None) -> Obj:
-    """``largest``: (most MiB on one card, most cards on one node) in the cluster, when known."""
+    """``largest``: (most MiB on one card, most cards on one node) in the cluster, when known; it
+    is checked only with ``config.reject_unsatisfiable``."""
     req, pod = _request(review)
     if req.get("operation") not in (None, "CREATE") or not asks_for_vgpu(pod):
         return _response(review, req, True)
     try:
-        problem = impossible(pod, config, largest)
+        parse_pod(pod, config)  # raises RequestError for the static rules
     except RequestError as err:
-        problem = str(err)
-    if problem:
-        return _response(review, req, False, f"vGPU request can never be satisfied: {problem}")
+        return _response(review, req, False, f"vGPU request can never be satisfied: {err}")
+    if config.reject_unsatisfiable:
+        problem = larger_than_cluster(pod, config, largest)
+        if problem:
+            return _response(
+                review,
+                req,
+                False,
+                f"vGPU request cannot be satisfied by any node of this cluster now: {problem} (this "
+                "cluster refuses such pods at admission: scheduler.admission.rejectUnsatisfiable)",
+            )
     return _response(review, req, True)
 
 
-def impossible(
+def larger_than_cluster(
     pod: Mapping[str, Any], config: SchedulerConfig, largest: tuple[int, int] | None
 ) -> str | None:
-    request = parse_pod(pod, config)  # raises RequestError for the static rules
+    """Whether a container asks more than any card (memory) or node (cards) has now, naming the field.
+
+    None also when no node is known yet: nothing to compare with.
+    """
     if largest is None:
         return None
+    request = parse_pod(pod, config)
     max_mem, max_cards = largest
+    inits = sum(1 for x in request.containers if x.init)
     for i, c in enumerate(request.containers):
         kind = "initContainers" if c.init else "containers"
-        index = i if c.init else i - sum(1 for x in request.containers if x.init)
+        index = i if c.init else i - inits
         where = f"pod: spec.{kind}[{index}].resources.limits"
         if c.memory_mib is not None and c.memory_mib > max_mem:
             return (
@@ -136,6 +159,6 @@ def impossible(
         if c.count > max_cards:
             return (
                 f"{where}[nvidia.com/gpu]: {c.count} vGPUs must each be on a different card, but no node "
-                f"has more than {max_cards} cards"
+                f"has more than {max_cards} cards; ask for at most {max_cards}"
             )
     return None

@@ -1,0 +1,225 @@
+"""Admission against the sandbox's real API server: a pod larger than every card is admitted and
+waits Pending with the shortage in its scheduling reason; with the chart's
+``scheduler.admission.rejectUnsatisfiable=true`` the same pod is denied, naming the field.
+
+The opt-in runs as a real extender under gunicorn on the command line the chart renders for
+that value, registered with the API server by a ValidatingWebhookConfiguration built from the
+chart's own (its clientConfig pointed at this process, and its namespaceSelector at one
+namespace of this test, so the sandbox's own webhook and every other test are left alone).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from vgpu.sandbox.cluster import Sandbox
+from vgpu.sandbox.pki import CertificateAuthority
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vgpu"
+CARD_MIB = 81920  # every sandbox card (tests/e2e/conftest.py)
+pytestmark = pytest.mark.e2e
+
+STRICT_NS = "vgpu-admission-strict"
+STRICT_LABEL = "vgpu-admission-e2e/strict"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def big_pod(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.invalid/cuda:none",
+                    "resources": {"limits": {"nvidia.com/gpumem": str(CARD_MIB + 20000)}},
+                }
+            ],
+        },
+    }
+
+
+def get_pod(sandbox: Sandbox, namespace: str, name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = sandbox.api_get(f"/api/v1/namespaces/{namespace}/pods/{name}")
+    return pod
+
+
+def scheduling_message(pod: dict[str, Any]) -> str:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond["type"] == "PodScheduled" and cond["status"] == "False":
+            return str(cond.get("message", ""))
+    return ""
+
+
+def wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_a_pod_larger_than_every_card_is_admitted_and_waits_with_the_shortage_named(sandbox: Sandbox) -> None:
+    """The sandbox's own webhook and vgpu-scheduler, with the chart's default (no opt-in)."""
+    name = "adm-big-" + uuid.uuid4().hex[:6]
+    created = sandbox.kubectl("create", "-f", "-", input=json.dumps(big_pod(name, "default")), check=False)
+    try:
+        assert created.returncode == 0, created.stderr
+        assert get_pod(sandbox, "default", name)["spec"]["schedulerName"] == "vgpu-scheduler"
+        shortage = f"smaller than asked ({CARD_MIB} MiB)"
+        wait_for(
+            lambda: shortage in scheduling_message(get_pod(sandbox, "default", name)),
+            60,
+            "a PodScheduled condition naming the card that is too small",
+        )
+        pod = get_pod(sandbox, "default", name)
+        assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending"
+        assert f"needs 1 vGPU(s) of {CARD_MIB + 20000} MiB" in scheduling_message(pod)
+        events = sandbox.api_get(
+            f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{name}"
+        )["items"]
+        failed = [e["message"] for e in events if e["reason"] == "FailedScheduling"]
+        assert any(shortage in m for m in failed), failed
+    finally:
+        sandbox.kubectl("delete", "pod", name, "-n", "default", "--wait=false", check=False)
+
+
+def render_chart(sandbox: Sandbox, namespace: str, *values: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [str(sandbox.bin("helm")), "template", "vgpu", str(CHART), "-n", namespace, *values],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def find(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [o for o in objs if o["kind"] == kind]
+    return found
+
+
+@contextlib.contextmanager
+def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]:
+    """The chart's extender with rejectUnsatisfiable=true, serving HTTPS on 127.0.0.1; yields
+    (base URL, CA bundle in base64) and stops it afterwards."""
+    objs = render_chart(sandbox, STRICT_NS, "--set", "scheduler.admission.rejectUnsatisfiable=true")
+    pod = find(objs, "Deployment")["spec"]["template"]["spec"]
+    command = next(c for c in pod["containers"] if c["name"] == "extender")["command"]
+    assert "--reject-unsatisfiable=true" in command
+    ca = CertificateAuthority(folder / "pki")
+    pair = ca.issue("extender", ["127.0.0.1"])
+    port = _free_port()
+    local = {  # what the pod's network, Secret mounts and token give it, made local
+        "--listen": f"127.0.0.1:{port}",
+        "--metrics-listen": f"127.0.0.1:{_free_port()}",
+        "--cert-file": str(pair.cert),
+        "--key-file": str(pair.key),
+    }
+    flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in command[2:])]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    log = (folder / "extender.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, (folder / "extender.log").read_text()[-3000:]
+            try:
+                return requests.get(url + "/readyz", verify=str(ca.cert_path), timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_for(ready, 90, "the strict extender's /readyz")
+        yield url, base64.b64encode(ca.pem).decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    sandbox.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": STRICT_NS, "labels": {STRICT_LABEL: "true"}},
+            }
+        ),
+    )
+    hook_name = "vgpu-admission-e2e-strict"
+    try:
+        with strict_extender(sandbox, tmp_path) as (url, ca_b64):
+            objs = render_chart(sandbox, STRICT_NS)
+            config = find(objs, "ValidatingWebhookConfiguration")
+            (hook,) = config["webhooks"]
+            hook["clientConfig"] = {"url": url + hook["clientConfig"]["service"]["path"], "caBundle": ca_b64}
+            hook["namespaceSelector"] = {"matchLabels": {STRICT_LABEL: "true"}}
+            config["metadata"] = {"name": hook_name}
+            sandbox.kubectl("apply", "-f", "-", input=json.dumps(config))
+
+            pod = json.dumps(big_pod("adm-big", STRICT_NS))
+
+            def denied() -> bool:  # the API server picks up a new webhook configuration shortly
+                dry = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=pod, check=False)
+                return dry.returncode != 0
+
+            wait_for(denied, 30, "the strict webhook to be in force")
+            result = sandbox.kubectl("create", "-f", "-", input=pod, check=False)
+            assert result.returncode != 0
+            message = result.stderr
+            assert 'admission webhook "validate.vgpu.openaios.io" denied the request' in message
+            assert "spec.containers[0].resources.limits[nvidia.com/gpumem]" in message
+            assert f"largest card has ({CARD_MIB} MiB); ask for at most {CARD_MIB}" in message
+            assert "scheduler.admission.rejectUnsatisfiable" in message
+            # what fits a card is still admitted there
+            fits = big_pod("adm-fits", STRICT_NS)
+            fits["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = "1000"
+            ok = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(fits), check=False)
+            assert ok.returncode == 0, ok.stderr
+    finally:
+        sandbox.kubectl("delete", "validatingwebhookconfiguration", hook_name, check=False)
+        sandbox.kubectl("delete", "lease", "--all", "-n", STRICT_NS, check=False)
+        sandbox.kubectl("delete", "namespace", STRICT_NS, "--wait=false", check=False)
