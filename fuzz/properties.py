@@ -23,10 +23,17 @@ from vgpu import region
 from vgpu.config import SchedulerConfig
 from vgpu.errors import AnnotationError, RequestError
 from vgpu.extender import worker
+from vgpu.extender.app import _dumps, create_app
+from vgpu.extender.state import SchedulerState
 from vgpu.requests import asks_for_vgpu, parse_pod
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = SchedulerConfig()
+# Everything the harnesses reach is imported here, at the top: fuzz/run_atheris.py instruments for
+# coverage only the modules imported while it imports this one.
+if str(ROOT / "tests" / "unit") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+from test_worker_parser import gunicorn_reads  # noqa: E402 - the one comparison helper, shared with that test
 
 
 def _json(data: bytes) -> Any:
@@ -127,9 +134,6 @@ def _verb_routes() -> dict[str, Callable[[bytes], tuple[int, Any]]]:
     """The app's verb handlers (body bytes -> status, answer) over a ready state with two GPU nodes."""
     global _routes
     if _routes is None:
-        from vgpu.extender.app import create_app
-        from vgpu.extender.state import SchedulerState
-
         state = SchedulerState(CONFIG, kube=_Kube())
         for name in ("node-a", "node-b"):
             state.apply_node(
@@ -150,8 +154,6 @@ def check_extender_body(data: bytes) -> None:
     """
     if not data:
         return
-    from vgpu.extender.app import _dumps
-
     path = VERBS[data[0] % len(VERBS)]
     status, answer = _verb_routes()[path](data[1:])
     assert status in (200, 400, 503), f"{path} answered {status}"
@@ -164,16 +166,6 @@ def check_extender_body(data: bytes) -> None:
 # vgpu/extender/worker.py: the short HTTP/1.1 parser
 
 
-def _gunicorn_reads() -> Callable[[bytes, int], dict[str, Any] | None]:
-    """tests/unit/test_worker_parser.py's comparison helper: the one reading of gunicorn's parser."""
-    unit = str(ROOT / "tests" / "unit")
-    if unit not in sys.path:
-        sys.path.insert(0, unit)
-    from test_worker_parser import gunicorn_reads
-
-    return gunicorn_reads  # type: ignore[no-any-return]
-
-
 def check_worker_head(data: bytes) -> None:
     """parse_head: None (gunicorn's parser reads it) or what gunicorn's parser reads alike."""
     head = data.split(b"\r\n\r\n", 1)[0]  # the worker hands it everything before the blank line
@@ -181,7 +173,7 @@ def check_worker_head(data: bytes) -> None:
     if ours is None:
         return
     method, target, environ, length = ours
-    theirs = _gunicorn_reads()(head, length)
+    theirs = gunicorn_reads(head, length)
     assert theirs is not None, "the short parser accepted a head gunicorn refuses"
     ours_read = {"method": method, "target": target, "environ": environ, "length": length}
     assert theirs == ours_read, f"the short parser read {ours_read}, gunicorn's parser {theirs}"
