@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${FUZZ_SECONDS:-20}
-OUT=${FUZZ_OUT:-.cache/fuzz}
+OUT=$(mkdir -p "${FUZZ_OUT:-.cache/fuzz}" && cd "${FUZZ_OUT:-.cache/fuzz}" && pwd) || exit 1
 PY=${FUZZ_PYTHON:-.venv/bin/python}
 
 # name:engine:dictionary (engine: py = atheris over fuzz/properties.py, or a binary of fuzz/native)
@@ -38,9 +38,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   exit 2
 fi
 
-make -s -C fuzz/native OUT="$PWD/$OUT/bin" || { echo "fuzz: building the native harnesses failed" >&2; exit 1; }
-
 wanted=("$@")
+for name in "${wanted[@]}"; do
+  [[ " ${HARNESSES[*]} " == *" $name:"* ]] || { echo "fuzz: no harness named $name (fuzz/run.sh HARNESSES)" >&2; exit 2; }
+done
+
+make -s -C fuzz/native OUT="$OUT/bin" || { echo "fuzz: building the native harnesses failed" >&2; exit 1; }
 failed=()
 summary=()
 for entry in "${HARNESSES[@]}"; do

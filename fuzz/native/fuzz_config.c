@@ -57,13 +57,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!buf) return 0;
     memcpy(buf, data, size);
     buf[size] = '\0';
+    /* putenv of our own buffers, not setenv: glibc's setenv never frees a value it replaced, and
+     * millions of distinct values would grow the fuzzer past its memory limit */
+    static char env[NNAMES][64 + 8192];
     const char *p = buf, *end = buf + size;
     for (size_t i = 0; i < NNAMES; i++) {
+        unsetenv(NAMES[i]);
         if (p <= end) {
-            setenv(NAMES[i], p, 1);
+            snprintf(env[i], sizeof env[i], "%s=%s", NAMES[i], p);
+            putenv(env[i]);
             p += strlen(p) + 1;
-        } else {
-            unsetenv(NAMES[i]);
         }
     }
 
