@@ -10,8 +10,10 @@ valid object, or refused the input with its declared error (``AnnotationError``,
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -200,6 +202,7 @@ def check_region_file(data: bytes) -> None:
         body = body[: region.REGION_SIZE].ljust(region.REGION_SIZE, b"\0")
     if _region_dir is None:
         _region_dir = tempfile.mkdtemp(prefix="vgpu-fuzz-region-")
+        atexit.register(shutil.rmtree, _region_dir, True)  # (fuzz/run.sh also cleans its TMPDIR)
     path = os.path.join(_region_dir, "region")
     Path(path).write_bytes(body)
     for mapped in (False, True):

@@ -61,8 +61,10 @@ for entry in "${HARNESSES[@]}"; do
   fi
   log="$OUT/logs/$name.log"
   echo "fuzz: $name for ${SECONDS_EACH}s"
-  "${cmd[@]}" >"$log" 2>&1
+  rm -rf "$OUT/tmp" && mkdir -p "$OUT/tmp"
+  TMPDIR="$OUT/tmp" "${cmd[@]}" >"$log" 2>&1  # the region harnesses' files, removed after each run
   rc=$?
+  rm -rf "$OUT/tmp"
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   cov=$(grep -oE '^#[0-9]+.*cov: [0-9]+ ft: [0-9]+' "$log" | tail -1 | grep -oE 'cov: [0-9]+ ft: [0-9]+')
   line=$(printf '%-22s %12s execs  %-20s' "$name" "${execs:-?}" "${cov:-}")

@@ -10,11 +10,12 @@
  * check_header (the layout this hook writes). */
 #include "../../native/hook/region.c"
 
-static char path[64];
+static char path[4096];
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc, (void)argv;
-    snprintf(path, sizeof path, "/tmp/vgpu-fuzz-region-%d", (int)getpid());
+    const char *tmp = getenv("TMPDIR");
+    snprintf(path, sizeof path, "%s/vgpu-fuzz-region-%d", tmp && *tmp ? tmp : "/tmp", (int)getpid());
     return 0;
 }
 
@@ -40,5 +41,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         munmap(h, VGPU_REGION_SIZE);
     }
+    unlink(path);
     return 0;
 }
