@@ -25,9 +25,10 @@ from vgpu.requests import parse_quantity
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "fuzz"
 HOOK = ROOT / "native" / "hook"
-NATIVE = {
+NATIVE = {  # the harness, then the hook's files it links (as fuzz/native/Makefile does)
     "config_env": ["fuzz_config.c", "config.c", "log.c"],
-    "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c"],
+    "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c"]
+    + (["grant.c"] if (HOOK / "grant.c").exists() else []),  # region.c calls it where the hook has one
 }
 
 
