@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup venv tools native test unit e2e gpu-test lint proto demo bench images clean
+.PHONY: setup venv tools native fuzz-tools test unit e2e gpu-test lint proto demo bench images fuzz clean
 
-setup: venv tools native ## everything the tests and the demo need; rebuilds only what is missing
+setup: venv tools native fuzz-tools ## everything the tests, fuzzing and the demo need; rebuilds only what is missing
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ tools: ## kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, KWOK
 native: ## libvgpu.so and the stub driver libraries
 	@if [ -f native/hook/Makefile ]; then $(MAKE) -C native/hook; fi
 
+fuzz-tools: ## clang with libFuzzer for the native harnesses (apt-get, as root, where missing)
+	@bash fuzz/install-tools.sh
+
 test: setup ## unit, integration and e2e tests (no GPU)
 	$(BIN)/pytest -m 'not gpu' $(PYTEST_ARGS)
 
@@ -34,12 +37,16 @@ unit: venv
 e2e: setup
 	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
 
+FUZZ_SECONDS ?= 20
+fuzz: venv ## every fuzz harness for FUZZ_SECONDS each (docs/fuzzing.md); fails on any crash
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_PYTHON=$(BIN)/python bash fuzz/run.sh
+
 gpu-test: venv native ## on a machine with an NVIDIA GPU
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
 lint: venv tools ## ruff, mypy, ansible-lint, helm lint --strict
-	$(BIN)/ruff check vgpu tests bench
-	$(BIN)/ruff format --check vgpu tests bench
+	$(BIN)/ruff check vgpu tests bench fuzz
+	$(BIN)/ruff format --check vgpu tests bench fuzz
 	$(BIN)/mypy
 	@if [ -d roles ]; then PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ansible-lint --offline -q playbooks roles; fi
 	@if [ -d charts/vgpu ]; then $(VGPU_BIN_DIR)/current/helm lint --strict charts/vgpu; fi

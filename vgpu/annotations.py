@@ -261,6 +261,8 @@ class _Reader:
             doc = json.loads(text)
         except (ValueError, TypeError) as err:
             raise self.fail("", f"not valid JSON ({err})") from err
+        except RecursionError as err:  # past the decoder's stack limit: none of our documents nests so
+            raise self.fail("", "not valid JSON (nested too deeply)") from err
         if not isinstance(doc, dict):
             raise self.fail("", f"must be a JSON object, got {type(doc).__name__}")
         return doc

@@ -55,29 +55,72 @@ _SUFFIX = {
 }
 
 
+# Kubernetes keeps a quantity in an int64; the longest text of one it writes is far shorter than this.
+QUANTITY_MAX = 2**63 - 1
+_QUANTITY_TEXT_MAX = 64
+_EXPONENT_MAX = 100
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short: the value may be any JSON a client sent."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > QUANTITY_MAX:
+        return f"a number of {value.bit_length()} bits"  # str() of one past 4300 digits raises
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def parse_quantity(value: Any, field: str) -> int:
-    """A Kubernetes quantity that must be a whole number (``"3000"``, ``"3k"``, ``2``)."""
+    """A Kubernetes quantity that must be a whole number (``"3000"``, ``"3k"``, ``2``).
+
+    A value past Kubernetes' int64 range is refused: such a request can never be satisfied, and
+    computing it (``"1e999999999"``) would take the extender minutes and gigabytes.
+    """
     if isinstance(value, bool):
         raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
     if isinstance(value, int):
-        return value
-    number = _quantity(str(value).strip())
-    if number is None:
-        raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {value!r}")
-    if number.denominator != 1:
-        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
-    return int(number)
+        number = value
+    else:
+        text = str(value).strip()
+        if len(text) > _QUANTITY_TEXT_MAX:
+            raise RequestError(
+                SOURCE, field, f"is {len(text)} characters, too long for a quantity, got {_shown(value)}"
+            )
+        try:
+            parsed = _quantity(text)
+        except OverflowError:
+            parsed = Fraction(QUANTITY_MAX + 1)
+        if parsed is None:
+            raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {_shown(value)}")
+        if parsed.denominator != 1:
+            raise RequestError(SOURCE, field, f"must be a whole number, got {_shown(value)}")
+        number = int(parsed)
+    if abs(number) > QUANTITY_MAX:
+        raise RequestError(
+            SOURCE, field, f"is out of range (Kubernetes quantities fit in 64 bits), got {_shown(value)}"
+        )
+    return number
 
 
 @lru_cache(maxsize=4096)
 def _quantity(text: str) -> Fraction | None:
-    """The exact value of a quantity's text, or None when it is not one (cached: pods repeat them)."""
+    """The exact value of a quantity's text, or None when it is not one (cached: pods repeat them).
+
+    OverflowError for a power of ten past any int64 (the value is then not computed).
+    """
     m = _QUANTITY.match(text)
     if m is None:
         return None
     number = Fraction(m.group(1))
     if m.group(2):
-        number *= Fraction(10) ** int(m.group(2)[1:])
+        exponent = int(m.group(2)[1:])
+        if not number:
+            return number
+        # The mantissa (at most 64 characters) lies within 10**-64..10**64, so past 10**100 the
+        # value is out of any int64's range, and below 10**-100 it is a fraction: either way no
+        # need to compute it.
+        if exponent > _EXPONENT_MAX:
+            raise OverflowError(text)
+        number *= Fraction(10) ** max(exponent, -_EXPONENT_MAX)
     else:
         number *= _SUFFIX[m.group(3) or ""]
     return number
@@ -173,13 +216,25 @@ class PodRequest:
 
 
 def asks_for_vgpu(pod: Mapping[str, Any]) -> bool:
-    """True when any container names one of our resources (cheap; no validation)."""
-    spec = pod.get("spec") or {}
+    """True when any container names one of our resources (cheap; no validation).
+
+    The webhook asks this of every pod before anything checked its shape, so a part of the wrong
+    type is passed over here, never an exception (parse_pod names it where it is called).
+    """
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        return False
     for key in ("initContainers", "containers"):
-        for c in spec.get(key) or []:
-            res = (c or {}).get("resources") or {}
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for c in containers:
+            res = c.get("resources") if isinstance(c, dict) else None
+            if not isinstance(res, dict):
+                continue
             for part in ("limits", "requests"):
-                if any(r in (res.get(part) or {}) for r in RESOURCES):
+                values = res.get(part)
+                if isinstance(values, dict) and any(r in values for r in RESOURCES):
                     return True
     return False
 
@@ -283,6 +338,8 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
                 raise RequestError(SOURCE, path, "must be an object")
             containers.append(parse_container(c, path, config, init=init))
     meta = pod.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise RequestError(SOURCE, "metadata", "must be an object")
     annos = meta.get("annotations") or {}
     if not isinstance(annos, dict):
         raise RequestError(SOURCE, "metadata.annotations", "must be an object")

@@ -2,6 +2,7 @@
  * CUDA_DEVICE_MEMORY_SHARED_CACHE, NVIDIA_VISIBLE_DEVICES, CUDA_TASK_PRIORITY, CUDA_OVERSUBSCRIBE;
  * plus CUDA_DEVICE_MEMORY_BUDGET[_i], CUDA_SM_POLICY and VGPU_CONTEXT_RESERVE. */
 #include <ctype.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,7 +12,9 @@
 int vgpu_parse_size(const char *text, uint64_t *out) {
     char *end = NULL;
     if (!text || !isdigit((unsigned char)*text)) return -1;
+    errno = 0;
     unsigned long long v = strtoull(text, &end, 10);
+    if (errno == ERANGE) return -1; /* past 2^64: refused, never read as the largest size */
     uint64_t scale = 1;
     switch (*end) {
     case 'k': case 'K': scale = 1ULL << 10; end++; break;
@@ -21,6 +24,7 @@ int vgpu_parse_size(const char *text, uint64_t *out) {
     }
     if (*end == 'i' || *end == 'b' || *end == 'B') end++; /* tolerate 4Gi, 4gb */
     if (*end != '\0') return -1;
+    if (v > UINT64_MAX / scale) return -1; /* would wrap around to a small limit, or to 0: no limit */
     *out = (uint64_t)v * scale;
     return 0;
 }

@@ -96,6 +96,20 @@ def test_a_limit_that_is_not_a_size_is_named_in_the_log_and_nothing_is_handed_ou
     assert r.int("chunks") == 0 and r.int("refused") == OUT_OF_MEMORY
 
 
+def test_a_limit_past_64_bits_is_refused_rather_than_wrapped_to_no_limit(built: Built) -> None:
+    """2^34 GiB is 2^64 bytes: multiplied out unchecked it wrapped to 0, no limit (fuzz: config_env)."""
+    r = run(
+        built,
+        "t_alloc",
+        "procaddr",
+        "alloc",
+        "256",
+        environ=env(built, CUDA_DEVICE_MEMORY_LIMIT="17179869184g"),
+    )
+    assert "CUDA_DEVICE_MEMORY_LIMIT='17179869184g' is not a size" in r.stderr
+    assert r.int("chunks") == 0 and r.int("refused") == OUT_OF_MEMORY
+
+
 def test_each_process_is_charged_its_context_footprint_once_per_device(built: Built) -> None:
     environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", VGPU_CONTEXT_RESERVE="256m")
     r = run(built, "t_alloc", "procaddr", "alloc", "256", environ=environ)

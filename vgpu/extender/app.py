@@ -72,6 +72,8 @@ def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
     for part in ("metadata", "spec"):
         if not isinstance(pod.get(part), dict):
             raise BadRequest(f"ExtenderArgs.Pod.{part} is missing or not an object")
+    if not isinstance(pod["metadata"].get("uid", ""), str):  # the key of filter's hold until bind
+        raise BadRequest("ExtenderArgs.Pod.metadata.uid must be a string")
     names = _field(body, "NodeNames")
     nodes = _field(body, "Nodes")
     if names is not None:
@@ -83,7 +85,10 @@ def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
     if nodes is not None:
         items = nodes.get("items") if isinstance(nodes, dict) else None
         if not isinstance(items, list) or not all(
-            isinstance(n, dict) and isinstance((n.get("metadata") or {}).get("name"), str) for n in items
+            isinstance(n, dict)
+            and isinstance(n.get("metadata"), dict)
+            and isinstance(n["metadata"].get("name"), str)
+            for n in items
         ):
             raise BadRequest("ExtenderArgs.Nodes must be a NodeList whose items have metadata.name")
         return pod, [n["metadata"]["name"] for n in items], items

@@ -107,7 +107,6 @@ def parse_head(head: bytes) -> tuple[str, str, dict[str, str], int] | None:
         environ[key] = text
     if length is None or length > FAST_BODY_MAX:
         return None
-    environ["CONTENT_LENGTH"] = str(length)
     return method.decode("ascii"), target.decode("ascii"), environ, length
 
 

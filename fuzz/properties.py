@@ -1,0 +1,229 @@
+"""What must hold for any input to each parser: one ``check_*`` function per fuzz harness.
+
+Each takes the raw bytes a fuzzer made and returns normally when the parser behaved: it gave a
+valid object, or refused the input with its declared error (``AnnotationError``,
+``RequestError``, ``RegionError``, a 400 answer...). Any other exception, or a failed
+``assert``, is a bug. The atheris runner (``fuzz/run_atheris.py``) fuzzes these functions and
+``tests/unit/test_fuzz_regressions.py`` replays every input saved under
+``fuzz/regressions/<harness>/`` through the same function, so a crash found once stays fixed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vgpu import annotations as ann
+from vgpu import region
+from vgpu.config import SchedulerConfig
+from vgpu.errors import AnnotationError, RequestError
+from vgpu.extender import worker
+from vgpu.extender.app import _dumps, create_app
+from vgpu.extender.state import SchedulerState
+from vgpu.requests import asks_for_vgpu, parse_pod
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = SchedulerConfig()
+# Everything the harnesses reach is imported here, at the top: fuzz/run_atheris.py instruments for
+# coverage only the modules imported while it imports this one.
+if str(ROOT / "tests" / "unit") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+from test_worker_parser import gunicorn_reads  # noqa: E402 - the one comparison helper, shared with that test
+
+
+def _json(data: bytes) -> Any:
+    """The JSON document in ``data``, or None when it is none (then the harness has nothing to try)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # the stdlib decoder's own limits, not our parser's
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu/annotations.py: contracts 2 and 3
+
+
+def check_devices_annotation(data: bytes) -> None:
+    """decode_devices: an inventory that re-encodes to itself, or AnnotationError."""
+    for text in (data, data.decode("utf-8", "replace")):
+        try:
+            inventory = ann.decode_devices(text)
+        except AnnotationError:
+            continue
+        assert ann.decode_devices(ann.encode_devices(inventory)) == inventory
+        for d in inventory.devices:
+            assert d.uuid and d.index >= 0 and d.memory_mib >= 0 and d.split >= 1 and d.numa >= -1
+
+
+def check_allocation_annotation(data: bytes) -> None:
+    """decode_allocation: an allocation that re-encodes to itself, or AnnotationError."""
+    for text in (data, data.decode("utf-8", "replace")):
+        try:
+            allocation = ann.decode_allocation(text)
+        except AnnotationError:
+            continue
+        assert ann.decode_allocation(ann.encode_allocation(allocation)) == allocation
+        assert allocation.node
+        for c in allocation.containers:
+            assert c.name and all(d.uuid and d.memory_mib >= 0 and d.cores >= 0 for d in c.devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu/requests.py: contract 1
+
+
+def check_pod_request(data: bytes) -> None:
+    """parse_pod over any pod object: a request within contract 1's bounds, or RequestError.
+
+    asks_for_vgpu runs on every pod the webhook sees, before any validation: it must not raise.
+    """
+    pod = _json(data)
+    if not isinstance(pod, dict):
+        return  # the extender and the webhook refuse a pod that is not an object before this
+    wants = asks_for_vgpu(pod)
+    try:
+        request = parse_pod(pod, CONFIG)
+    except RequestError as err:
+        assert err.field, f"a RequestError must name the field: {err}"
+        return
+    for c in request.containers:
+        assert c.name and c.count >= 0 and 0 <= c.cores <= 100 and c.priority in (0, 1)
+        if c.count:
+            assert (c.memory_mib is None) != (c.memory_percent is None)
+            assert c.memory_mib is None or c.memory_mib >= 1
+            assert c.memory_percent is None or 1 <= c.memory_percent <= 100
+    assert not request.wants_vgpu or wants, "parse_pod found vGPUs asks_for_vgpu did not see"
+    request.phases()
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu/extender/app.py and webhook.py: the verbs' and the webhook's request bodies
+
+_INVENTORY = ann.encode_devices(
+    ann.NodeInventory(
+        devices=tuple(
+            ann.Device(
+                uuid=f"GPU-fuzz-{i}", index=i, model="NVIDIA H200", memory_mib=143771, cores=100, split=10
+            )
+            for i in range(2)
+        )
+    )
+)
+VERBS = ("/filter", "/prioritize", "/bind", "/webhook/mutate", "/webhook/validate")
+_routes: dict[str, Callable[[bytes], tuple[int, Any]]] | None = None
+
+
+class _Kube:
+    """The API server as bind sees it: no pod is found, every binding succeeds."""
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None
+
+    def bind_pod(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Any = None
+    ) -> None:  # pragma: no cover - trivial
+        return None
+
+
+def _verb_routes() -> dict[str, Callable[[bytes], tuple[int, Any]]]:
+    """The app's verb handlers (body bytes -> status, answer) over a ready state with two GPU nodes."""
+    global _routes
+    if _routes is None:
+        state = SchedulerState(CONFIG, kube=_Kube())
+        for name in ("node-a", "node-b"):
+            state.apply_node(
+                {"metadata": {"name": name, "annotations": {ann.DEVICES_ANNOTATION: _INVENTORY}}}
+            )
+            state.lease_expiry[name] = float("inf")
+        state.synced.set()
+        state.leader.set()
+        app = create_app(CONFIG, state)
+        _routes = app.wsgi_app.routes  # type: ignore[attr-defined]
+    return _routes
+
+
+def check_extender_body(data: bytes) -> None:
+    """Each verb's handler: an answer (200, 400 or 503) that serialises, never an exception.
+
+    The first byte picks the verb, the rest is the body as the handler gets it off the wire.
+    """
+    if not data:
+        return
+    path = VERBS[data[0] % len(VERBS)]
+    status, answer = _verb_routes()[path](data[1:])
+    assert status in (200, 400, 503), f"{path} answered {status}"
+    _dumps(answer)
+    if status == 400:
+        assert isinstance(answer, dict) and answer.get("Error"), f"{path}: a 400 must say why"
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu/extender/worker.py: the short HTTP/1.1 parser
+
+
+def check_worker_head(data: bytes) -> None:
+    """parse_head: None (gunicorn's parser reads it) or what gunicorn's parser reads alike."""
+    head = data.split(b"\r\n\r\n", 1)[0]  # the worker hands it everything before the blank line
+    ours = worker.parse_head(head)
+    if ours is None:
+        return
+    method, target, environ, length = ours
+    theirs = gunicorn_reads(head, length)
+    assert theirs is not None, "the short parser accepted a head gunicorn refuses"
+    ours_read = {"method": method, "target": target, "environ": environ, "length": length}
+    assert theirs == ours_read, f"the short parser read {ours_read}, gunicorn's parser {theirs}"
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu/region.py: the node monitor's reader of a container's region file
+
+_region_dir: str | None = None
+
+
+def check_region_file(data: bytes) -> None:
+    """Region(path) on a file of these bytes, both modes: a region that reads, or RegionError.
+
+    The first byte is a switch: even, the rest is the file as is (short files are refused early);
+    odd, the rest is padded with zeros to a whole region, so the header checks and the snapshot
+    decoder see every field.
+    """
+    global _region_dir
+    if not data:
+        return
+    body = data[1:]
+    if data[0] % 2:
+        body = body[: region.REGION_SIZE].ljust(region.REGION_SIZE, b"\0")
+    if _region_dir is None:
+        _region_dir = tempfile.mkdtemp(prefix="vgpu-fuzz-region-")
+        atexit.register(shutil.rmtree, _region_dir, True)  # (fuzz/run.sh also cleans its TMPDIR)
+    path = os.path.join(_region_dir, "region")
+    Path(path).write_bytes(body)
+    for mapped in (False, True):
+        try:
+            with region.Region(path, mapped=mapped) as r:
+                header = r.read_header()
+                snap = r.snapshot(attempts=1)
+        except region.RegionError:
+            continue
+        assert len(snap.devices) == header.num_devices <= region.MAX_DEVICES
+        assert all(len(p.used_bytes) == len(snap.devices) for p in snap.processes)
+        assert len(snap.processes) <= region.MAX_PROCS
+        for d in snap.devices:
+            assert d.uuid == header.uuid(d.index)
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "devices_annotation": check_devices_annotation,
+    "allocation_annotation": check_allocation_annotation,
+    "pod_request": check_pod_request,
+    "extender_body": check_extender_body,
+    "worker_head": check_worker_head,
+    "region_file": check_region_file,
+}
