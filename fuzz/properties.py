@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu import annotations as ann
+from vgpu import grant as grants
 from vgpu import region
 from vgpu.config import SchedulerConfig
 from vgpu.errors import AnnotationError, RequestError
@@ -219,6 +220,29 @@ def check_region_file(data: bytes) -> None:
             assert d.uuid == header.uuid(d.index)
 
 
+# vgpu/grant.py: a container's grant as the monitor, the arbiter and `vgpu limits` read it
+
+
+def check_grant_file(data: bytes) -> None:
+    """decode() of any bytes: a Grant that encodes back to a file decoding to the same grant, or
+    GrantError. The first byte is a switch: odd, the rest gets a correct checksum (so the checks
+    past the checksum see fuzzed fields too); even, the bytes as they are."""
+    if not data:
+        return
+    body = bytearray(data[1:])
+    if data[0] % 2 and len(body) >= grants.GRANT_SIZE:
+        checksum = region.fnv1a64(bytes(body[region.GRANT_PAYLOAD : grants.GRANT_SIZE]))
+        body[region.GRANT_LAYOUT.offsets["checksum"] : region.GRANT_LAYOUT.offsets["checksum"] + 8] = (
+            checksum.to_bytes(8, "little")
+        )
+    try:
+        got = grants.decode(bytes(body))
+    except grants.GrantError:
+        return
+    assert 1 <= len(got.uuids) <= region.MAX_DEVICES
+    assert grants.decode(grants.encode(got, got.seq)) == got
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "devices_annotation": check_devices_annotation,
     "allocation_annotation": check_allocation_annotation,
@@ -226,4 +250,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "extender_body": check_extender_body,
     "worker_head": check_worker_head,
     "region_file": check_region_file,
+    "grant_file": check_grant_file,
 }

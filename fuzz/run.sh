@@ -20,6 +20,8 @@ HARNESSES=(
   region_file:py:
   config_env:fuzz_config:
   region_hook:fuzz_region:
+  grant_file:py:
+  grant_hook:fuzz_grant:
 )
 
 missing=()

@@ -101,6 +101,8 @@ class Grant:
             raise GrantError("limits and budgets must be bytes >= 0")
         if self.priority not in (0, 1) or self.sm_policy not in (0, 1):
             raise GrantError(f"priority {self.priority} / sm_policy {self.sm_policy} must be 0 or 1")
+        if not all(t.isascii() and t.isprintable() for t in (*self.uuids, self.region_path)):
+            raise GrantError("device UUIDs and region_path must be printable ASCII")
         if any(len(u.encode()) >= UUID_BYTES for u in self.uuids):
             raise GrantError(f"a device UUID is {UUID_BYTES} bytes or longer")
         if len(self.region_path.encode()) >= PATH_BYTES:
@@ -161,7 +163,10 @@ def _word(data: bytes, name: str, index: int = 0) -> int:
 
 
 def _cstr(data: bytes, start: int, width: int) -> str:
-    return data[start : start + width].split(b"\0", 1)[0].decode("ascii", "replace")
+    raw = data[start : start + width].split(b"\0", 1)[0]
+    if not raw.isascii() or not raw.decode("ascii").isprintable():
+        raise GrantError(f"a name at byte {start} holds bytes that are not printable ASCII")
+    return raw.decode("ascii")
 
 
 def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:

@@ -344,6 +344,8 @@ static void attach(void) {
     }
     R.h = map;
     R.path = cfg.region_path && map != NULL ? cfg.region_path : "(private)";
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++) /* a UUID string found in the file ends inside its field */
+        R.h->uuid[i][VGPU_UUID_BYTES - 1] = '\0';
     vgpu_region_mirror(1); /* a region found with other limits than the grant's was changed on disk */
     R.slots = (struct vgpu_region_slot *)((char *)map + sizeof(struct vgpu_region_header));
     pthread_atfork(NULL, NULL, child_after_fork);

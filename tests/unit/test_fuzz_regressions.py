@@ -29,6 +29,7 @@ NATIVE = {  # the harness, then the hook's files it links (as fuzz/native/Makefi
     "config_env": ["fuzz_config.c", "config.c", "log.c"],
     "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c"]
     + (["grant.c"] if (HOOK / "grant.c").exists() else []),  # region.c calls it where the hook has one
+    "grant_hook": ["fuzz_grant.c", "region.c", "config.c", "log.c", "track.c"],  # grant.c #included
 }
 
 

@@ -21,7 +21,7 @@ from vgpu.grant import (
     update_grant,
     write_grant,
 )
-from vgpu.region import GRANT_LAYOUT, GRANT_PAYLOAD, LimitError, Region, format_region
+from vgpu.region import GRANT_LAYOUT, GRANT_PAYLOAD, LimitError, Region, fnv1a64, format_region
 
 GIB = 1 << 30
 
@@ -175,3 +175,16 @@ def test_the_snapshot_shows_the_granted_limits_and_where_the_region_differs(tmp_
     granted, differ = as_granted(snap, read_grant(grant))
     assert granted.devices[0].limit_bytes == GIB
     assert differ == [f"device 0 memory limit {64 * GIB} in the region, {GIB} granted"]
+
+
+def test_a_grant_whose_names_are_not_printable_ascii_is_refused(tmp_path: Path) -> None:
+    data = bytearray(encode(Grant(("GPU-a",), (GIB,), region_path="/r")))
+    data[GRANT_LAYOUT.offsets["region_path"] + 1] = 0xE9  # a byte that would not read back the same
+    at = GRANT_LAYOUT.offsets["checksum"]
+    data[at : at + 8] = fnv1a64(bytes(data[GRANT_PAYLOAD:])).to_bytes(8, "little")
+    path = tmp_path / "g.limits"
+    path.write_bytes(bytes(data))
+    with pytest.raises(GrantError, match="not printable ASCII"):
+        read_grant(path)
+    with pytest.raises(GrantError, match="printable ASCII"):
+        Grant(("GPU-\u00e9",), (GIB,))
