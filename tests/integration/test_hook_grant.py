@@ -137,6 +137,25 @@ def test_a_live_resize_through_the_grant_reaches_new_and_running_processes_untol
         assert TAMPERED not in r2.stderr
 
 
+def test_a_live_resize_reaches_a_process_that_is_already_allocating(
+    built: Built, container: tuple[Path, Path]
+) -> None:
+    grant, region = container
+    proc = subprocess.Popen(
+        [built.prog("t_alloc"), "link", "alloc", "256"],
+        env=granted_env(built, grant, T_ALLOC_PAUSE="1"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline(), proc.stdout.readline()]
+    assert "paused=1\n" in lines, lines
+    apply_limits(region, 0, memory_bytes=2 << 30)  # 1 GiB granted at its start, 2 GiB from now on
+    out, err = proc.communicate("go\n", timeout=60)
+    values, _ = parse("".join(lines) + out)
+    assert int(values["chunks"]) == 8, (values, err)
+    assert TAMPERED not in err
+
+
 def test_a_damaged_grant_refuses_every_allocation_and_names_the_file(
     built: Built, container: tuple[Path, Path]
 ) -> None:
