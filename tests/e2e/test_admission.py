@@ -14,7 +14,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import yaml
 
 from vgpu.sandbox.cluster import Sandbox
 from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.sandbox.procs import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -165,12 +165,7 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
         wait_for(ready, 90, "the strict extender's /readyz")
         yield url, base64.b64encode(ca.pem).decode()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
         log.close()
 
 

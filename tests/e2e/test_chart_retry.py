@@ -18,7 +18,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import yaml
 from vgpu import annotations as ann
 from vgpu.kube import now_micro
 from vgpu.sandbox.cluster import Sandbox
+from vgpu.sandbox.procs import stop_group
 
 pytestmark = pytest.mark.e2e
 
@@ -71,13 +71,7 @@ def running(
         try:
             yield proc
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop_group(proc)
 
 
 class Rendered:

@@ -31,6 +31,7 @@ from vgpu.kube import now_micro
 from vgpu.sandbox import controlplane
 from vgpu.sandbox.cluster import Sandbox
 from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.sandbox.procs import stop_group
 
 pytestmark = pytest.mark.e2e
 
@@ -132,13 +133,8 @@ class OwnScheduler:
 
     def stop(self) -> None:
         for proc in (self.scheduler, self.extender):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            if proc is not None:
+                stop_group(proc, grace=20)
 
 
 @pytest.fixture(scope="module")

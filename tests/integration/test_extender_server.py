@@ -8,7 +8,6 @@ Scheduling against a real control plane is in tests/e2e.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 import requests
 
 from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.sandbox.procs import stop_group
 
 
 def free_port() -> int:
@@ -81,12 +81,7 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             pytest.fail(f"extender did not come up:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     yield running
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_group(proc, grace=20)
 
 
 def post(ext: Running, route: str, data: bytes) -> requests.Response:

@@ -15,7 +15,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,11 +101,9 @@ def test_limits_written_into_the_region_are_put_back_logged_and_do_not_hold(
             assert (r.word("limit", 0), r.word("sm_limit", 0)) == (1 << 30, 30)
 
 
-def test_a_running_process_catches_a_limit_changed_under_it_at_its_next_allocation(
-    built: Built, container: tuple[Path, Path]
-) -> None:
-    grant, region = container
-    # attached and one chunk in before the region is touched: only the allocation path can see it
+def alloc_with_a_pause(built: Built, grant: Path, meanwhile: Callable[[], object]) -> tuple[int, str]:
+    """t_alloc attached and one 256 MiB chunk in, then ``meanwhile()``, then on until refused:
+    (chunks, the hook's log)."""
     proc = subprocess.Popen(
         [built.prog("t_alloc"), "link", "alloc", "256"],
         env=granted_env(built, grant, T_ALLOC_PAUSE="1"),
@@ -114,11 +112,23 @@ def test_a_running_process_catches_a_limit_changed_under_it_at_its_next_allocati
     assert proc.stdout is not None
     lines = [proc.stdout.readline(), proc.stdout.readline()]
     assert "paused=1\n" in lines, lines
-    with Region(region, writable=True) as r:
-        r.set_limit(0, 0)  # 0: no limit at all
+    meanwhile()
     out, err = proc.communicate("go\n", timeout=60)
     values, _ = parse("".join(lines) + out)
-    assert int(values["chunks"]) == 4 and TAMPERED in err, (values, err)
+    return int(values["chunks"]), err
+
+
+def test_a_running_process_catches_a_limit_changed_under_it_at_its_next_allocation(
+    built: Built, container: tuple[Path, Path]
+) -> None:
+    grant, region = container
+
+    def raise_the_regions_copy() -> None:  # only the allocation path can see this: it attached before
+        with Region(region, writable=True) as r:
+            r.set_limit(0, 0)  # 0: no limit at all
+
+    chunks, err = alloc_with_a_pause(built, grant, raise_the_regions_copy)
+    assert chunks == 4 and TAMPERED in err, err
 
 
 def test_a_live_resize_through_the_grant_reaches_new_and_running_processes_untold(
@@ -141,18 +151,9 @@ def test_a_live_resize_reaches_a_process_that_is_already_allocating(
     built: Built, container: tuple[Path, Path]
 ) -> None:
     grant, region = container
-    proc = subprocess.Popen(
-        [built.prog("t_alloc"), "link", "alloc", "256"],
-        env=granted_env(built, grant, T_ALLOC_PAUSE="1"),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    lines = [proc.stdout.readline(), proc.stdout.readline()]
-    assert "paused=1\n" in lines, lines
-    apply_limits(region, 0, memory_bytes=2 << 30)  # 1 GiB granted at its start, 2 GiB from now on
-    out, err = proc.communicate("go\n", timeout=60)
-    values, _ = parse("".join(lines) + out)
-    assert int(values["chunks"]) == 8, (values, err)
+    # 1 GiB granted when it started, 2 GiB from the resize on
+    chunks, err = alloc_with_a_pause(built, grant, lambda: apply_limits(region, 0, memory_bytes=2 << 30))
+    assert chunks == 8, err
     assert TAMPERED not in err
 
 

@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from vgpu.sandbox.errors import SandboxError
 
@@ -114,6 +115,18 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def stop_group(proc: subprocess.Popen[Any], grace: float = 30.0) -> None:
+    """Stop a child started in its own session: SIGTERM to its group, ``grace`` seconds, SIGKILL."""
+    if proc.poll() is not None:
+        return
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def stop_all(pids: Iterable[int], state_dir: Path, grace: float = 5.0) -> None:
