@@ -14,7 +14,6 @@ import base64
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
+from chart_local import local_extender_flags
 
 from vgpu.sandbox.cluster import Sandbox
 from vgpu.sandbox.pki import CertificateAuthority
@@ -38,12 +38,6 @@ pytestmark = pytest.mark.e2e
 
 STRICT_NS = "vgpu-admission-strict"
 STRICT_LABEL = "vgpu-admission-e2e/strict"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def big_pod(name: str, namespace: str) -> dict[str, Any]:
@@ -135,14 +129,7 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
     assert "--reject-unsatisfiable=true" in command
     ca = CertificateAuthority(folder / "pki")
     pair = ca.issue("extender", ["127.0.0.1"])
-    port = _free_port()
-    local = {  # what the pod's network, Secret mounts and token give it, made local
-        "--listen": f"127.0.0.1:{port}",
-        "--metrics-listen": f"127.0.0.1:{_free_port()}",
-        "--cert-file": str(pair.cert),
-        "--key-file": str(pair.key),
-    }
-    flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in command[2:])]
+    port, flags = local_extender_flags(command, pair.cert, pair.key)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     log = (folder / "extender.log").open("wb")
     proc = subprocess.Popen(

@@ -9,7 +9,6 @@ import base64
 import contextlib
 import json
 import shutil
-import socket
 import ssl
 import stat
 import subprocess
@@ -24,9 +23,11 @@ from typing import Any
 
 import pytest
 import yaml
+from chart_local import local_extender_flags
 
 from vgpu.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 from vgpu.sandbox.cluster import Sandbox
+from vgpu.sandbox.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -217,13 +218,6 @@ def _kubeconfig_as(sandbox: Sandbox, token: str, path: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _build_hook(work: Path) -> Path:
     """libvgpu.so built here with the Makefile target the device plugin image uses."""
     shutil.copytree(ROOT_HOOK, work, ignore=shutil.ignore_patterns("build"))
@@ -329,7 +323,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         command = next(c for c in daemonset["containers"] if c["name"] == "device-plugin")["command"]
         local = {
             "--config": str(node_config),
-            "--monitor-listen": f"127.0.0.1:{_free_port()}",
+            "--monitor-listen": f"127.0.0.1:{free_port()}",
             "--hook-library": str(library),
         }
         flags = [
@@ -354,14 +348,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
             (tmp_path / name).write_bytes(base64.b64decode(tls[name]))
         deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)["spec"]["template"]["spec"]
         command = next(c for c in deploy["containers"] if c["name"] == "extender")["command"]
-        port = _free_port()
-        local = {
-            "--listen": f"127.0.0.1:{port}",
-            "--metrics-listen": f"127.0.0.1:{_free_port()}",
-            "--cert-file": str(tmp_path / "tls.crt"),
-            "--key-file": str(tmp_path / "tls.key"),
-        }
-        flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in command[2:])]
+        port, flags = local_extender_flags(command, tmp_path / "tls.crt", tmp_path / "tls.key")
         extender = ["extender", f"--kubeconfig={extender_kubeconfig}", *flags]
         ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))  # the release's CA
 

@@ -18,7 +18,6 @@ import base64
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from chart_local import local_extender_flags
 
 from vgpu import annotations as ann
 from vgpu.kube import now_micro
@@ -47,12 +47,6 @@ TAINT = "vgpu.openaios.io/retry-e2e"
 CARD_MIB = 10000
 POD_MIB = 6000  # two never fit one card together
 BOUND_WITHIN_S = 15.0  # the acceptance: bound within 15 s of the room freeing
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -152,15 +146,7 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
     # the extender, on the chart's command line, with the release's certificate
     for name, data in chart.tls.items():
         (tmp_path / name).write_bytes(data)
-    port = _free_port()
-    local = {
-        "--listen": f"127.0.0.1:{port}",
-        "--metrics-listen": f"127.0.0.1:{_free_port()}",
-        "--cert-file": str(tmp_path / "tls.crt"),
-        "--key-file": str(tmp_path / "tls.key"),
-    }
-    assert chart.extender[:2] == ["vgpu", "extender"]
-    flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in chart.extender[2:])]
+    port, flags = local_extender_flags(chart.extender, tmp_path / "tls.crt", tmp_path / "tls.key")
     extender = [sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags]
 
     # kube-scheduler: the chart's config, reaching the extender on 127.0.0.1 under the Service's name

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from vgpu.kube import now_micro
 from vgpu.sandbox import controlplane
 from vgpu.sandbox.cluster import Sandbox
 from vgpu.sandbox.pki import CertificateAuthority
-from vgpu.sandbox.procs import stop_group
+from vgpu.sandbox.procs import free_port, stop_group
 
 pytestmark = pytest.mark.e2e
 
@@ -48,12 +47,6 @@ MANAGED = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class OwnScheduler:
     """An extender and a kube-scheduler for ``vgpu-e2e``, started and stopped by the tests."""
 
@@ -63,7 +56,7 @@ class OwnScheduler:
         ca = CertificateAuthority(folder / "pki")
         self.ca_path = ca.cert_path
         pair = ca.issue("extender", ["127.0.0.1"])
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.argv = [
             sys.executable, "-m", "vgpu.cli", "extender",
