@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup venv tools native fuzz-tools test unit e2e gpu-test lint proto demo bench images fuzz clean
+.PHONY: setup venv tools native fuzz-tools node-tools test unit e2e gpu-test lint proto demo bench images fuzz clean
 
-setup: venv tools native fuzz-tools ## everything the tests, fuzzing and the demo need; rebuilds only what is missing
+setup: venv tools native fuzz-tools node-tools images ## everything the tests, fuzzing and the demo need; rebuilds only what is missing
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ tools: ## kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, KWOK
 
 native: ## libvgpu.so and the stub driver libraries
 	@if [ -f native/hook/Makefile ]; then $(MAKE) -C native/hook; fi
+
+node-tools: ## the real node's containerd, runc, CNI plugins (Debian), kubelet, crictl, nvidia-ctk (as root)
+	@bash tools/node-setup.sh
 
 fuzz-tools: ## clang with libFuzzer for the native harnesses (apt-get, as root, where missing)
 	@bash fuzz/install-tools.sh

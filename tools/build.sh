@@ -2,7 +2,7 @@
 # Builds the sandbox's binaries from the Go module proxy (and etcd from Debian's
 # package) into a cache keyed by version. Builds only what is missing.
 #
-#   tools/build.sh [kube|kwok|helm|etcd]...   (default: all)
+#   tools/build.sh [kube|kubelet|crictl|nvidia-ctk|kwok|helm|etcd]...   (default: etcd kwok helm kube)
 #
 # VGPU_BIN_DIR picks the cache (default: <repo>/.cache/bin). Each piece lands in
 # $VGPU_BIN_DIR/<piece>-<version>/ and is linked from $VGPU_BIN_DIR/current/.
@@ -54,6 +54,30 @@ build_kube() {
   for p in kube-apiserver kube-controller-manager kube-scheduler kubectl; do ln -s kube "$out/$p"; done
 }
 
+# The kubelet of the sandbox's real node (`vgpu sandbox up --real-node`), at the control plane's
+# pin; its own module (tools/kubelet) so its dependencies never move the control plane's.
+build_kubelet() {
+  local out=$1 v=$2 minor=${2#v1.}; minor=${minor%%.*}
+  local date; date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  local ld="-s -w" pkg
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+  done
+  (cd "$here/kubelet" && go build -trimpath -pgo=off -ldflags "$ld" -o "$out/kubelet" .)
+}
+
+# crictl, to stop and remove the real node's pod sandboxes through the CRI.
+build_crictl() {
+  (cd "$here/crictl" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$2" \
+     -o "$1/crictl" sigs.k8s.io/cri-tools/cmd/crictl)
+}
+
+# NVIDIA's nvidia-ctk, which roles/gpu_node runs on the real node. go-nvml needs cgo.
+build_nvidia_ctk() {
+  (cd "$here/nvidia-ctk" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w" -o "$1/nvidia-ctk" \
+     github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk)
+}
+
 build_kwok() {
   (cd "$here/kwok" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$2" -o "$1/kwok" sigs.k8s.io/kwok/cmd/kwok)
 }
@@ -85,10 +109,13 @@ pieces=("$@")
 for p in "${pieces[@]}"; do
   case $p in
     kube) build_once kube "$KUBE_VERSION" build_kube ;;
+    kubelet) build_once kubelet "$KUBE_VERSION" build_kubelet ;;
+    crictl) build_once crictl "$CRICTL_VERSION" build_crictl ;;
+    nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION" build_nvidia_ctk ;;
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
     helm) build_once helm "$HELM_VERSION" build_helm ;;
     etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
-    *) log "unknown piece '$p'; choose from kube kwok helm etcd"; exit 2 ;;
+    *) log "unknown piece '$p'; choose from kube kubelet crictl nvidia-ctk kwok helm etcd"; exit 2 ;;
   esac
 done
 log "binaries in $bin_dir/current"

@@ -48,6 +48,9 @@ PHASES = (PHASE_BOUND, PHASE_ALLOCATED, PHASE_FAILED)
 # written by the extender on a pod it refused for lack of room once room frees (when, RFC 3339):
 # the pod's own update makes kube-scheduler retry it (see vgpu.extender.state.NUDGE_WINDOW_S)
 ROOM_FREED_ANNOTATION = PREFIX + "room-freed"
+# On the node's Lease, renewed with it: device memory each container holds, from its region,
+# {"<pod-uid>_<container>": {"<gpu uuid>": bytes}} (vgpu status shows it).
+USAGE_ANNOTATION = PREFIX + "usage"
 
 # contract 1: what a user may write on a pod
 USE_GPUTYPE_ANNOTATION = "nvidia.com/use-gputype"

@@ -532,8 +532,17 @@ class NodeAgentClient(Kube):
         except ApiException as err:
             raise _wrap(f"mark pod {namespace}/{name} Failed", err) from err
 
-    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
-        """Create the Lease, or renew it; a concurrent writer (409) is retried with a fresh copy."""
+    def renew_lease(
+        self,
+        namespace: str,
+        name: str,
+        holder: str,
+        duration_s: int,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
+        """Create the Lease, or renew it; a concurrent writer (409) is retried with a fresh copy.
+
+        ``annotations`` are set on the Lease with each renewal (the node's usage report)."""
         for _ in range(3):
             lease = self.get_lease(namespace, name)
             now = now_micro()
@@ -544,7 +553,11 @@ class NodeAgentClient(Kube):
                         {
                             "apiVersion": "coordination.k8s.io/v1",
                             "kind": "Lease",
-                            "metadata": {"name": name, "namespace": namespace},
+                            "metadata": {
+                                "name": name,
+                                "namespace": namespace,
+                                **({"annotations": dict(annotations)} if annotations else {}),
+                            },
                             "spec": {
                                 "holderIdentity": holder,
                                 "leaseDurationSeconds": duration_s,
@@ -558,6 +571,9 @@ class NodeAgentClient(Kube):
                     continue
             spec = lease.setdefault("spec", {})
             spec.update({"holderIdentity": holder, "leaseDurationSeconds": duration_s, "renewTime": now})
+            if annotations:
+                meta = lease.setdefault("metadata", {})
+                meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
             try:
                 self.replace_lease(namespace, lease)
                 return

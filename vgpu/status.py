@@ -21,6 +21,7 @@ from vgpu.annotations import (
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
     REASON_ANNOTATION,
+    USAGE_ANNOTATION,
     decode_allocation,
     decode_devices,
     lease_name,
@@ -40,6 +41,9 @@ class Share:
     phase: str
     reason: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # device memory the container's processes hold on this card, from its region as the node's
+    # Lease last reported it; None when the node reported nothing for it
+    used_bytes: int | None = None
 
 
 @dataclass
@@ -95,13 +99,16 @@ def build_status(
     """Pure: join nodes, pods and leases into per-card shares."""
     now = now or dt.datetime.now(dt.UTC)
     by_lease = {lease["metadata"]["name"]: lease for lease in leases}
+    usage: dict[str, dict[str, Any]] = {}  # node -> the usage its Lease reports
     out: dict[str, NodeStatus] = {}
     for node in nodes:
         name = node["metadata"]["name"]
         annotations = node["metadata"].get("annotations") or {}
         if DEVICES_ANNOTATION not in annotations:
             continue  # not a vGPU node
-        status = NodeStatus(name, _lease_state(by_lease.get(lease_name(name)), now))
+        lease = by_lease.get(lease_name(name))
+        status = NodeStatus(name, _lease_state(lease, now))
+        usage[name] = _usage(lease)
         try:
             inv = decode_devices(annotations[DEVICES_ANNOTATION])
             status.cards = [
@@ -148,9 +155,21 @@ def build_status(
                     reason=reason,
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
                 )
+                used = (usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}") or {}).get(d.uuid)
+                share.used_bytes = used if isinstance(used, int) and used >= 0 else None
                 card = cards.get(d.uuid)
                 (card.shares if card else node_status.unplaced).append(share)
     return [out[n] for n in sorted(out)]
+
+
+def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:
+    """The Lease's usage report; a malformed one reads as none (status must never fail on it)."""
+    text = ((lease or {}).get("metadata", {}).get("annotations") or {}).get(USAGE_ANNOTATION)
+    try:
+        loaded = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def render_text(nodes: list[NodeStatus]) -> str:
@@ -175,6 +194,8 @@ def render_text(nodes: list[NodeStatus]) -> str:
 
 def _share_line(s: Share) -> str:
     text = f"    {s.namespace}/{s.pod} {s.container}  {s.memory_mib} MiB  {s.cores}%  {s.phase or '-'}"
+    if s.used_bytes is not None:
+        text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     if s.reason:
         text += f" ({s.reason})"
     if s.env:

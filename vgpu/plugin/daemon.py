@@ -18,7 +18,7 @@ from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, serve_metrics
+from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, region_usage, serve_metrics
 from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
@@ -55,7 +55,10 @@ class Daemon:
             else None
         )
         self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
-        self.reporter = NodeReporter(self.node, self.namespace, self.state, self.client)
+        containers_dir = self.paths.containers_dir
+        self.reporter = NodeReporter(
+            self.node, self.namespace, self.state, self.client, usage=lambda: region_usage(containers_dir)
+        )
         self.arbiter_thread = (
             Arbiter(
                 self.paths.containers_dir,

@@ -295,6 +295,28 @@ class NodeCollector(Collector):
             return
 
 
+def region_usage(containers_dir: Path) -> dict[str, dict[str, int]]:
+    """Device memory each container holds, per card: ``{"<pod-uid>_<container>": {uuid: bytes}}``.
+
+    What the node's Lease carries for ``vgpu status``; unreadable regions are left out (the
+    monitor's metrics report them)."""
+    usage: dict[str, dict[str, int]] = {}
+    try:
+        folders = sorted(containers_dir.iterdir())
+    except FileNotFoundError:
+        return usage
+    for folder in folders:
+        if not (folder / REGION_FILE_NAME).is_file():
+            continue
+        try:
+            with Region(folder / REGION_FILE_NAME, mapped=False) as region:
+                snap = region.snapshot()
+        except (RegionError, OSError):
+            continue
+        usage[folder.name] = {dev.uuid: int(dev.used_bytes) for dev in snap.devices if dev.uuid}
+    return usage
+
+
 def resize_container(
     paths: HostPaths,
     pod_uid: str,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from vgpu.annotations import DEVICES_ANNOTATION, encode_devices, lease_name
+from vgpu.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
 from vgpu.errors import KubeError
 from vgpu.plugin.devices import DeviceState
 
@@ -20,7 +21,14 @@ class NodeAPI(Protocol):
 
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None: ...
 
-    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None: ...
+    def renew_lease(
+        self,
+        namespace: str,
+        name: str,
+        holder: str,
+        duration_s: int,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None: ...
 
 
 class NodeReporter:
@@ -34,6 +42,7 @@ class NodeReporter:
         api: NodeAPI,
         lease_duration_s: int = 40,
         renew_s: float = 10.0,
+        usage: Callable[[], dict[str, dict[str, int]]] | None = None,
     ) -> None:
         self.node = node
         self.namespace = namespace
@@ -41,6 +50,7 @@ class NodeReporter:
         self.api = api
         self.lease_duration_s = lease_duration_s
         self.renew_s = renew_s
+        self.usage = usage
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._published: str | None = None
@@ -60,8 +70,21 @@ class NodeReporter:
         return current != text
 
     def renew(self) -> None:
+        """Renew the Lease, with the containers' memory use as the regions hold it now."""
+        annotations = None
+        if self.usage is not None:
+            try:
+                annotations = {
+                    USAGE_ANNOTATION: json.dumps(self.usage(), sort_keys=True, separators=(",", ":"))
+                }
+            except OSError as err:  # the state folder unreadable: renew without the report
+                log.warning("could not read the containers' usage for the Lease: %s", err)
         self.api.renew_lease(
-            self.namespace, lease_name(self.node), f"vgpu-device-plugin/{self.node}", self.lease_duration_s
+            self.namespace,
+            lease_name(self.node),
+            f"vgpu-device-plugin/{self.node}",
+            self.lease_duration_s,
+            annotations,
         )
 
     def run_once(self) -> None:

@@ -39,6 +39,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the bare control plane, without the extender and device plugins",
     )
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also run real-node-0: the kubelet, containerd and runc on this machine (root; docs/sandbox.md)",
+    )
+    restart = sub.add_parser("restart", help="restart the real node's containerd or kubelet")
+    restart.add_argument("component", choices=("containerd", "kubelet"))
     sub.add_parser("status", help="what runs, and the nodes").add_argument("--json", action="store_true")
     sub.add_parser("kubeconfig", help="print the kubeconfig's path")
     sub.add_parser("down", help="stop everything; leaves no process and no listening port")
@@ -61,9 +68,17 @@ def run(args: argparse.Namespace) -> int:
                 split=args.split,
                 apiserver_port=args.apiserver_port,
                 product=not args.control_plane_only,
+                real_node=args.real_node,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))
-            print(f"sandbox: up in {seconds:.1f}s with {spec.nodes} nodes", file=sys.stderr)
+            extra = " and the real node real-node-0" if spec.real_node else ""
+            print(f"sandbox: up in {seconds:.1f}s with {spec.nodes} nodes{extra}", file=sys.stderr)
+            if spec.real_node:
+                print(
+                    f"sandbox: prepare the node and install the chart with: "
+                    f"ansible-playbook -i {sandbox.state_dir}/inventory.yml playbooks/site.yml",
+                    file=sys.stderr,
+                )
             print(f"export KUBECONFIG={sandbox.kubeconfig}")
             return 0
         if args.action == "kubeconfig":
@@ -78,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _print_status(report)
             return 0 if report.get("healthy") else 1
+        if args.action == "restart":
+            from vgpu.sandbox import realnode
+
+            seconds = realnode.restart(sandbox, args.component)
+            print(f"sandbox: {args.component} restarted in {seconds:.1f}s")
+            return 0
         if args.action == "down":
             stopped = sandbox.down()
             print(f"sandbox: stopped {len(stopped)} processes" if stopped else "sandbox: nothing was running")

@@ -32,6 +32,8 @@ IDENTITIES: dict[str, tuple[str, str]] = {
     "kube-scheduler": ("system:kube-scheduler", ""),
     "kwok": ("kwok", "system:masters"),
     "vgpu": ("vgpu", "system:masters"),
+    # The real node's kubelet (vgpu sandbox up --real-node), bound to the system:node role.
+    "kubelet": ("system:node:real-node-0", "system:nodes"),
 }
 
 
@@ -56,6 +58,7 @@ class Spec:
     split: int = 10
     apiserver_port: int = 0
     product: bool = True
+    real_node: bool = False
 
     def validate(self) -> None:
         checks = [
@@ -183,6 +186,10 @@ class Sandbox:
             parts = product.available() if spec.product else product.Parts(False, False)
             self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
+            if spec.real_node:
+                from vgpu.sandbox import realnode
+
+                realnode.start(self, spec, progress)
             self._state.ready = True
             self._save()
         except BaseException:
@@ -222,6 +229,10 @@ class Sandbox:
             self._state.ports[name] = port
             self._save()
         return self._state.ports[name]
+
+    def adopt(self, state: State) -> None:
+        """Take over a running sandbox's recorded state, to start components into it."""
+        self._state = state
 
     def launch(
         self, name: str, argv: Sequence[str], port: int | None = None, env: dict[str, str] | None = None
@@ -302,6 +313,7 @@ class Sandbox:
         layout = self.layout
         ca = self.ca = pki.CertificateAuthority(layout.pki)
         serving = ca.issue("apiserver", ["127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"])
+        kubelet_client = ca.issue("apiserver-kubelet-client", [], client=True)
         sa_key = pki.service_account_key(layout.pki / "service-account.key")
         tokens_csv = layout.config / "tokens.csv"
         tokens_csv.touch(mode=0o600)
@@ -338,6 +350,7 @@ class Sandbox:
                 tls_cert=serving.cert,
                 tls_key=serving.key,
                 sa_key=sa_key,
+                kubelet_client=(kubelet_client.cert, kubelet_client.key) if spec.real_node else None,
             ),
             api_port,
         )
@@ -439,6 +452,12 @@ class Sandbox:
             state = None
         if state is not None:
             pids |= {c.pid for c in state.components}
+            node_pids = {c.name: c.pid for c in state.components if c.name in ("containerd", "kubelet")}
+            if state.spec.real_node:
+                from vgpu.sandbox import realnode
+
+                # Pods through the CRI first, while the API server still answers nothing new.
+                realnode.stop(self, node_pids)
         procs.stop_all(pids, self.state_dir)
         for proc in self._procs.values():
             try:

@@ -74,10 +74,32 @@ def etcd_argv(etcd: Path, layout: Layout, client_port: int, peer_port: int) -> l
 
 
 def apiserver_argv(
-    binary: Path, layout: Layout, *, port: int, etcd_port: int, tls_cert: Path, tls_key: Path, sa_key: Path
+    binary: Path,
+    layout: Layout,
+    *,
+    port: int,
+    etcd_port: int,
+    tls_cert: Path,
+    tls_key: Path,
+    sa_key: Path,
+    kubelet_client: tuple[Path, Path] | None = None,
 ) -> list[str]:
+    # To kubelets (logs, exec): a client certificate they verify, and their serving certificate
+    # verified against the sandbox's CA (the real node's kubelet has one from it).
+    to_kubelets = (
+        [
+            f"--kubelet-client-certificate={kubelet_client[0]}",
+            f"--kubelet-client-key={kubelet_client[1]}",
+            f"--kubelet-certificate-authority={layout.pki / 'ca.crt'}",
+            # Node names resolve nowhere here; the node's address does.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+        ]
+        if kubelet_client
+        else []
+    )
     return [
         str(binary),
+        *to_kubelets,
         f"--etcd-servers=http://127.0.0.1:{etcd_port}",
         "--bind-address=127.0.0.1",
         "--advertise-address=127.0.0.1",
@@ -92,6 +114,8 @@ def apiserver_argv(
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--allow-privileged=true",
+        # Pods asking for nvidia.com/gpu tolerate the taint GPU nodes carry (the real node's).
+        "--enable-admission-plugins=ExtendedResourceToleration",
         "--profiling=false",
         "--max-requests-inflight=800",
         "--max-mutating-requests-inflight=400",

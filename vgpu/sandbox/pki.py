@@ -81,8 +81,9 @@ class CertificateAuthority:
     def pem(self) -> bytes:
         return self._cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, name: str, hosts: list[str]) -> CertPair:
-        """A serving certificate for ``hosts`` (IP addresses or DNS names), written as name.crt/.key."""
+    def issue(self, name: str, hosts: list[str], client: bool = False) -> CertPair:
+        """A serving certificate for ``hosts`` (IP addresses or DNS names), written as name.crt/.key;
+        with ``client``, a client certificate for the identity ``name`` instead."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         sans: list[x509.GeneralName] = []
@@ -91,7 +92,8 @@ class CertificateAuthority:
                 sans.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:
                 sans.append(x509.DNSName(host))
-        cert = (
+        usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(self._cert.subject)
@@ -99,11 +101,12 @@ class CertificateAuthority:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + _VALIDITY)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(self._key, hashes.SHA256())
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(self._key, hashes.SHA256())
         pair = CertPair(self.folder / f"{name}.crt", self.folder / f"{name}.key")
         pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_private(pair.key, _key_pem(key))

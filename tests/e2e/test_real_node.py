@@ -1,0 +1,403 @@
+"""The path a user walks, on a real node: the upstream kubelet 1.33, containerd and runc run the
+images `make images` built; the playbook prepares the node (roles/gpu_node against the node's own
+containerd) and installs the chart, whose device-plugin DaemonSet pod registers with the real
+kubelet; a pod asking for part of a GPU is placed by the extender, the kubelet calls Allocate, and
+inside the container `libvgpu.so`, loaded through /etc/ld.so.preload, refuses the stub driver's
+memory past the grant.
+
+Needs root, containerd, runc, the CNI plugins, the kubelet and crictl built, and the images built:
+`make setup` does all of that where it can; where it cannot, every test here is skipped with the
+reason. The sandbox runs in its own folder and is taken down at the end, pods and mounts included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vgpu.sandbox import realnode
+from vgpu.sandbox.cluster import Sandbox, Spec
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+VGPU = Path(sys.executable).with_name("vgpu")
+NODE = realnode.NAME
+CARD_MIB = 8192
+SPLIT = 4
+SAMPLE = "docker.io/vgpu/sample:dev"
+NAMESPACE = "kube-system"
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def _log(message: str) -> None:
+    """Steps as they run, for the record (pytest -s shows them; -rA keeps them in the report)."""
+    print(f"[real-node {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError) as err:
+            last = err
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+class Node:
+    """The running sandbox with its real node, and what the module's tests share."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+        self.lay = realnode.layout_of(sandbox)
+        self.inventory = realnode.inventory_file(sandbox)
+        self.plays: list[subprocess.CompletedProcess[str]] = []
+
+    def play(self, playbook: str = "site.yml") -> subprocess.CompletedProcess[str]:
+        env = dict(
+            os.environ,
+            KUBECONFIG=str(self.sandbox.kubeconfig),
+            VGPU_BIN_DIR=str(self.sandbox.bin("helm").parent.parent),
+            ANSIBLE_NOCOLOR="1",
+            ANSIBLE_FORCE_COLOR="0",
+        )
+        argv = [str(ANSIBLE_PLAYBOOK), "-i", str(self.inventory), str(ROOT / "playbooks" / playbook)]
+        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        self.plays.append(result)
+        return result
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.sandbox.kubectl("get", *args, "-o", "json").stdout)
+
+    def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return self.sandbox.kubectl(*args, **kw)
+
+    def plugin_pod(self) -> dict[str, Any] | None:
+        listed = self.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=device-plugin")
+        return next((p for p in listed["items"] if p["spec"].get("nodeName") == NODE), None)
+
+    def kubelet_log(self) -> str:
+        return (self.sandbox.logs_dir / "kubelet.log").read_text(errors="replace")
+
+    def monitor_port(self) -> int:
+        state = self.sandbox.state()
+        assert state is not None
+        return state.ports["real-node-monitor"]
+
+
+def _recap(result: subprocess.CompletedProcess[str]) -> dict[str, dict[str, int]]:
+    recap = result.stdout.split("PLAY RECAP", 1)[-1]
+    return {
+        host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counts)}
+        for host, counts in re.findall(r"^(\S+)\s+:\s+(.*)$", recap, re.M)
+    }
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    reason = realnode.why_not()
+    if reason:
+        pytest.skip(f"no real node on this machine: {reason}")
+    state_dir = Path(tempfile.mkdtemp(prefix="vgpu-rn-", dir="/tmp"))
+    sandbox = Sandbox(state_dir)
+    try:
+        started = time.monotonic()
+        seconds = sandbox.up(
+            Spec(nodes=1, gpus_per_node=1, gpu_memory_mib=CARD_MIB, split=SPLIT, real_node=True),
+            progress=_log,
+        )
+        _log(f"vgpu sandbox up --real-node: {seconds:.1f}s (fixture {time.monotonic() - started:.1f}s)")
+        yield Node(sandbox)
+    finally:
+        sandbox.down()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def prepared(node: Node) -> Node:
+    """The playbook run once: the role on the real node, then the chart."""
+    started = time.monotonic()
+    first = node.play()
+    _log(f"ansible-playbook site.yml (first run): rc {first.returncode}, {time.monotonic() - started:.1f}s")
+    assert first.returncode == 0, first.stdout[-6000:] + first.stderr[-2000:]
+    return node
+
+
+def _plugin_running(node: Node) -> dict[str, Any] | None:
+    pod = node.plugin_pod()
+    if not pod:
+        return None
+    statuses = pod["status"].get("containerStatuses") or []
+    return pod if statuses and all(s.get("ready") for s in statuses) else None
+
+
+def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node(prepared: Node) -> None:
+    node = prepared
+    first = node.plays[0]
+    recap = _recap(first)
+    assert recap[NODE]["failed"] == 0 and recap[NODE]["changed"] >= 2, recap
+    config = node.lay.containerd_config.read_text()
+    # nvidia-ctk (NVIDIA's, built from Go modules) merged its runtime and kept ours.
+    assert 'runtimes.nvidia]' in config and 'BinaryName = "/usr/bin/nvidia-container-runtime"' in config
+    assert f'Root = "{node.lay.runc_root}"' in config and "restrict_oom_score_adj = true" in config
+    assert "RUNNING HANDLER [gpu_node : GPU node | Restart containerd with gpu_node_containerd_restart_command]" in (
+        first.stdout
+    )
+    assert realnode.restarts(node.sandbox)["containerd"] == 1
+    assert node.get("node", NODE)["metadata"]["labels"].get("gpu") == "on"
+    _log(f"first run: {NODE} {recap[NODE]}; containerd restarted once; label gpu=on")
+
+    again = node.play()
+    assert again.returncode == 0, again.stdout[-4000:]
+    recap2 = _recap(again)
+    assert all(counts["changed"] == 0 for counts in recap2.values()), recap2
+    assert realnode.restarts(node.sandbox)["containerd"] == 1, "containerd restarted without a change"
+    _log(f"second run: {recap2}; containerd restarts still 1")
+
+
+def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_with_the_kubelet(
+    prepared: Node,
+) -> None:
+    node = prepared
+    pod = _wait("the device-plugin pod on the real node to be ready", lambda: _plugin_running(node), 180)
+    images = realnode.built_images()
+    status = pod["status"]["containerStatuses"][0]
+    assert status["image"].endswith("vgpu/device-plugin:dev"), status
+    assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
+    # containerd ran it: the CRI reports a container, and its image is the one imported.
+    listed = realnode._crictl(node.lay, "ps", "--name", "device-plugin", "-o", "json")
+    running = json.loads(listed.stdout)["containers"]
+    assert running and running[0]["state"] == "CONTAINER_RUNNING", listed.stdout[-2000:]
+    _log(f"device-plugin pod {pod['metadata']['name']} running from {images['device-plugin']['ref']}")
+
+    def advertised() -> int:
+        return int(node.get("node", NODE)["status"]["allocatable"].get("nvidia.com/gpu", "0"))
+
+    assert _wait("the node to advertise nvidia.com/gpu", advertised, 60) == SPLIT
+    log = node.kubelet_log()
+    registered = [line for line in log.splitlines() if "registration request from device plugin" in line]
+    assert registered and "nvidia.com/gpu" in registered[-1], log[-3000:]
+    _log(f"kubelet: {registered[-1].strip()[:220]}")
+
+
+def _sample_pod(name: str, command: str, resources: dict[str, str] | None) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "cuda",
+        "image": SAMPLE,
+        "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", command],
+        # The stub driver's card (the fake NVML describes the same size to the plugin).
+        "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(CARD_MIB)}],
+    }
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "nodeSelector": {"kubernetes.io/hostname": NODE},
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+    }
+    if resources:
+        container["resources"] = {"limits": resources}
+    else:
+        # No GPU asked: nothing gives this pod the GPU node's toleration.
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+WORKLOAD = (
+    "env | grep -E '^(CUDA_|NVIDIA_|LD_PRELOAD)' | sort; "
+    "echo preload=$(cat /etc/ld.so.preload); "
+    "grep -E ' /etc/(vgpu/limits|ld.so.preload) | /usr/local/vgpu/' /proc/self/mountinfo | cut -d' ' -f5,6; "
+    "t_alloc link alloc 256; "
+    "echo holding; sleep infinity | t_hold 1024"
+)
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^(\w+)=(.*)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def workload(prepared: Node) -> Iterator[dict[str, Any]]:
+    node = prepared
+    _wait("the device-plugin pod on the real node", lambda: _plugin_running(node), 180)
+    manifest = _sample_pod(
+        "cuda-3000",
+        WORKLOAD,
+        {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"},
+    )
+    node.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+    def logs() -> str:
+        out = node.kubectl("logs", "-n", "default", "cuda-3000", check=False)
+        return out.stdout if "holding" in out.stdout and "held=" in out.stdout else ""
+
+    text = _wait("the workload to allocate and hold (kubectl logs)", logs, 180)
+    pod = node.get("pod", "-n", "default", "cuda-3000")
+    yield {"pod": pod, "logs": text}
+    node.kubectl("delete", "pod", "-n", "default", "cuda-3000", "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_a_pod_placed_by_the_extender_gets_its_limits_and_the_hook_refuses_past_them(
+    prepared: Node, workload: dict[str, Any]
+) -> None:
+    node, pod, text = prepared, workload["pod"], workload["logs"]
+    assert pod["spec"]["nodeName"] == NODE
+    assert pod["spec"]["schedulerName"] == "vgpu-scheduler"  # the webhook routed it to the extender
+    annotations = pod["metadata"]["annotations"]
+    assert annotations.get("vgpu.openaios.io/phase") == "allocated", annotations
+    fields = _fields(text)
+    # The contract's env, from the real kubelet's Allocate call.
+    assert fields.get("CUDA_DEVICE_MEMORY_LIMIT_0") == "3000m", text
+    assert fields.get("CUDA_DEVICE_SM_LIMIT_0") == "30", text
+    assert fields.get("NVIDIA_VISIBLE_DEVICES", "").startswith("GPU-"), text
+    assert "LD_PRELOAD" not in fields, "the hook must load without LD_PRELOAD"
+    # The mounts: the grant, the hook and the preload file, read-only.
+    assert fields.get("preload") == "/usr/local/vgpu/libvgpu.so", text
+    for path in ("/etc/vgpu/limits", "/etc/ld.so.preload", "/usr/local/vgpu/libvgpu.so"):
+        assert re.search(rf"^{re.escape(path)} ro[, ]", text, re.M) or f"{path} ro" in text, (path, text)
+    # The refusal: 256 MiB chunks stop under 3000 MiB with CUDA_ERROR_OUT_OF_MEMORY (2).
+    chunks, refused = int(fields["chunks"]), int(fields["refused"])
+    assert refused == 2 and 8 <= chunks <= 11, text
+    assert fields.get("held") == "0", text
+    _log(
+        f"in the container: CUDA_DEVICE_MEMORY_LIMIT_0={fields['CUDA_DEVICE_MEMORY_LIMIT_0']} "
+        f"CUDA_DEVICE_SM_LIMIT_0={fields['CUDA_DEVICE_SM_LIMIT_0']} preload={fields['preload']}; "
+        f"t_alloc: chunks={chunks} refused={refused} (256 MiB each)"
+    )
+    plugin = node.plugin_pod()
+    assert plugin is not None
+    plugin_log = node.kubectl("logs", "-n", NAMESPACE, plugin["metadata"]["name"]).stdout
+    allocate = [line for line in plugin_log.splitlines() if "cuda-3000" in line]
+    assert allocate, plugin_log[-3000:]
+    _log(f"device plugin: {allocate[-1].strip()[:240]}")
+
+    # The control: the same program in the same image without a GPU request (no Allocate, so no
+    # hook) takes the stub's whole card; the refusal above came from the hook.
+    control = _sample_pod("cuda-control", "t_alloc link alloc 256", None)
+    node.kubectl("apply", "-f", "-", input=json.dumps(control))
+    try:
+
+        def done() -> str:
+            out = node.kubectl("logs", "-n", "default", "cuda-control", check=False).stdout
+            return out if "alive=1" in out else ""
+
+        control_fields = _fields(_wait("the control pod's output", done, 120))
+        assert int(control_fields["chunks"]) == CARD_MIB // 256, control_fields
+        _log(f"control without a GPU request: chunks={control_fields['chunks']}")
+    finally:
+        node.kubectl("delete", "pod", "-n", "default", "cuda-control", "--wait=false", check=False)
+
+
+def test_vgpu_status_and_the_monitor_show_the_containers_usage(
+    prepared: Node, workload: dict[str, Any]
+) -> None:
+    node, uid = prepared, workload["pod"]["metadata"]["uid"]
+
+    def reported() -> dict[str, Any] | None:
+        out = subprocess.run(
+            [str(VGPU), "status", f"--kubeconfig={node.sandbox.kubeconfig}", "--node", NODE, "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for card in json.loads(out.stdout)[0]["cards"]:
+            for share in card["shares"]:
+                if share["pod"] == "cuda-3000" and share["used_bytes"]:
+                    return dict(share)
+        return None
+
+    share = _wait("vgpu status to report the container's usage (the Lease, renewed every 10 s)", reported, 60)
+    assert share["memory_mib"] == 3000 and share["cores"] == 30
+    assert 1024 * 2**20 <= share["used_bytes"] <= 3000 * 2**20, share
+    text = subprocess.run(
+        [str(VGPU), "status", f"--kubeconfig={node.sandbox.kubeconfig}", "--node", NODE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    line = next(x for x in text.splitlines() if "cuda-3000" in x)
+    assert "using" in line
+    _log(f"vgpu status: {line.strip()}")
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port()}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    used = [
+        m
+        for m in metrics.splitlines()
+        if m.startswith("vgpu_container_memory_used_bytes{") and f'pod_uid="{uid}"' in m
+    ]
+    assert used, metrics[-3000:]
+    assert 'pod="cuda-3000"' in used[0] and float(used[0].rsplit(" ", 1)[1]) >= 1024 * 2**20
+    _log(f"monitor /metrics: {used[0]}")
+
+
+def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_keeps_its_limits(
+    prepared: Node, workload: dict[str, Any]
+) -> None:
+    node = prepared
+    before = node.kubelet_log().count("registration request from device plugin")
+    container_id = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]["containerID"]
+    seconds = realnode.restart(node.sandbox, "kubelet")
+    _log(f"kubelet restarted in {seconds:.1f}s")
+
+    def registered_again() -> bool:
+        return node.kubelet_log().count("registration request from device plugin") > before
+
+    _wait("the device plugin to register with the new kubelet", registered_again, 90)
+    _wait(
+        "the node to advertise nvidia.com/gpu again",
+        lambda: node.get("node", NODE)["status"]["allocatable"].get("nvidia.com/gpu") == str(SPLIT),
+        90,
+    )
+    pod = node.get("pod", "-n", "default", "cuda-3000")
+    status = pod["status"]["containerStatuses"][0]
+    assert status["containerID"] == container_id and status["restartCount"] == 0, status
+    # A new process in the running container still meets the grant: 1024 MiB are held, so fewer
+    # 256 MiB chunks fit under 3000 than before.
+    out = node.kubectl("exec", "-n", "default", "cuda-3000", "--", "t_alloc", "link", "alloc", "256").stdout
+    fields = _fields(out)
+    assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, out
+    _log(f"after the restart, kubectl exec t_alloc: chunks={fields['chunks']} refused={fields['refused']}")
+
+
+def test_deleting_the_pod_frees_its_room(prepared: Node, workload: dict[str, Any]) -> None:
+    node = prepared
+    # The whole card's memory fits only once cuda-3000's 3000 MiB are back.
+    big = _sample_pod(
+        "cuda-whole-card",
+        "t_alloc link alloc 256",
+        {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(CARD_MIB)},
+    )
+    node.kubectl("apply", "-f", "-", input=json.dumps(big))
+    try:
+        time.sleep(5)
+        waiting = node.get("pod", "-n", "default", "cuda-whole-card")
+        assert not waiting["spec"].get("nodeName"), "placed while cuda-3000 still held its room"
+        node.kubectl("delete", "pod", "-n", "default", "cuda-3000", "--wait=true", timeout=120)
+
+        def ran() -> str:
+            out = node.kubectl("logs", "-n", "default", "cuda-whole-card", check=False).stdout
+            return out if "alive=1" in out else ""
+
+        fields = _fields(_wait("the whole-card pod to run once the room freed", ran, 120))
+        assert int(fields["refused"]) == 2 and int(fields["chunks"]) >= (CARD_MIB - 1024) // 256, fields
+        _log(f"after deleting cuda-3000, the whole-card pod ran: chunks={fields['chunks']}")
+    finally:
+        node.kubectl("delete", "pod", "-n", "default", "cuda-whole-card", "--wait=false", check=False)

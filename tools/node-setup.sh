@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What the sandbox's real node needs (vgpu sandbox up --real-node; tests/e2e/test_real_node.py):
+# containerd, runc and the CNI plugins from Debian's packages, and the kubelet, crictl and
+# nvidia-ctk built from Go modules (tools/build.sh). The images come from `make images`.
+#
+# A real node needs root. Elsewhere this says so and exits 0: the real-node tests then skip,
+# naming the reason. It never replaces a container runtime the machine already has: a package
+# is installed only when its program is missing (Docker's containerd.io stays as it is).
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "node-setup: not root, so no real node here (vgpu sandbox up --real-node needs root); skipped"
+  exit 0
+fi
+
+missing=()
+command -v containerd >/dev/null || missing+=(containerd)
+command -v runc >/dev/null || [ -x /usr/sbin/runc ] || missing+=(runc)
+[ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || missing+=(containernetworking-plugins)
+if [ ${#missing[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null; then
+    echo "node-setup: ${missing[*]} missing and there is no apt-get; install them with your package manager" >&2
+    exit 1
+  fi
+  echo "node-setup: installing ${missing[*]} (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
+    apt-get update -q >/dev/null &&
+      apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null || {
+      echo "node-setup: apt-get install ${missing[*]} failed" >&2
+      exit 1
+    }
+  fi
+fi
+# The Debian package starts containerd where systemd runs; the sandbox runs its own, apart.
+bash "$here/build.sh" kubelet crictl nvidia-ctk

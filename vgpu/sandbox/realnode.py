@@ -1,0 +1,682 @@
+"""The sandbox's real node: the upstream kubelet, containerd and runc on this machine.
+
+``vgpu sandbox up --real-node`` adds, beside the KWOK nodes, one node (``real-node-0``) that runs
+pods for real: containerd (Debian's package) with its own configuration, root, state and socket
+under the sandbox's folder, runc, the CNI bridge plugin on a bridge of its own, and the kubelet
+1.33 built from Go modules (``tools/build.sh kubelet``). The images it runs are the ones
+``make images`` built (``tools/images.sh``), imported into containerd's ``k8s.io`` namespace.
+
+The node has no NVIDIA driver: the chart's device plugin describes its cards with the fake NVML
+backend (``gpus.yaml`` here), and the sample workload image carries the stub driver libraries.
+
+Three host paths are fixed by Kubernetes and the product, so a machine holds one real node at a
+time: ``/var/lib/kubelet/device-plugins`` (kubelet's registration socket, whatever its
+``--root-dir``), ``/var/log/pods`` (container logs) and ``/var/lib/vgpu`` (the hook, grants and
+regions). Whatever of them the sandbox created, it removes at ``down``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from vgpu.sandbox import binaries, nodes, procs
+from vgpu.sandbox.errors import SandboxError
+
+if TYPE_CHECKING:
+    from vgpu.sandbox.cluster import Sandbox, Spec
+
+NAME = "real-node-0"
+# GPU nodes are commonly tainted so that only pods asking for GPUs land there; the API server's
+# ExtendedResourceToleration admission plugin gives every pod that asks for nvidia.com/gpu the
+# toleration, and the chart's DaemonSet tolerates it.
+TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+BRIDGE = "vgpu-sbx0"
+POD_SUBNET = "10.244.200.0/24"
+# The node's address: the bridge's gateway, made before the kubelet starts. Not 127.0.0.1 (the
+# kubelet refuses a loopback node IP) and not the machine's own address (the kubelet's port
+# stays off the machine's networks).
+NODE_IP = "10.244.200.1"
+HOST_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+HOST_PATHS = (Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/lib/vgpu"))
+SYSTEM_BINARIES = {
+    "containerd": "containerd",
+    "containerd-shim-runc-v2": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+}
+CNI_DIRS = (Path("/usr/lib/cni"), Path("/opt/cni/bin"))
+CNI_PLUGINS = ("bridge", "host-local", "loopback")
+IMAGES = ("device-plugin", "scheduler", "sample", "pause")
+COMPONENTS = ("containerd", "kubelet")
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where the real node keeps its files, under ``<sandbox>/real-node``."""
+
+    root: Path
+
+    @property
+    def containerd_config(self) -> Path:
+        return self.root / "containerd.toml"
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.root / "run" / "containerd.sock"
+
+    @property
+    def containerd_root(self) -> Path:
+        return self.root / "containerd"
+
+    @property
+    def containerd_state(self) -> Path:
+        return self.root / "run" / "containerd"
+
+    @property
+    def runc_root(self) -> Path:
+        return self.root / "run" / "runc"
+
+    @property
+    def cni_conf_dir(self) -> Path:
+        return self.root / "cni" / "net.d"
+
+    @property
+    def cni_data(self) -> Path:
+        return self.root / "cni" / "ipam"
+
+    @property
+    def kubelet_root(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def kubelet_config(self) -> Path:
+        return self.root / "kubelet-config.yaml"
+
+    @property
+    def gpus_file(self) -> Path:
+        return self.root / "gpus.yaml"
+
+    @property
+    def record(self) -> Path:
+        """What the sandbox created on the host and how often it restarted what (JSON)."""
+        return self.root / "node.json"
+
+
+def layout_of(sandbox: Sandbox) -> NodeLayout:
+    return NodeLayout(sandbox.state_dir / "real-node")
+
+
+def image_dir() -> Path:
+    env = os.environ.get("VGPU_IMAGE_DIR")
+    return Path(env) if env else binaries.repo_root() / ".cache" / "images"
+
+
+def built_images() -> dict[str, dict[str, Any]]:
+    """``images.json`` of ``make images``: name -> {ref, file, ...}; empty when none was built."""
+    try:
+        raw = json.loads((image_dir() / "images.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(v, dict) and Path(str(v.get("file", ""))).is_file()}
+
+
+def _system_binary(name: str) -> str | None:
+    return shutil.which(name) or next(
+        (str(p / name) for p in (Path("/usr/bin"), Path("/usr/sbin")) if (p / name).exists()), None
+    )
+
+
+def _cni_dir() -> Path | None:
+    return next((d for d in CNI_DIRS if all((d / p).exists() for p in CNI_PLUGINS)), None)
+
+
+def _socket_answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def why_not() -> str | None:
+    """Why a real node cannot run on this machine, naming the fix; None when it can."""
+    if os.geteuid() != 0:
+        return (
+            "a real node needs root: containerd, runc and the kubelet mount file systems and create "
+            "namespaces and cgroups (run as root, or use the KWOK nodes alone)"
+        )
+    missing = sorted({pkg for name, pkg in SYSTEM_BINARIES.items() if _system_binary(name) is None})
+    if _cni_dir() is None:
+        missing.append("containernetworking-plugins")
+    if missing:
+        return (
+            f"the container runtime is not installed (Debian packages {', '.join(missing)}); "
+            "run `make setup` as root, or `apt-get install containerd runc containernetworking-plugins`"
+        )
+    if not (Path("/sys/fs/cgroup/cgroup.controllers").exists() or Path("/sys/fs/cgroup/memory").is_dir()):
+        return "no cgroup hierarchy is mounted at /sys/fs/cgroup, so runc cannot contain processes"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        return f"this machine cannot create namespaces (unshare: {probe.stderr.strip() or probe.returncode})"
+    lacking = [n for n in ("kubelet", "crictl") if not (binaries.bin_dir() / n).exists()]
+    if lacking:
+        return f"{' and '.join(lacking)} not built: run `make setup` (tools/build.sh kubelet crictl)"
+    have = built_images()
+    absent = [n for n in IMAGES if n not in have]
+    if absent:
+        return f"images {', '.join(absent)} not built in {image_dir()}: run `make images` (needs root)"
+    if _socket_answers(HOST_PLUGIN_DIR / "kubelet.sock"):
+        return (
+            f"another kubelet serves {HOST_PLUGIN_DIR / 'kubelet.sock'} on this machine; a machine holds "
+            "one real node (stop the other sandbox with `vgpu sandbox down --dir ...`)"
+        )
+    return None
+
+
+# ---- configuration files -------------------------------------------------------------------
+def containerd_config(lay: NodeLayout, sandbox_image: str, cni_bin: Path) -> str:
+    """containerd 1.6's config (version 2), every path its own; the CRI as the kubelet needs it."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""\
+version = 2
+root = "{lay.containerd_root}"
+state = "{lay.containerd_state}"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+
+[grpc]
+  address = "{lay.containerd_socket}"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{lay.containerd_root}/opt"
+
+[{cri}]
+  sandbox_image = "{sandbox_image}"
+  # Machines that refuse writes to oom_score_adj (some micro-VMs) fail every container otherwise.
+  restrict_oom_score_adj = true
+  enable_selinux = false
+
+[{cri}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{cri}.containerd.runtimes.runc.options]
+  Root = "{lay.runc_root}"
+  SystemdCgroup = false
+
+[{cri}.cni]
+  bin_dir = "{cni_bin}"
+  conf_dir = "{lay.cni_conf_dir}"
+"""
+
+
+def cni_config(lay: NodeLayout) -> dict[str, Any]:
+    return {
+        "cniVersion": "0.4.0",
+        "name": "vgpu-sandbox",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": str(lay.cni_data),
+                    "ranges": [[{"subnet": POD_SUBNET}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            },
+            {"type": "loopback"},
+        ],
+    }
+
+
+def kubelet_config(
+    lay: NodeLayout, port: int, healthz_port: int, ca: Path, serving: tuple[Path, Path]
+) -> dict[str, Any]:
+    """A KubeletConfiguration for a node that shares its machine with the sandbox's other parts."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": NODE_IP,
+        "tlsCertFile": str(serving[0]),
+        "tlsPrivateKeyFile": str(serving[1]),
+        "port": port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": healthz_port,
+        "containerRuntimeEndpoint": f"unix://{lay.containerd_socket}",
+        "imageServiceEndpoint": f"unix://{lay.containerd_socket}",
+        # The machine's cgroups are the machine's: no QoS tree, no node-allocatable enforcement.
+        "cgroupDriver": "cgroupfs",
+        "cgroupsPerQOS": False,
+        "enforceNodeAllocatable": [],
+        "failSwapOn": False,
+        "localStorageCapacityIsolation": False,
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        "registerWithTaints": [TAINT],
+        # Only holders of a certificate from the sandbox's CA (the API server's kubelet client)
+        # may call it: logs, exec, and the rest of the kubelet's API.
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": False},
+            "x509": {"clientCAFile": str(ca)},
+        },
+        "authorization": {"mode": "AlwaysAllow"},
+        "serializeImagePulls": False,
+        "nodeStatusReportFrequency": "10s",
+        "shutdownGracePeriod": "0s",
+    }
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def inventory(sandbox: Sandbox, spec: Spec, ctk: Path | None, values: dict[str, Any]) -> dict[str, Any]:
+    """``inventory/sandbox.yml`` with this sandbox's KWOK nodes and the real node as GPU hosts, and
+    the chart values the real node needs merged into the control host's."""
+    base = yaml.safe_load((binaries.repo_root() / "inventory" / "sandbox.yml").read_text())
+    children = base["all"]["children"]
+    control_vars = children["kube_control"].setdefault("vars", {})
+    control_vars["vgpu_scheduler_values"] = _merge(control_vars.get("vgpu_scheduler_values") or {}, values)
+    kwok_vars = children["gpu_nodes"]["vars"]
+    lay = layout_of(sandbox)
+    real_vars = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+        "ansible_become": False,
+        "gpu_node_prepare_host": True,
+        # No driver: the fake NVML backend describes the cards, the sample image has the stub.
+        "gpu_node_driver_check": False,
+        # The toolkit's package comes from NVIDIA's repository; here nvidia-ctk is built from Go
+        # modules (tools/build.sh nvidia-ctk), as a node image with the toolkit baked in has it.
+        "gpu_node_install_toolkit": False,
+        "gpu_node_nvidia_ctk": str(ctk) if ctk else "/usr/bin/nvidia-ctk",
+        "gpu_node_container_runtime": "containerd",
+        "gpu_node_containerd_config": str(lay.containerd_config),
+        # runc stays the default: the nvidia runtime is added for a RuntimeClass; this node has no
+        # nvidia-container-runtime binary to make the default.
+        "gpu_node_nvidia_runtime_default": False,
+        "gpu_node_backup": False,
+        # containerd runs under the sandbox, not systemd.
+        "gpu_node_containerd_restart_command": [
+            str(Path(sys.executable).parent / "vgpu"),
+            "sandbox",
+            f"--dir={sandbox.state_dir}",
+            "restart",
+            "containerd",
+        ],
+    }
+    children["gpu_nodes"] = {
+        "hosts": {
+            **{nodes.node_name(i): {**kwok_vars} for i in range(spec.nodes)},
+            NAME: real_vars,
+        },
+    }
+    return base
+
+
+def chart_values(sandbox: Sandbox, spec: Spec, lay: NodeLayout, monitor_port: int) -> dict[str, Any]:
+    """What the chart's device-plugin DaemonSet needs on this real node (and harmlessly on KWOK's)."""
+    state = sandbox.state()
+    assert state is not None
+    api_port = state.ports["apiserver"]
+    return {
+        "devicePlugin": {
+            "image": {
+                "registry": "docker.io",
+                "repository": "vgpu/device-plugin",
+                "tag": "dev",
+                "pullPolicy": "Never",
+            },
+            # The sandbox runs no kube-proxy: the pod reaches the API server on the node's
+            # 127.0.0.1 through the host's network, at the address the API server advertises.
+            "hostNetwork": True,
+            "extraEnv": [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
+            ],
+            "extraArgs": ["--fake-nvml=/etc/vgpu/fake-nvml/gpus.yaml"],
+            "extraVolumes": [
+                {"name": "fake-nvml", "hostPath": {"path": str(lay.gpus_file.parent), "type": "Directory"}}
+            ],
+            "extraVolumeMounts": [
+                {"name": "fake-nvml", "mountPath": "/etc/vgpu/fake-nvml", "readOnly": True}
+            ],
+            "monitor": {"port": monitor_port},
+            "deviceSplitCount": spec.split,
+        }
+    }
+
+
+# ---- up --------------------------------------------------------------------------------------
+def _load_record(lay: NodeLayout) -> dict[str, Any]:
+    try:
+        loaded = json.loads(lay.record.read_text())
+        return loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_record(lay: NodeLayout, record: dict[str, Any]) -> None:
+    tmp = lay.record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(lay.record)
+
+
+def _ctr(lay: NodeLayout, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    ctr = _system_binary("ctr") or "ctr"
+    return subprocess.run(
+        [ctr, f"--address={lay.containerd_socket}", "--namespace=k8s.io", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _crictl(lay: NodeLayout, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    endpoint = f"unix://{lay.containerd_socket}"
+    return subprocess.run(
+        [
+            str(binaries.find("crictl")),
+            f"--runtime-endpoint={endpoint}",
+            f"--image-endpoint={endpoint}",
+            "--timeout=30s",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _containerd_argv(lay: NodeLayout) -> list[str]:
+    return [
+        _system_binary("containerd") or "containerd",
+        f"--config={lay.containerd_config}",
+        "--log-level=info",
+    ]
+
+
+def _kubelet_argv(sandbox: Sandbox, lay: NodeLayout) -> list[str]:
+    return [
+        str(binaries.find("kubelet")),
+        f"--config={lay.kubelet_config}",
+        f"--kubeconfig={sandbox.layout.identity_kubeconfig('kubelet')}",
+        f"--hostname-override={NAME}",
+        f"--node-ip={NODE_IP}",
+        f"--root-dir={lay.kubelet_root}",
+        f"--cert-dir={lay.root / 'kubelet-pki'}",
+        "--v=2",
+    ]
+
+
+def _wait_containerd(sandbox: Sandbox, lay: NodeLayout) -> None:
+    sandbox.wait_for(
+        "containerd to answer on its socket",
+        lambda: _ctr(lay, "version", timeout=10).returncode == 0,
+        60,
+        "containerd",
+    )
+
+
+def _wait_kubelet(sandbox: Sandbox, healthz_port: int) -> None:
+    def healthy() -> bool:
+        with socket.create_connection(("127.0.0.1", healthz_port), timeout=1) as s:
+            s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return b" 200 " in s.recv(256)
+
+    sandbox.wait_for("the kubelet's /healthz", healthy, 90, "kubelet")
+
+
+def start(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
+    """containerd, the images, then the kubelet; returns when the node is Ready."""
+    reason = why_not()
+    if reason:
+        raise SandboxError(f"--real-node: {reason}")
+    lay = layout_of(sandbox)
+    lay.root.mkdir(mode=0o700)
+    for folder in (
+        lay.containerd_root,
+        lay.containerd_state.parent,
+        lay.cni_conf_dir,
+        lay.cni_data,
+        lay.kubelet_root,
+    ):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "created": [str(p) for p in HOST_PATHS if not p.exists()],
+        "restarts": {c: 0 for c in COMPONENTS},
+        "timings": {},
+    }
+    _save_record(lay, record)
+    images = built_images()
+    cni_bin = _cni_dir()
+    assert cni_bin is not None
+    lay.containerd_config.write_text(containerd_config(lay, images["pause"]["ref"], cni_bin))
+    (lay.cni_conf_dir / "10-vgpu-sandbox.conflist").write_text(json.dumps(cni_config(lay), indent=2))
+
+    progress(f"real node: starting containerd ({lay.containerd_config})")
+    t0 = time.monotonic()
+    sandbox.launch("containerd", _containerd_argv(lay))
+    _wait_containerd(sandbox, lay)
+
+    progress(f"real node: importing {len(IMAGES)} images from {image_dir()}")
+    t1 = time.monotonic()
+    for name in IMAGES:
+        imported = _ctr(lay, "images", "import", images[name]["file"])
+        if imported.returncode != 0:
+            raise SandboxError(f"ctr images import {images[name]['file']} failed: {imported.stderr.strip()}")
+    listed = set(_ctr(lay, "images", "list", "--quiet").stdout.split())
+    absent = [images[n]["ref"] for n in IMAGES if images[n]["ref"] not in listed]
+    if absent:
+        raise SandboxError(f"containerd does not list {', '.join(absent)} after the import; see its log")
+    record["timings"]["images_import_s"] = round(time.monotonic() - t1, 1)
+
+    gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
+    lay.gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(NAME, gpu)}, sort_keys=False))
+    lay.gpus_file.chmod(0o644)
+
+    progress(f"real node: starting the kubelet as {NAME}")
+    sandbox.kubectl(
+        "create",
+        "clusterrolebinding",
+        "vgpu-sandbox-real-node",
+        "--clusterrole=system:node",
+        f"--user=system:node:{NAME}",
+    )
+    _make_bridge()
+    assert sandbox.ca is not None
+    serving = sandbox.ca.issue("kubelet", [NODE_IP, NAME])
+    port, healthz = sandbox.port("kubelet"), sandbox.port("kubelet-healthz")
+    config = kubelet_config(lay, port, healthz, sandbox.ca.cert_path, (serving.cert, serving.key))
+    lay.kubelet_config.write_text(yaml.safe_dump(config, sort_keys=False))
+    sandbox.launch("kubelet", _kubelet_argv(sandbox, lay), port)
+    _wait_kubelet(sandbox, healthz)
+
+    def ready() -> bool:
+        node = sandbox.api_get(f"/api/v1/nodes/{NAME}")
+        conditions = node.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    sandbox.wait_for(f"{NAME} to register and be Ready (kubelet)", ready, 120, ["kubelet", "containerd"])
+    record["timings"]["containerd_to_ready_s"] = round(time.monotonic() - t0, 1)
+    _save_record(lay, record)
+
+    ctk = binaries.bin_dir() / "nvidia-ctk"
+    values = chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
+    inventory_file(sandbox).write_text(
+        yaml.safe_dump(inventory(sandbox, spec, ctk if ctk.exists() else None, values), sort_keys=False)
+    )
+
+
+def _make_bridge() -> None:
+    """The pods' bridge with the node's address on it; the CNI bridge plugin adopts it."""
+    ip = ["ip"]
+    if subprocess.run([*ip, "link", "show", BRIDGE], capture_output=True).returncode != 0:
+        steps = [
+            [*ip, "link", "add", BRIDGE, "type", "bridge"],
+            [*ip, "addr", "add", f"{NODE_IP}/{POD_SUBNET.split('/')[1]}", "dev", BRIDGE],
+            [*ip, "link", "set", BRIDGE, "up"],
+        ]
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                raise SandboxError(f"{' '.join(step)} failed: {done.stderr.strip()}")
+
+
+def inventory_file(sandbox: Sandbox) -> Path:
+    """The Ansible inventory of a sandbox with a real node (``up --real-node`` writes it)."""
+    return sandbox.state_dir / "inventory.yml"
+
+
+# ---- restart and down ------------------------------------------------------------------------
+def restart(sandbox: Sandbox, component: str) -> float:
+    """Stop one of the node's daemons and start it again with the same command line; seconds taken."""
+    if component not in COMPONENTS:
+        raise SandboxError(f"unknown component {component!r}; restart one of {', '.join(COMPONENTS)}")
+    state = sandbox.state()
+    if state is None:
+        raise SandboxError(f"no sandbox in {sandbox.state_dir}")
+    found = [c for c in state.components if c.name == component]
+    if not found:
+        raise SandboxError(f"this sandbox has no {component}; start it with `vgpu sandbox up --real-node`")
+    lay = layout_of(sandbox)
+    start_t = time.monotonic()
+    old = found[-1]
+    procs.stop_all([old.pid], Path("/nonexistent"), grace=20)
+    sandbox.adopt(state)
+    state.components.remove(old)
+    sandbox.launch(component, old.argv, old.port)
+    if component == "containerd":
+        _wait_containerd(sandbox, lay)
+    else:
+        _wait_kubelet(sandbox, state.ports["kubelet-healthz"])
+    record = _load_record(lay)
+    record.setdefault("restarts", {}).setdefault(component, 0)
+    record["restarts"][component] += 1
+    _save_record(lay, record)
+    return time.monotonic() - start_t
+
+
+def restarts(sandbox: Sandbox) -> dict[str, int]:
+    return dict(_load_record(layout_of(sandbox)).get("restarts") or {})
+
+
+def _mounts_under(root: Path) -> list[str]:
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == str(root) or point.startswith(str(root) + "/"):
+                found.append(point)
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+
+
+def _shims_of(lay: NodeLayout) -> list[int]:
+    """containerd-shim processes that serve this node's containerd."""
+    out = []
+    want = str(lay.containerd_socket).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and want in argv:
+            out.append(int(entry))
+    return out
+
+
+def stop(sandbox: Sandbox, pids: dict[str, int]) -> None:
+    """Take the node down leaving nothing: pods through the CRI, daemons, mounts, bridge, host paths.
+
+    ``pids`` maps the node's components to their recorded pids. Runs before the sandbox's other
+    processes are stopped; every step is attempted even when an earlier one failed.
+    """
+    lay = layout_of(sandbox)
+    if not lay.root.exists():
+        return
+    record = _load_record(lay)
+    if "kubelet" in pids:
+        procs.stop_all([pids["kubelet"]], Path("/nonexistent"), grace=10)
+    temporary: subprocess.Popen[bytes] | None = None
+    if lay.containerd_config.exists() and not _socket_answers(lay.containerd_socket):
+        # containerd is gone (a crash, a killed sandbox): start it again to remove the pods properly.
+        with contextlib.suppress(OSError):
+            temporary = subprocess.Popen(
+                _containerd_argv(lay),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not _socket_answers(lay.containerd_socket):
+                time.sleep(0.2)
+    if _socket_answers(lay.containerd_socket):
+        with contextlib.suppress(OSError, subprocess.SubprocessError, SandboxError):
+            pods = _crictl(lay, "pods", "--quiet").stdout.split()
+            if pods:
+                _crictl(lay, "stopp", *pods)
+                _crictl(lay, "rmp", "--force", *pods)
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            for task in _ctr(lay, "tasks", "list", "--quiet", timeout=30).stdout.split():
+                _ctr(lay, "tasks", "kill", "--all", "--signal=SIGKILL", task, timeout=30)
+                _ctr(lay, "tasks", "delete", "--force", task, timeout=30)
+    if "containerd" in pids:
+        procs.stop_all([pids["containerd"]], Path("/nonexistent"), grace=10)
+    if temporary is not None:
+        procs.stop_group(temporary, grace=10)
+    shims = _shims_of(lay)
+    if shims:
+        procs.stop_all(shims, Path("/nonexistent"), grace=5)
+    for point in _mounts_under(lay.root):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
+    for created in record.get("created", []):
+        path = Path(created)
+        for point in _mounts_under(path):
+            subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        # Our kubelet's registration socket, when /var/lib/kubelet was there before us.
+        (HOST_PLUGIN_DIR / "kubelet.sock").unlink()
+    shutil.rmtree(lay.root, ignore_errors=True)
+    for point in _mounts_under(lay.root):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
+    shutil.rmtree(lay.root, ignore_errors=True)
