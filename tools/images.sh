@@ -147,8 +147,11 @@ work=
 
 # layer KIND HASH FUNCTION: echoes the path of the layer tar, building it with FUNCTION OUT when
 # missing.
+# The key also carries this script and the base, so a change to how a layer is made remakes it.
 layer() {
-  local kind=$1 hash=$2 fn=$3 out="$layers_dir/$1-$2.tar"
+  local kind=$1 hash fn=$3 out
+  hash=$(str_hash "$common_hash $base_key $2")
+  out="$layers_dir/$kind-$hash.tar"
   if [ ! -f "$out" ]; then
     local start=$SECONDS
     # In a subshell with errexit on: under `||` bash would ignore every failure inside FUNCTION.
@@ -168,13 +171,16 @@ layer() {
   printf '%s' "$out"
 }
 
+check_pip() {
+  [ -x "$pip" ] || die "no $pip to build wheels with; run \`make venv\` first (or set VGPU_PIP to a pip of Python 3.11)"
+}
 py_minor() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
 
 # Wheels for the venv, built on this machine with the repo's pip: the dependencies once per
 # pyproject.toml (cached), the vgpu wheel every time, from a clean copy of the sources.
 wheels() {
   local out=$1
-  [ -x "$pip" ] || die "no $pip to build wheels with; run \`make venv\` first (or set VGPU_PIP to a pip of Python 3.11)"
+  check_pip
   local host_py image_py
   host_py=$(py_minor "$(dirname "$pip")/python")
   image_py=$(chroot "$base_dir/rootfs" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -333,6 +339,7 @@ build_image() {
   fi
   local start=$SECONDS
   log "$name: building ${REF[$name]}"
+  case $name in device-plugin | scheduler) check_pip ;; esac
   [ "$name" = pause ] || build_base
   rm -f "$stamp"
   PACK=()
