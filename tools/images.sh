@@ -84,9 +84,9 @@ build_base() {
   # Slim it as Debian's slim images do: no package lists, apt caches, documentation (copyright
   # files stay), manuals or message translations (the C locale stays, it is in libc), and keep
   # later installs in the image from adding them back.
-  rm -rf "$r"/var/lib/apt/lists/* "$r"/var/cache/apt/* "$r"/var/cache/debconf/*-old "$r"/var/log/* \
-    "$r"/usr/share/man/* "$r"/usr/share/info/* "$r"/usr/share/lintian "$r"/usr/share/linda \
-    "$r"/dev/* "$r"/run/* "$r"/tmp/* "$r"/var/tmp/*
+  rm -rf "${r:?}"/var/lib/apt/lists/* "${r:?}"/var/cache/apt/* "${r:?}"/var/cache/debconf/*-old "${r:?}"/var/log/* \
+    "${r:?}"/usr/share/man/* "${r:?}"/usr/share/info/* "${r:?}"/usr/share/lintian "${r:?}"/usr/share/linda \
+    "${r:?}"/dev/* "${r:?}"/run/* "${r:?}"/tmp/* "${r:?}"/var/tmp/*
   find "$r/usr/share/doc" -mindepth 1 ! -type d ! -name copyright -delete
   find "$r/usr/share/doc" -mindepth 1 -type d -empty -delete
   find "$r/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
