@@ -63,10 +63,11 @@ demo: setup ## the sandbox, the playbook, sample pods placed and shown
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-images: ## container images, where a container engine runs
+images: ## container images: docker where it runs, else tools/images.sh (root, debootstrap; docs/images.md)
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
 	  for f in images/*.Dockerfile; do docker build -f $$f -t vgpu/$$(basename $$f .Dockerfile):dev . || exit 1; done; \
-	else echo "make images: no container engine reachable here (docker info failed); nothing built"; fi
+	else echo "make images: no container engine reachable here (docker info failed); building with tools/images.sh"; \
+	  bash tools/images.sh; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -2,7 +2,7 @@
 # Builds the sandbox's binaries from the Go module proxy (and etcd from Debian's
 # package) into a cache keyed by version. Builds only what is missing.
 #
-#   tools/build.sh [kube|kubelet|crictl|nvidia-ctk|kwok|helm|etcd]...   (default: etcd kwok helm kube)
+#   tools/build.sh [kube|kubelet|crictl|nvidia-ctk|kwok|helm|etcd|ocipack]...   (default: etcd kwok helm kube ocipack)
 #
 # VGPU_BIN_DIR picks the cache (default: <repo>/.cache/bin). Each piece lands in
 # $VGPU_BIN_DIR/<piece>-<version>/ and is linked from $VGPU_BIN_DIR/current/.
@@ -90,6 +90,19 @@ build_helm() {
   (cd "$here/helm" && go build -trimpath -ldflags "$ld" -o "$1/helm" helm.sh/helm/v3/cmd/helm)
 }
 
+# ocipack (our docker-archive writer, tools/ocipack/main.go) and crane, both from
+# go-containerregistry; tools/images.sh packs the images with ocipack. The cache key carries a
+# hash of tools/ocipack/ too, since its main.go is ours and changes without a version bump.
+build_ocipack() {
+  (cd "$here/ocipack" && go build -trimpath -ldflags "-s -w" -o "$1/ocipack" . &&
+    go build -trimpath -ldflags "-s -w" -o "$1/crane" github.com/google/go-containerregistry/cmd/crane)
+}
+
+ocipack_version() {
+  local h; h=$(cd "$here/ocipack" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-8)
+  printf '%s-%s' "$GGCR_VERSION" "$h"
+}
+
 build_etcd() {
   local out=$1 v=$2 work; work=$(mktemp -d)
   # apt-get download needs package lists; fetch them once if this machine has none.
@@ -105,7 +118,7 @@ build_etcd() {
 }
 
 pieces=("$@")
-[ ${#pieces[@]} -gt 0 ] || pieces=(etcd kwok helm kube)
+[ ${#pieces[@]} -gt 0 ] || pieces=(etcd kwok helm kube ocipack)
 for p in "${pieces[@]}"; do
   case $p in
     kube) build_once kube "$KUBE_VERSION" build_kube ;;
@@ -115,7 +128,8 @@ for p in "${pieces[@]}"; do
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
     helm) build_once helm "$HELM_VERSION" build_helm ;;
     etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
-    *) log "unknown piece '$p'; choose from kube kubelet crictl nvidia-ctk kwok helm etcd"; exit 2 ;;
+    ocipack) build_once ocipack "$(ocipack_version)" build_ocipack ;;
+    *) log "unknown piece '$p'; choose from kube kubelet crictl nvidia-ctk kwok helm etcd ocipack"; exit 2 ;;
   esac
 done
 log "binaries in $bin_dir/current"
