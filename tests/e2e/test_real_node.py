@@ -155,11 +155,10 @@ def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node
     assert recap[NODE]["failed"] == 0 and recap[NODE]["changed"] >= 2, recap
     config = node.lay.containerd_config.read_text()
     # nvidia-ctk (NVIDIA's, built from Go modules) merged its runtime and kept ours.
-    assert 'runtimes.nvidia]' in config and 'BinaryName = "/usr/bin/nvidia-container-runtime"' in config
+    assert "runtimes.nvidia]" in config and 'BinaryName = "/usr/bin/nvidia-container-runtime"' in config
     assert f'Root = "{node.lay.runc_root}"' in config and "restrict_oom_score_adj = true" in config
-    assert "RUNNING HANDLER [gpu_node : GPU node | Restart containerd with gpu_node_containerd_restart_command]" in (
-        first.stdout
-    )
+    handler = "GPU node | Restart containerd with gpu_node_containerd_restart_command"
+    assert f"RUNNING HANDLER [gpu_node : {handler}]" in first.stdout
     assert realnode.restarts(node.sandbox)["containerd"] == 1
     assert node.get("node", NODE)["metadata"]["labels"].get("gpu") == "on"
     _log(f"first run: {NODE} {recap[NODE]}; containerd restarted once; label gpu=on")
@@ -217,7 +216,8 @@ def _sample_pod(name: str, command: str, resources: dict[str, str] | None) -> di
     else:
         # No GPU asked: nothing gives this pod the GPU node's toleration.
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+    metadata = {"name": name, "namespace": "default"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 WORKLOAD = (
@@ -251,7 +251,7 @@ def workload(prepared: Node) -> Iterator[dict[str, Any]]:
     text = _wait("the workload to allocate and hold (kubectl logs)", logs, 180)
     pod = node.get("pod", "-n", "default", "cuda-3000")
     yield {"pod": pod, "logs": text}
-    node.kubectl("delete", "pod", "-n", "default", "cuda-3000", "--ignore-not-found", "--wait=false", check=False)
+    node.kubectl("delete", "pod", "-n", "default", "cuda-3000", "--wait=false", check=False)
 
 
 def test_a_pod_placed_by_the_extender_gets_its_limits_and_the_hook_refuses_past_them(
@@ -353,7 +353,8 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_ke
 ) -> None:
     node = prepared
     before = node.kubelet_log().count("registration request from device plugin")
-    container_id = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]["containerID"]
+    running = node.get("pod", "-n", "default", "cuda-3000")
+    container_id = running["status"]["containerStatuses"][0]["containerID"]
     seconds = realnode.restart(node.sandbox, "kubelet")
     _log(f"kubelet restarted in {seconds:.1f}s")
 

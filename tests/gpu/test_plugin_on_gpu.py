@@ -49,7 +49,14 @@ class Pods:
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         self.annotations.update({k: v for k, v in annotations.items() if v})
 
-    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
+    def renew_lease(
+        self,
+        namespace: str,
+        name: str,
+        holder: str,
+        duration_s: int,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
         pass
 
 

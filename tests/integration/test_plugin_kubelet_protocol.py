@@ -57,6 +57,7 @@ class MemoryAPI:
         self.pods: list[dict[str, Any]] = []
         self.node_ann: dict[str, str] = {}
         self.leases: dict[str, int] = {}
+        self.lease_annotations: dict[str, str] = {}
 
     def list_node_pods(self, node: str) -> list[dict[str, Any]]:
         return list(self.pods)
@@ -72,8 +73,16 @@ class MemoryAPI:
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         self.node_ann.update({k: v for k, v in annotations.items() if v is not None})
 
-    def renew_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> None:
+    def renew_lease(
+        self,
+        namespace: str,
+        name: str,
+        holder: str,
+        duration_s: int,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
         self.leases[name] = self.leases.get(name, 0) + 1
+        self.lease_annotations = dict(annotations or {})
 
     def bind(self, name: str, containers: dict[str, list[tuple[str, int, int]]], created: str) -> str:
         alloc = Allocation(

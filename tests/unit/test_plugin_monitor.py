@@ -339,3 +339,50 @@ def test_a_replaced_region_starts_its_ratio_anew_and_a_removed_one_is_forgotten(
     path.unlink()
     assert ratios(collector) == {}
     assert collector.timeshare.ratio(("uid-1_train", 0, "GPU-a")) is None  # nothing kept for it
+
+
+def test_region_usage_reports_each_containers_memory_per_card_and_skips_what_it_cannot_read(
+    tmp_path: Path,
+) -> None:
+    from vgpu.plugin.monitor import region_usage
+
+    containers = tmp_path / "containers"
+    write_region(
+        containers / "uid1_main" / REGION_FILE_NAME, [("GPU-a", 0, 0), ("GPU-b", 0, 0)], [(7, [5 * MIB, 0])]
+    )
+    write_region(containers / "uid2_side" / REGION_FILE_NAME, [("GPU-b", 0, 0)], [(8, [3 * MIB]), (9, [MIB])])
+    (containers / "uid3_broken").mkdir()
+    (containers / "uid3_broken" / REGION_FILE_NAME).write_bytes(b"not a region")
+    (containers / "uid4_empty").mkdir()
+    assert region_usage(containers) == {
+        "uid1_main": {"GPU-a": 5 * MIB, "GPU-b": 0},
+        "uid2_side": {"GPU-b": 4 * MIB},
+    }
+    assert region_usage(tmp_path / "absent") == {}
+
+
+def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
+    import json as _json
+
+    from vgpu.annotations import USAGE_ANNOTATION
+    from vgpu.plugin.report import NodeReporter
+
+    calls: list[dict[str, str] | None] = []
+
+    class API:
+        def node_annotations(self, node: str) -> dict[str, str]:
+            return {}
+
+        def patch_node_annotations(self, node: str, annotations: Any) -> None:
+            pass
+
+        def renew_lease(
+            self, namespace: str, name: str, holder: str, duration_s: int, annotations: Any = None
+        ) -> None:
+            calls.append(annotations)
+
+    state = DeviceState(Cards().cards(), NodeConfig())
+    NodeReporter("n1", "ns", state, API(), usage=lambda: {"uid_c": {"GPU-a": 42}}).renew()
+    NodeReporter("n1", "ns", state, API()).renew()
+    assert calls[0] is not None and _json.loads(calls[0][USAGE_ANNOTATION]) == {"uid_c": {"GPU-a": 42}}
+    assert calls[1] is None

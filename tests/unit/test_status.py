@@ -95,3 +95,25 @@ def test_a_pod_kubelet_rejected_shows_rejected_with_kubelets_reason() -> None:
     assert share.phase == "rejected"
     assert share.reason.startswith("UnexpectedAdmissionError: Allocate failed: cannot tell which")
     assert "ml/r main  1000 MiB  0%  rejected (UnexpectedAdmissionError: " in render_text([status])
+
+
+def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignored() -> None:
+    from vgpu.annotations import USAGE_ANNOTATION
+
+    a = pod("a", [("GPU-a", 3000, 30)], "allocated")
+    a["metadata"]["uid"] = "uid-a"
+    b = pod("b", [("GPU-a", 1000, 0), ("GPU-b", 1000, 0)], "allocated")
+    b["metadata"]["uid"] = "uid-b"
+    report = {"uid-a_main": {"GPU-a": 1744830464}, "uid-b_main": {"GPU-b": 5, "GPU-a": -1}}
+    with_usage = lease("2026-01-01T11:59:50Z")
+    with_usage["metadata"]["annotations"] = {USAGE_ANNOTATION: json.dumps(report)}
+    [status] = build_status([node("n1")], [a, b], [with_usage], NOW)
+    card_a, card_b = status.cards
+    assert [(s.pod, s.used_bytes) for s in card_a.shares] == [("a", 1744830464), ("b", None)]
+    assert [(s.pod, s.used_bytes) for s in card_b.shares] == [("b", 5)]
+    assert "ml/a main  3000 MiB  30%  allocated  using 1664 MiB" in render_text([status])
+
+    for bad in ("{not json", "[1, 2]", '"text"'):
+        with_usage["metadata"]["annotations"] = {USAGE_ANNOTATION: bad}
+        [status] = build_status([node("n1")], [a], [with_usage], NOW)
+        assert status.cards[0].shares[0].used_bytes is None

@@ -1,0 +1,90 @@
+"""The real node's configuration files and inventory, as `vgpu sandbox up --real-node` writes them
+(tests/e2e/test_real_node.py runs them with the real kubelet and containerd)."""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from vgpu.sandbox import realnode
+from vgpu.sandbox.cluster import Sandbox, Spec, State
+
+
+def test_containerd_keeps_every_path_under_the_node_and_sets_what_the_kubelet_needs(tmp_path: Path) -> None:
+    lay = realnode.NodeLayout(tmp_path / "real-node")
+    config = tomllib.loads(
+        realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/usr/lib/cni"))
+    )
+    assert config["version"] == 2
+    paths = [config["root"], config["state"], config["grpc"]["address"]]
+    cri = config["plugins"]["io.containerd.grpc.v1.cri"]
+    runc = cri["containerd"]["runtimes"]["runc"]
+    paths += [
+        runc["options"]["Root"],
+        cri["cni"]["conf_dir"],
+        config["plugins"]["io.containerd.internal.v1.opt"]["path"],
+    ]
+    assert all(p.startswith(str(lay.root) + "/") for p in paths), paths
+    assert cri["sandbox_image"] == "registry.k8s.io/pause:3.10"
+    assert cri["restrict_oom_score_adj"] is True and runc["options"]["SystemdCgroup"] is False
+    assert cri["cni"]["bin_dir"] == "/usr/lib/cni"
+
+
+def test_the_kubelet_answers_only_the_sandboxs_ca_on_the_nodes_own_address(tmp_path: Path) -> None:
+    lay = realnode.NodeLayout(tmp_path)
+    config = realnode.kubelet_config(
+        lay, 10250, 10248, tmp_path / "ca.crt", (tmp_path / "k.crt", tmp_path / "k.key")
+    )
+    assert config["address"] == realnode.NODE_IP and config["readOnlyPort"] == 0
+    assert config["authentication"]["anonymous"]["enabled"] is False
+    assert config["authentication"]["x509"]["clientCAFile"] == str(tmp_path / "ca.crt")
+    assert config["registerWithTaints"] == [realnode.TAINT]
+    assert config["containerRuntimeEndpoint"] == f"unix://{lay.containerd_socket}"
+    # The node's address is the bridge's gateway, inside the pods' subnet and not loopback.
+    ip = ipaddress.ip_address(realnode.NODE_IP)
+    assert ip in ipaddress.ip_network(realnode.POD_SUBNET) and not ip.is_loopback
+    bridge = realnode.cni_config(lay)["plugins"][0]
+    assert bridge["bridge"] == realnode.BRIDGE and bridge["ipam"]["dataDir"] == str(lay.cni_data)
+
+
+def test_the_inventory_adds_the_real_node_and_merges_its_chart_values(tmp_path: Path) -> None:
+    sandbox = Sandbox(tmp_path)
+    sandbox.layout.state_file.write_text(State(spec=Spec(), ports={"apiserver": 6443}).to_json())
+    spec = Spec(nodes=2, split=4, real_node=True)
+    lay = realnode.layout_of(sandbox)
+    values = realnode.chart_values(sandbox, spec, lay, 9555)
+    inventory = realnode.inventory(sandbox, spec, Path("/opt/ctk"), values)
+    children = inventory["all"]["children"]
+    hosts = children["gpu_nodes"]["hosts"]
+    assert set(hosts) == {"vgpu-node-0", "vgpu-node-1", realnode.NAME}
+    assert hosts["vgpu-node-0"]["gpu_node_prepare_host"] is False
+    real = hosts[realnode.NAME]
+    assert real["gpu_node_containerd_config"] == str(lay.containerd_config)
+    assert real["gpu_node_install_toolkit"] is False and real["gpu_node_nvidia_ctk"] == "/opt/ctk"
+    assert real["gpu_node_containerd_restart_command"][-3:] == [
+        f"--dir={sandbox.state_dir}",
+        "restart",
+        "containerd",
+    ]
+    chart = children["kube_control"]["vars"]["vgpu_scheduler_values"]
+    assert chart["webhook"]["enabled"] is False  # inventory/sandbox.yml's own values are kept
+    plugin = chart["devicePlugin"]
+    assert plugin["monitor"]["port"] == 9555 and plugin["monitor"]["service"]["type"] == "ClusterIP"
+    assert plugin["deviceSplitCount"] == 4 and plugin["hostNetwork"] is True
+    assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in plugin["extraEnv"]
+
+
+def test_without_root_the_reason_names_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(realnode.os, "geteuid", lambda: 1000)
+    reason = realnode.why_not()
+    assert reason is not None and "needs root" in reason
+
+
+def test_without_images_the_reason_names_make_images(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("VGPU_IMAGE_DIR", str(tmp_path))
+    assert realnode.built_images() == {}
+    (tmp_path / "images.json").write_text('{"pause": {"ref": "p", "file": "/nonexistent"}, "x": 1}')
+    assert realnode.built_images() == {}
