@@ -61,8 +61,8 @@ lint: venv tools ## ruff, mypy, ansible-lint, helm lint --strict
 proto: venv ## regenerate the kubelet device-plugin stubs
 	@if [ -f vgpu/plugin/proto.mk ]; then $(MAKE) -f vgpu/plugin/proto.mk BIN=$(BIN); fi
 
-demo: setup ## the sandbox, the playbook, sample pods placed and shown
-	$(BIN)/python -m vgpu.sandbox.demo
+demo: setup ## the sandbox, the playbook, sample pods placed and shown (REAL_NODE=1: and a pod on a real node, as root)
+	$(BIN)/python -m vgpu.sandbox.demo $(if $(REAL_NODE),--real-node)
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -210,12 +210,15 @@ def _sample_pod(name: str, command: str, resources: dict[str, str] | None) -> di
         "nodeSelector": {"kubernetes.io/hostname": NODE},
         "terminationGracePeriodSeconds": 1,
         "containers": [container],
+        # The sandbox keeps its real node to pods that ask for it. The GPU node's own taint is
+        # tolerated by the API server's ExtendedResourceToleration for pods asking for GPUs.
+        "tolerations": [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
     }
     if resources:
         container["resources"] = {"limits": resources}
     else:
         # No GPU asked: nothing gives this pod the GPU node's toleration.
-        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        spec["tolerations"].append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     metadata = {"name": name, "namespace": "default"}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
@@ -260,6 +263,10 @@ def test_a_pod_placed_by_the_extender_gets_its_limits_and_the_hook_refuses_past_
     node, pod, text = prepared, workload["pod"], workload["logs"]
     assert pod["spec"]["nodeName"] == NODE
     assert pod["spec"]["schedulerName"] == "vgpu-scheduler"  # the webhook routed it to the extender
+    # The API server's ExtendedResourceToleration let it onto the tainted GPU node unchanged.
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["spec"]["tolerations"]), pod["spec"][
+        "tolerations"
+    ]
     annotations = pod["metadata"]["annotations"]
     assert annotations.get("vgpu.openaios.io/phase") == "allocated", annotations
     fields = _fields(text)

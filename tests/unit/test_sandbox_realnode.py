@@ -41,7 +41,7 @@ def test_the_kubelet_answers_only_the_sandboxs_ca_on_the_nodes_own_address(tmp_p
     assert config["address"] == realnode.NODE_IP and config["readOnlyPort"] == 0
     assert config["authentication"]["anonymous"]["enabled"] is False
     assert config["authentication"]["x509"]["clientCAFile"] == str(tmp_path / "ca.crt")
-    assert config["registerWithTaints"] == [realnode.TAINT]
+    assert config["registerWithTaints"] == [realnode.TAINT, realnode.RESERVED]
     assert config["containerRuntimeEndpoint"] == f"unix://{lay.containerd_socket}"
     # The node's address is the bridge's gateway, inside the pods' subnet and not loopback.
     ip = ipaddress.ip_address(realnode.NODE_IP)
@@ -74,6 +74,7 @@ def test_the_inventory_adds_the_real_node_and_merges_its_chart_values(tmp_path: 
     plugin = chart["devicePlugin"]
     assert plugin["monitor"]["port"] == 9555 and plugin["monitor"]["service"]["type"] == "ClusterIP"
     assert plugin["deviceSplitCount"] == 4 and plugin["hostNetwork"] is True
+    assert {t["key"] for t in plugin["tolerations"]} == {realnode.TAINT["key"], realnode.RESERVED["key"]}
     assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in plugin["extraEnv"]
 
 

@@ -29,9 +29,9 @@ def say(message: str) -> None:
     print(f"\n=== {message}", flush=True)
 
 
-def run_playbook(sandbox: Sandbox, root: Path) -> None:
+def run_playbook(sandbox: Sandbox, root: Path, inventory: Path | None = None) -> None:
     playbook = root / "playbooks" / "site.yml"
-    inventory = root / "inventory" / "sandbox.yml"
+    inventory = inventory or root / "inventory" / "sandbox.yml"
     binary = Path(sys.executable).parent / "ansible-playbook"
     if not playbook.exists() or not inventory.exists():
         raise SandboxError(f"{playbook} or {inventory} is missing; this checkout has no playbook to run")
@@ -40,7 +40,8 @@ def run_playbook(sandbox: Sandbox, root: Path) -> None:
         if found is None:
             raise SandboxError("ansible-playbook is not installed; run `make setup`")
         binary = Path(found)
-    say(f"ansible-playbook -i {inventory.relative_to(root)} {playbook.relative_to(root)}")
+    shown = inventory.relative_to(root) if inventory.is_relative_to(root) else inventory
+    say(f"ansible-playbook -i {shown} {playbook.relative_to(root)}")
     env = {
         **os.environ,
         "KUBECONFIG": str(sandbox.kubeconfig),
@@ -96,10 +97,63 @@ def show(pods: list[dict[str, Any]]) -> None:
                 )
 
 
+REAL_NODE_POD = "real-node-cuda"
+
+
+def run_on_the_real_node(sandbox: Sandbox) -> None:
+    """A pod from the sample image on the real node: its limits, the hook's refusal, its logs."""
+    from vgpu.sandbox import realnode
+
+    command = (
+        "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "
+        "t_alloc link alloc 256 | grep -E 'chunks|refused'; sleep infinity | t_hold 1024"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": REAL_NODE_POD, "namespace": "default"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": realnode.NAME},
+            "tolerations": [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "cuda",
+                    "image": "docker.io/vgpu/sample:dev",
+                    "imagePullPolicy": "Never",
+                    "command": ["/bin/sh", "-c", command],
+                    "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(Spec().gpu_memory_mib)}],
+                    "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}},
+                }
+            ],
+        },
+    }
+    say(f"a pod on the real node {realnode.NAME}: the sample image, 3000 MiB, 256 MiB at a time")
+    sandbox.kubectl("delete", "pod", REAL_NODE_POD, "--ignore-not-found", "--wait=true", check=False)
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    deadline = time.monotonic() + 120
+    logs = ""
+    while time.monotonic() < deadline and "held=" not in logs:
+        logs = sandbox.kubectl("logs", REAL_NODE_POD, check=False).stdout
+        time.sleep(1)
+    print(f"$ kubectl logs {REAL_NODE_POD}")
+    print(logs.rstrip() or "(no output yet: kubectl describe pod real-node-cuda)")
+    print("  chunks x 256 MiB stay under the 3000 MiB limit: libvgpu.so, loaded through /etc/ld.so.preload,")
+    print(
+        "  refused the next one (refused=2: CUDA_ERROR_OUT_OF_MEMORY); held=0: 1024 MiB kept for the status"
+    )
+    time.sleep(11)  # the node's Lease carries the usage, renewed every 10 s
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--skip-playbook", action="store_true", help="do not run ansible-playbook")
+    parser.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also run a real node (kubelet, containerd, runc; root) and a pod on it (docs/sandbox.md)",
+    )
     args = parser.parse_args(argv)
     root = repo_root()
     sandbox = Sandbox()
@@ -110,12 +164,24 @@ def main(argv: list[str] | None = None) -> int:
             if sandbox.is_running():
                 say("the sandbox is degraded; restarting it")
                 sandbox.down()
-            say(f"vgpu sandbox up --nodes {args.nodes}")
-            seconds = sandbox.up(Spec(nodes=args.nodes), progress=lambda m: print(f"  {m}", flush=True))
+            real = ""
+            if args.real_node:
+                from vgpu.sandbox import realnode
+
+                reason = realnode.why_not()
+                if reason:
+                    raise SandboxError(f"--real-node: {reason}")
+                real = " --real-node"
+            say(f"vgpu sandbox up --nodes {args.nodes}{real}")
+            spec = Spec(nodes=args.nodes, real_node=bool(real))
+            seconds = sandbox.up(spec, progress=lambda m: print(f"  {m}", flush=True))
             print(f"  up in {seconds:.1f}s")
         print(sandbox.kubectl("get", "nodes", "-L", "gpu").stdout)
+        state = sandbox.state()
+        has_real_node = state is not None and state.spec.real_node
         if not args.skip_playbook:
-            run_playbook(sandbox, root)
+            inventory = sandbox.state_dir / "inventory.yml" if has_real_node else None
+            run_playbook(sandbox, root, inventory)
         say("kubectl apply -f examples/pods.yaml")
         manifest = (root / "examples" / "pods.yaml").read_text()
         sandbox.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=true", input=manifest, check=False)
@@ -124,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             line.split(":", 1)[1].strip() for line in manifest.splitlines() if line.startswith("  name:")
         ]
         show(wait_placed(sandbox, names))
+        if has_real_node:
+            run_on_the_real_node(sandbox)
         status = Path(sys.executable).parent / "vgpu"
         if status.exists():
             say("vgpu status: per node and card, which container got what")

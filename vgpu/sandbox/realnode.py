@@ -43,6 +43,10 @@ NAME = "real-node-0"
 # ExtendedResourceToleration admission plugin gives every pod that asks for nvidia.com/gpu the
 # toleration, and the chart's DaemonSet tolerates it.
 TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+# And the sandbox keeps its real node to pods that ask for it, so that pods meant for the KWOK
+# nodes (examples/pods.yaml, with images this machine cannot pull) never land there.
+RESERVED = {"key": "sandbox.vgpu.openaios.io/real-node", "value": "true", "effect": "NoSchedule"}
+TOLERATIONS = [{"key": t["key"], "operator": "Exists", "effect": "NoSchedule"} for t in (TAINT, RESERVED)]
 BRIDGE = "vgpu-sbx0"
 POD_SUBNET = "10.244.200.0/24"
 # The node's address: the bridge's gateway, made before the kubelet starts. Not 127.0.0.1 (the
@@ -281,7 +285,7 @@ def kubelet_config(
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
-        "registerWithTaints": [TAINT],
+        "registerWithTaints": [TAINT, RESERVED],
         # Only holders of a certificate from the sandbox's CA (the API server's kubelet client)
         # may call it: logs, exec, and the rest of the kubelet's API.
         "authentication": {
@@ -378,6 +382,7 @@ def chart_values(sandbox: Sandbox, spec: Spec, lay: NodeLayout, monitor_port: in
             ],
             "monitor": {"port": monitor_port},
             "deviceSplitCount": spec.split,
+            "tolerations": TOLERATIONS,
         }
     }
 

@@ -1,0 +1,232 @@
+"""A real container on the real GPU: containerd and runc start it with what the plugin's Allocate
+(on real NVML) handed out, and the hook, loaded through the container's /etc/ld.so.preload,
+holds the real driver to the grant.
+
+Runs with `pytest -m gpu` on a GPU machine that has containerd, ctr and runc on PATH (Debian's
+packages unpacked anywhere will do). The container's root file system holds the hook's test
+programs and the C library they need; the NVIDIA driver's libraries and device nodes are put in,
+as the NVIDIA container runtime does. The kubelet's side is the sandbox's stand-in
+(tests/e2e/test_real_node.py runs the upstream kubelet, on the stub driver).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_plugin_on_gpu import Pods  # the same in-memory API server (tests/gpu is on sys.path)
+
+from vgpu.annotations import (
+    ALLOCATION_ANNOTATION,
+    PHASE_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    encode_allocation,
+)
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.daemon import Daemon
+from vgpu.plugin.nvml import NvmlDiscovery
+from vgpu.plugin.paths import HostPaths, install_hook
+from vgpu.sandbox import realnode
+from vgpu.sandbox.kubelet import Kubelet
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "native" / "hook" / "build"
+PROGRAMS = ("t_alloc", "t_hold")
+DRIVER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if not found:
+        pytest.skip(
+            f"{name} is not on PATH: this GPU machine has no container runtime to run a container with"
+        )
+    return found
+
+
+def _ldd(path: Path) -> list[Path]:
+    out = subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True).stdout
+    return [Path(p) for p in re.findall(r"(/\S+) \(0x", out)]
+
+
+def _driver_lib(name: str) -> Path:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if line.strip().startswith(name + " ") and "x86-64" in line:
+            return Path(line.rsplit("=> ", 1)[1].strip())
+    for folder in ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu"):
+        if (Path(folder) / name).exists():
+            return Path(folder) / name
+    pytest.skip(f"the driver's {name} is not found")
+
+
+def _rootfs(folder: Path) -> Path:
+    """Programs, the libraries they need, and the driver's libraries, as the runtime injects them."""
+    rootfs = folder / "rootfs"
+    libdir = rootfs / "usr" / "lib" / "x86_64-linux-gnu"
+    for sub in (
+        "usr/local/bin",
+        "usr/lib/x86_64-linux-gnu",
+        "etc",
+        "tmp",
+        "proc",
+        "dev",
+        "lib64",
+        "usr/local/vgpu",
+    ):
+        (rootfs / sub).mkdir(parents=True, exist_ok=True)
+    needed: set[Path] = set()
+    for name in PROGRAMS:
+        shutil.copy2(BUILD / "tests" / name, rootfs / "usr" / "local" / "bin" / name)
+        needed |= set(_ldd(BUILD / "tests" / name))
+    needed |= set(_ldd(BUILD / "libvgpu.so"))
+    for name in DRIVER_LIBS:
+        lib = _driver_lib(name).resolve()
+        shutil.copy2(lib, libdir / name)
+        needed |= set(_ldd(lib))
+    for lib in needed:
+        if "stub" in str(lib) or lib.name in DRIVER_LIBS:
+            continue
+        target = rootfs / str(lib).lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(lib.resolve(), target)
+        shutil.copy2(lib.resolve(), libdir / lib.name)
+    (rootfs / "etc" / "ld.so.preload").write_text("")  # the mount goes over a file
+    return rootfs
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vgpu-ct-"))
+    try:
+        yield path
+    finally:
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            point = line.split()[4]
+            if point.startswith(str(path)):
+                subprocess.run(["umount", "--lazy", point], capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_its_grant(work: Path) -> None:
+    for name in ("containerd", "ctr", "runc"):
+        _tool(name)
+    if not (BUILD / "libvgpu.so").exists() or not all((BUILD / "tests" / p).exists() for p in PROGRAMS):
+        pytest.skip("the hook is not built: make native")
+
+    # The plugin on real NVML, with the hook installed as the DaemonSet installs it.
+    api = Pods()
+    node_root = work / "node"
+    kubelet = Kubelet("gpu-node", node_root, None)
+    kubelet.start()
+    nvml = NvmlDiscovery()
+    uuid = nvml.cards()[0].uuid
+    daemon = Daemon(
+        "gpu-node",
+        "kube-system",
+        HostPaths(node_root),
+        NodeConfig(split=5),
+        nvml,
+        api,
+        install_hook(BUILD / "libvgpu.so", HostPaths(node_root)),
+        ("127.0.0.1", 0),
+    )
+    daemon.start()
+    lay = realnode.NodeLayout(work / "ctd")
+    containerd: subprocess.Popen[bytes] | None = None
+    try:
+        assert kubelet.wait_for(lambda k: len(k.plugins["nvidia.com/gpu"].devices) > 0, 20)
+        alloc = Allocation("gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, 3000, 30),)),))
+        api.pods.append(
+            {
+                "metadata": {
+                    "name": "p",
+                    "namespace": "default",
+                    "uid": "u1",
+                    "creationTimestamp": "2026-01-01T00:00:00Z",
+                    "annotations": {
+                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
+                        PHASE_ANNOTATION: "bound",
+                    },
+                },
+                "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+            }
+        )
+        response = kubelet.allocate_container("u1", "nvidia.com/gpu", 1)
+        assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
+        mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
+        assert {"/etc/ld.so.preload", "/etc/vgpu/limits", "/usr/local/vgpu/libvgpu.so"} <= set(mounts)
+
+        # containerd, with everything of its own under the work folder.
+        lay.root.mkdir(parents=True)
+        lay.containerd_config.write_text(
+            realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
+        )
+        containerd = subprocess.Popen(
+            ["containerd", f"--config={lay.containerd_config}"],
+            stdout=open(work / "containerd.log", "wb"),  # noqa: SIM115 - closed with the process
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        ctr = ["ctr", f"--address={lay.containerd_socket}", "--namespace=vgpu-test"]
+        deadline = time.monotonic() + 30
+        while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, (work / "containerd.log").read_text()[-3000:]
+            time.sleep(0.3)
+
+        rootfs = _rootfs(work)
+        devices = [
+            d
+            for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+            if os.path.exists(d)
+        ]
+
+        def run(name: str, argv: list[str], with_preload: bool = True) -> str:
+            args = [*ctr, "run", "--rm", "--rootfs", str(rootfs)]
+            for path, (host, read_only) in mounts.items():
+                if path == "/etc/ld.so.preload" and not with_preload:
+                    continue
+                options = "rbind:ro" if read_only else "rbind:rw"
+                args.append(f"--mount=type=bind,src={host},dst={path},options={options}")
+            args += [f"--device={d}" for d in devices]
+            args += [f"--env={k}={v}" for k, v in response.envs.items()]
+            done = subprocess.run([*args, name, *argv], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+            return done.stdout + done.stderr
+
+        text = run("alloc", ["/usr/local/bin/t_alloc", "link", "alloc", "256"])
+        fields = dict(re.findall(r"^(\w+)=(\S+)$", text, re.M))
+        print(f"in a containerd container on {nvml.cards()[0].model}: {fields}")
+        chunks, refused = int(fields["chunks"]), int(fields["refused"])
+        assert refused == 2 and 1 <= chunks and chunks * 256 <= 3000, text
+        # One bounded allocation past the grant: refused with the preload, granted without it.
+        held = dict(re.findall(r"^(\w+)=(\S+)$", run("hold", ["/usr/local/bin/t_hold", "4000"]), re.M))
+        bare = dict(
+            re.findall(
+                r"^(\w+)=(\S+)$", run("bare", ["/usr/local/bin/t_hold", "4000"], with_preload=False), re.M
+            )
+        )
+        print(
+            f"t_hold 4000 MiB: with the preload held={held.get('held')}, without it held={bare.get('held')}"
+        )
+        assert held.get("held") == "2" and bare.get("held") == "0", (held, bare)
+    finally:
+        if containerd is not None:
+            containerd.terminate()
+            try:
+                containerd.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                containerd.kill()
+        daemon.stop()
+        kubelet.stop()
