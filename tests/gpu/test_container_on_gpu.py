@@ -42,7 +42,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "native" / "hook" / "build"
-PROGRAMS = ("t_alloc", "t_hold")
+PROGRAMS = ("t_alloc", "t_info")
 DRIVER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 
@@ -193,7 +193,7 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
         ]
 
         def run(name: str, argv: list[str], with_preload: bool = True) -> str:
-            args = [*ctr, "run", "--rm", "--rootfs", str(rootfs)]
+            args = [*ctr, "run", "--rm", "--rootfs"]  # a flag: the folder comes after every flag
             for path, (host, read_only) in mounts.items():
                 if path == "/etc/ld.so.preload" and not with_preload:
                     continue
@@ -201,7 +201,14 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
                 args.append(f"--mount=type=bind,src={host},dst={path},options={options}")
             args += [f"--device={d}" for d in devices]
             args += [f"--env={k}={v}" for k, v in response.envs.items()]
-            done = subprocess.run([*args, name, *argv], capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                # ctr's containers keep runc's state under /run/containerd: ids of their own
+                [*args, str(rootfs), f"vgpu-{name}-{work.name}", *argv],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
             return done.stdout + done.stderr
 
@@ -211,16 +218,16 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
         chunks, refused = int(fields["chunks"]), int(fields["refused"])
         assert refused == 2 and 1 <= chunks and chunks * 256 <= 3000, text
         # One bounded allocation past the grant: refused with the preload, granted without it.
-        held = dict(re.findall(r"^(\w+)=(\S+)$", run("hold", ["/usr/local/bin/t_hold", "4000"]), re.M))
-        bare = dict(
-            re.findall(
-                r"^(\w+)=(\S+)$", run("bare", ["/usr/local/bin/t_hold", "4000"], with_preload=False), re.M
-            )
-        )
+        one = run("one", ["/usr/local/bin/t_info", "link", "4000"])
+        held = dict(re.findall(r"^(\w+)=(\S+)$", one, re.M))
+        bare_text = run("bare", ["/usr/local/bin/t_info", "link", "4000"], with_preload=False)
+        bare = dict(re.findall(r"^(\w+)=(\S+)$", bare_text, re.M))
         print(
-            f"t_hold 4000 MiB: with the preload held={held.get('held')}, without it held={bare.get('held')}"
+            f"a 4000 MiB allocation: with the preload alloc={held.get('alloc')}, without {bare.get('alloc')}"
         )
-        assert held.get("held") == "2" and bare.get("held") == "0", (held, bare)
+        assert held.get("alloc") == "2" and bare.get("alloc") == "0", (held, bare)
+        # What the container's processes see of the card: the grant, not the card.
+        assert int(held["cu_total"]) == 3000 << 20 and int(bare["cu_total"]) > 100_000 << 20, (held, bare)
     finally:
         if containerd is not None:
             containerd.terminate()
