@@ -174,6 +174,9 @@ def why_not() -> str | None:
         )
     if not (Path("/sys/fs/cgroup/cgroup.controllers").exists() or Path("/sys/fs/cgroup/memory").is_dir()):
         return "no cgroup hierarchy is mounted at /sys/fs/cgroup, so runc cannot contain processes"
+    for tool, package in (("unshare", "util-linux"), ("ip", "iproute2")):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            return f"{tool} is missing (Debian package {package}); install it"
     probe = subprocess.run(
         ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "true"],
         capture_output=True,
