@@ -21,22 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_plugin_on_gpu import Pods  # the same in-memory API server (tests/gpu is on sys.path)
+from test_plugin_on_gpu import bind_pod, plugin_on_real_nvml  # tests/gpu is on sys.path
 
-from vgpu.annotations import (
-    ALLOCATION_ANNOTATION,
-    PHASE_ANNOTATION,
-    Allocation,
-    ContainerAllocation,
-    DeviceAllocation,
-    encode_allocation,
-)
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.nvml import NvmlDiscovery
 from vgpu.plugin.paths import HostPaths, install_hook
 from vgpu.sandbox import realnode
-from vgpu.sandbox.kubelet import Kubelet
 
 pytestmark = pytest.mark.gpu
 
@@ -126,114 +115,83 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
         pytest.skip("the hook is not built: make native")
 
     # The plugin on real NVML, with the hook installed as the DaemonSet installs it.
-    api = Pods()
     node_root = work / "node"
-    kubelet = Kubelet("gpu-node", node_root, None)
-    kubelet.start()
-    nvml = NvmlDiscovery()
-    uuid = nvml.cards()[0].uuid
-    daemon = Daemon(
-        "gpu-node",
-        "kube-system",
-        HostPaths(node_root),
-        NodeConfig(split=5),
-        nvml,
-        api,
-        install_hook(BUILD / "libvgpu.so", HostPaths(node_root)),
-        ("127.0.0.1", 0),
-    )
-    daemon.start()
+    hook = install_hook(BUILD / "libvgpu.so", HostPaths(node_root))
     lay = realnode.NodeLayout(work / "ctd")
     containerd: subprocess.Popen[bytes] | None = None
-    try:
-        assert kubelet.wait_for(lambda k: len(k.plugins["nvidia.com/gpu"].devices) > 0, 20)
-        alloc = Allocation("gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, 3000, 30),)),))
-        api.pods.append(
-            {
-                "metadata": {
-                    "name": "p",
-                    "namespace": "default",
-                    "uid": "u1",
-                    "creationTimestamp": "2026-01-01T00:00:00Z",
-                    "annotations": {
-                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
-                        PHASE_ANNOTATION: "bound",
-                    },
-                },
-                "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
-            }
-        )
-        response = kubelet.allocate_container("u1", "nvidia.com/gpu", 1)
-        assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
-        mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
-        assert {"/etc/ld.so.preload", "/etc/vgpu/limits", "/usr/local/vgpu/libvgpu.so"} <= set(mounts)
+    with plugin_on_real_nvml(node_root, hook) as (api, kubelet, _daemon):
+        try:
+            card = NvmlDiscovery().cards()[0]
+            bind_pod(api, "u1", card.uuid, 3000, 30)
+            response = kubelet.allocate_container("u1", "nvidia.com/gpu", 1)
+            assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
+            mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
+            assert {"/etc/ld.so.preload", "/etc/vgpu/limits", "/usr/local/vgpu/libvgpu.so"} <= set(mounts)
 
-        # containerd, with everything of its own under the work folder.
-        lay.root.mkdir(parents=True)
-        lay.containerd_config.write_text(
-            realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
-        )
-        containerd = subprocess.Popen(
-            ["containerd", f"--config={lay.containerd_config}"],
-            stdout=open(work / "containerd.log", "wb"),  # noqa: SIM115 - closed with the process
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        ctr = ["ctr", f"--address={lay.containerd_socket}", "--namespace=vgpu-test"]
-        deadline = time.monotonic() + 30
-        while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
-            assert time.monotonic() < deadline, (work / "containerd.log").read_text()[-3000:]
-            time.sleep(0.3)
-
-        rootfs = _rootfs(work)
-        devices = [
-            d
-            for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-            if os.path.exists(d)
-        ]
-
-        def run(name: str, argv: list[str], with_preload: bool = True) -> str:
-            args = [*ctr, "run", "--rm", "--rootfs"]  # a flag: the folder comes after every flag
-            for path, (host, read_only) in mounts.items():
-                if path == "/etc/ld.so.preload" and not with_preload:
-                    continue
-                options = "rbind:ro" if read_only else "rbind:rw"
-                args.append(f"--mount=type=bind,src={host},dst={path},options={options}")
-            args += [f"--device={d}" for d in devices]
-            args += [f"--env={k}={v}" for k, v in response.envs.items()]
-            done = subprocess.run(
-                # ctr's containers keep runc's state under /run/containerd: ids of their own
-                [*args, str(rootfs), f"vgpu-{name}-{work.name}", *argv],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=120,
+            # containerd, with everything of its own under the work folder.
+            lay.root.mkdir(parents=True)
+            lay.containerd_config.write_text(
+                realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
             )
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-            return done.stdout + done.stderr
+            containerd = subprocess.Popen(
+                ["containerd", f"--config={lay.containerd_config}"],
+                stdout=open(work / "containerd.log", "wb"),  # noqa: SIM115 - closed with the process
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            ctr = ["ctr", f"--address={lay.containerd_socket}", "--namespace=vgpu-test"]
+            deadline = time.monotonic() + 30
+            while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
+                assert time.monotonic() < deadline, (work / "containerd.log").read_text()[-3000:]
+                time.sleep(0.3)
 
-        text = run("alloc", ["/usr/local/bin/t_alloc", "link", "alloc", "256"])
-        fields = dict(re.findall(r"^(\w+)=(\S+)$", text, re.M))
-        print(f"in a containerd container on {nvml.cards()[0].model}: {fields}")
-        chunks, refused = int(fields["chunks"]), int(fields["refused"])
-        assert refused == 2 and 1 <= chunks and chunks * 256 <= 3000, text
-        # One bounded allocation past the grant: refused with the preload, granted without it.
-        one = run("one", ["/usr/local/bin/t_info", "link", "4000"])
-        held = dict(re.findall(r"^(\w+)=(\S+)$", one, re.M))
-        bare_text = run("bare", ["/usr/local/bin/t_info", "link", "4000"], with_preload=False)
-        bare = dict(re.findall(r"^(\w+)=(\S+)$", bare_text, re.M))
-        print(
-            f"a 4000 MiB allocation: with the preload alloc={held.get('alloc')}, without {bare.get('alloc')}"
-        )
-        assert held.get("alloc") == "2" and bare.get("alloc") == "0", (held, bare)
-        # What the container's processes see of the card: the grant, not the card.
-        assert int(held["cu_total"]) == 3000 << 20 and int(bare["cu_total"]) > 100_000 << 20, (held, bare)
-    finally:
-        if containerd is not None:
-            containerd.terminate()
-            try:
-                containerd.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                containerd.kill()
-        daemon.stop()
-        kubelet.stop()
+            rootfs = _rootfs(work)
+            devices = [
+                d
+                for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+                if os.path.exists(d)
+            ]
+
+            def run(name: str, argv: list[str], with_preload: bool = True) -> str:
+                args = [*ctr, "run", "--rm", "--rootfs"]  # a flag: the folder comes after every flag
+                for path, (host, read_only) in mounts.items():
+                    if path == "/etc/ld.so.preload" and not with_preload:
+                        continue
+                    options = "rbind:ro" if read_only else "rbind:rw"
+                    args.append(f"--mount=type=bind,src={host},dst={path},options={options}")
+                args += [f"--device={d}" for d in devices]
+                args += [f"--env={k}={v}" for k, v in response.envs.items()]
+                done = subprocess.run(
+                    # ctr's containers keep runc's state under /run/containerd: ids of their own
+                    [*args, str(rootfs), f"vgpu-{name}-" + re.sub("[^A-Za-z0-9]", "", work.name), *argv],
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+                return done.stdout + done.stderr
+
+            text = run("alloc", ["/usr/local/bin/t_alloc", "link", "alloc", "256"])
+            fields = dict(re.findall(r"^(\w+)=(\S+)$", text, re.M))
+            print(f"in a containerd container on {card.model}: {fields}")
+            chunks, refused = int(fields["chunks"]), int(fields["refused"])
+            assert refused == 2 and 1 <= chunks and chunks * 256 <= 3000, text
+            # One bounded allocation past the grant: refused with the preload, granted without it.
+            one = run("one", ["/usr/local/bin/t_info", "link", "4000"])
+            held = dict(re.findall(r"^(\w+)=(\S+)$", one, re.M))
+            bare_text = run("bare", ["/usr/local/bin/t_info", "link", "4000"], with_preload=False)
+            bare = dict(re.findall(r"^(\w+)=(\S+)$", bare_text, re.M))
+            print(
+                f"4000 MiB at once: with the preload alloc={held.get('alloc')}, without {bare.get('alloc')}"
+            )
+            assert held.get("alloc") == "2" and bare.get("alloc") == "0", (held, bare)
+            # What the container's processes see of the card: the grant, not the card.
+            assert int(held["cu_total"]) == 3000 << 20 and int(bare["cu_total"]) > 100_000 << 20, (held, bare)
+        finally:
+            if containerd is not None:
+                containerd.terminate()
+                try:
+                    containerd.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    containerd.kill()

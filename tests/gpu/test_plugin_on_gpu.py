@@ -6,6 +6,7 @@ pods are kept in memory (no API server on the GPU machine).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import urllib.request
@@ -26,7 +27,7 @@ from vgpu.annotations import (
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.plugin.paths import HookInstall, HostPaths
 from vgpu.sandbox.kubelet import Kubelet
 
 pytestmark = pytest.mark.gpu
@@ -70,36 +71,60 @@ def tmp_path() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_real_cards_are_advertised_and_allocated(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def plugin_on_real_nvml(
+    root: Path, hook: HookInstall | None = None
+) -> Iterator[tuple[Pods, Kubelet, Daemon]]:
+    """The whole plugin on real NVML under ``root``, registered with the kubelet stand-in."""
     api = Pods()
-    kubelet = Kubelet("gpu-node", tmp_path, None)
+    kubelet = Kubelet("gpu-node", root, None)
     kubelet.start()
-    nvml = NvmlDiscovery()
-    uuid = nvml.cards()[0].uuid
     daemon = Daemon(
-        "gpu-node", "kube-system", HostPaths(tmp_path), NodeConfig(split=5), nvml, api, None, ("127.0.0.1", 0)
+        "gpu-node",
+        "kube-system",
+        HostPaths(root),
+        NodeConfig(split=5),
+        NvmlDiscovery(),
+        api,
+        hook,
+        ("127.0.0.1", 0),
     )
     daemon.start()
     try:
-        count = len(nvml.cards())
+        assert kubelet.wait_for(lambda k: len(k.plugins["nvidia.com/gpu"].devices) > 0, 20)
+        yield api, kubelet, daemon
+    finally:
+        daemon.stop()
+        kubelet.stop()
+
+
+def bind_pod(api: Pods, uid: str, uuid: str, memory_mib: int, cores: int) -> None:
+    """A pod the scheduler bound to one share of card ``uuid``, as the plugin finds it at Allocate."""
+    alloc = Allocation(
+        "gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, memory_mib, cores),)),)
+    )
+    api.pods.append(
+        {
+            "metadata": {
+                "name": "p",
+                "namespace": "default",
+                "uid": uid,
+                "creationTimestamp": "2026-01-01T00:00:00Z",
+                "annotations": {ALLOCATION_ANNOTATION: encode_allocation(alloc), PHASE_ANNOTATION: "bound"},
+            },
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+        }
+    )
+
+
+def test_real_cards_are_advertised_and_allocated(tmp_path: Path) -> None:
+    nvml = NvmlDiscovery()
+    uuid = nvml.cards()[0].uuid
+    count = len(nvml.cards())
+    with plugin_on_real_nvml(tmp_path) as (api, kubelet, daemon):
         assert kubelet.wait_for(lambda k: len(k.plugins["nvidia.com/gpu"].devices) == 5 * count, 20)
         assert f"{uuid}::4" in kubelet.plugins["nvidia.com/gpu"].devices
-        alloc = Allocation("gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, 4096, 25),)),))
-        api.pods.append(
-            {
-                "metadata": {
-                    "name": "p",
-                    "namespace": "default",
-                    "uid": "u1",
-                    "creationTimestamp": "2026-01-01T00:00:00Z",
-                    "annotations": {
-                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
-                        PHASE_ANNOTATION: "bound",
-                    },
-                },
-                "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
-            }
-        )
+        bind_pod(api, "u1", uuid, 4096, 25)
         response = kubelet.allocate_container("u1", "nvidia.com/gpu", 1)
         assert response.envs["NVIDIA_VISIBLE_DEVICES"] == uuid
         assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "4096m"
@@ -110,6 +135,3 @@ def test_real_cards_are_advertised_and_allocated(tmp_path: Path) -> None:
             .decode()
         )
         assert f'uuid="{uuid}"' in body and "vgpu_card_memory_used_bytes" in body
-    finally:
-        daemon.stop()
-        kubelet.stop()
