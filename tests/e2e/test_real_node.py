@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from vgpu.sandbox import realnode
+from vgpu.sandbox import procs, realnode
 from vgpu.sandbox.cluster import Sandbox, Spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +95,11 @@ class Node:
 
     def kubelet_log(self) -> str:
         return (self.sandbox.logs_dir / "kubelet.log").read_text(errors="replace")
+
+    def component_pid(self, name: str) -> int:
+        state = self.sandbox.state()
+        assert state is not None
+        return [c.pid for c in state.components if c.name == name][-1]
 
     def monitor_port(self) -> int:
         state = self.sandbox.state()
@@ -355,6 +360,13 @@ def test_vgpu_status_and_the_monitor_show_the_containers_usage(
     _log(f"monitor /metrics: {used[0]}")
 
 
+def _exec_alloc(node: Node) -> dict[str, str]:
+    """t_alloc run by kubectl exec in the running workload container; empty until it answers."""
+    argv = ("exec", "-n", "default", "cuda-3000", "--", "t_alloc", "link", "alloc", "256")
+    out = node.kubectl(*argv, check=False).stdout
+    return _fields(out) if "alive=1" in out else {}
+
+
 def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_keeps_its_limits(
     prepared: Node, workload: dict[str, Any]
 ) -> None:
@@ -378,11 +390,35 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_ke
     status = pod["status"]["containerStatuses"][0]
     assert status["containerID"] == container_id and status["restartCount"] == 0, status
     # A new process in the running container still meets the grant: 1024 MiB are held, so fewer
-    # 256 MiB chunks fit under 3000 than before.
-    out = node.kubectl("exec", "-n", "default", "cuda-3000", "--", "t_alloc", "link", "alloc", "256").stdout
-    fields = _fields(out)
-    assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, out
+    # 256 MiB chunks fit under 3000 than before. (The new kubelet answers exec once it has
+    # synced its pods.)
+    fields = _wait("kubectl exec through the new kubelet", lambda: _exec_alloc(node), 60, every=2)
+    assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, fields
     _log(f"after the restart, kubectl exec t_alloc: chunks={fields['chunks']} refused={fields['refused']}")
+
+
+def test_after_a_containerd_restart_the_running_container_keeps_running_and_its_limits(
+    prepared: Node, workload: dict[str, Any]
+) -> None:
+    node = prepared
+    before = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]
+    old_pid = node.component_pid("containerd")
+    seconds = realnode.restart(node.sandbox, "containerd")
+    assert node.component_pid("containerd") != old_pid and not procs.alive(old_pid)
+    _log(f"containerd restarted in {seconds:.1f}s (pid {old_pid} -> {node.component_pid('containerd')})")
+    # The shims kept the containers; the kubelet finds containerd again on the same socket.
+    listed = realnode._crictl(node.lay, "ps", "--name", "cuda", "-o", "json")
+    assert any(c["state"] == "CONTAINER_RUNNING" for c in json.loads(listed.stdout)["containers"]), (
+        listed.stdout
+    )
+
+    fields = _wait("kubectl exec through the new containerd", lambda: _exec_alloc(node), 60, every=2)
+    assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, fields
+    after = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]
+    assert after["containerID"] == before["containerID"] and after["restartCount"] == 0, after
+    _log(
+        f"after the containerd restart, same container: chunks={fields['chunks']} refused={fields['refused']}"
+    )
 
 
 def test_deleting_the_pod_frees_its_room(prepared: Node, workload: dict[str, Any]) -> None:
