@@ -52,6 +52,7 @@ def test_the_chart_has_a_ci_values_file_for_each_install_scenario() -> None:
         "custom-split-scaling",
         "no-webhook",
         "custom-registry",
+        "driverless-node",
     }
 
 
@@ -288,6 +289,29 @@ def test_the_device_plugin_command_line_is_accepted_by_the_real_plugin_cli() -> 
     assert str(args.hook_library) == "/usr/local/vgpu/libvgpu.so"
     mounts = {m["mountPath"] for m in container(pod, "device-plugin")["volumeMounts"]}
     assert str(args.config.parent) in mounts
+
+
+def test_a_driverless_node_gets_the_fake_nvml_file_the_host_network_and_its_api_address() -> None:
+    """devicePlugin.hostNetwork/extraArgs/extraEnv/extraVolumes/extraVolumeMounts, as the real
+    plugin CLI reads the result (the sandbox's real node runs exactly this)."""
+    objs = render("-f", str(CHART / "ci" / "driverless-node-values.yaml"))
+    pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    plugin = container(pod, "device-plugin")
+    parser = argparse.ArgumentParser()
+    plugin_cli.register(parser)
+    args = parser.parse_args([a.replace("$(NODE_NAME)", "n") for a in plugin["command"][2:]])
+    assert args.fake_nvml == Path("/etc/vgpu/fake-nvml/gpus.yaml")
+    assert str(args.hook_library) == "/usr/local/vgpu/libvgpu.so"  # the chart's own flags stay
+    env = {e["name"]: e.get("value") for e in plugin["env"]}
+    assert env["KUBERNETES_SERVICE_HOST"] == "10.0.0.10" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    mount = next(m for m in plugin["volumeMounts"] if m["name"] == "fake-nvml")
+    assert mount["mountPath"] == str(args.fake_nvml.parent) and mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == "fake-nvml")
+    assert volume["hostPath"]["path"] == "/etc/vgpu-sandbox"
+    # The default keeps the pod network.
+    default = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in default and all(v["name"] != "fake-nvml" for v in default["volumes"])
 
 
 def test_node_settings_reach_the_plugin_as_it_reads_them() -> None:

@@ -162,6 +162,13 @@ BAD_VALUES = [
         "/scheduler/extender/extraEnv/0/name",
         "does not match",
     ),
+    (["--set", "devicePlugin.extraArgs[0]=fake-nvml"], "/devicePlugin/extraArgs/0", "does not match"),
+    (
+        ["--set", "devicePlugin.extraVolumeMounts[0].name=x"],
+        "/devicePlugin/extraVolumeMounts/0",
+        "missing property 'mountPath'",
+    ),
+    (["--set-string", "devicePlugin.hostNetwork=yes"], "/devicePlugin/hostNetwork", "want boolean"),
 ]
 
 
