@@ -88,7 +88,8 @@ def main() -> int:
         timings = json.loads((realnode.layout_of(sandbox).record).read_text())["timings"]
         print(
             f"sandbox up --real-node: {up:.1f} s (containerd to node Ready "
-            f"{timings['containerd_to_ready_s']} s, of which the images' import {timings['images_import_s']} s)"
+            f"{timings['containerd_to_ready_s']} s, of which importing the images "
+            f"{timings['images_import_s']} s)"
         )
         env = dict(os.environ, KUBECONFIG=str(sandbox.kubeconfig))
         started = time.monotonic()
@@ -107,9 +108,8 @@ def main() -> int:
         if play.returncode != 0:
             print(play.stdout[-3000:])
             return 1
-        print(
-            f"ansible-playbook site.yml (role on the real node, chart, plugin pod ready): {time.monotonic() - started:.1f} s"
-        )
+        took = time.monotonic() - started
+        print(f"ansible-playbook site.yml (role on the real node, chart, plugin pod ready): {took:.1f} s")
         # The plugin must have registered before a vGPU pod can be admitted by the kubelet.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
