@@ -36,29 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pod(name: str, gpu: bool) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": "cuda",
-        "image": "docker.io/vgpu/sample:dev",
-        "imagePullPolicy": "Never",
-        "command": ["/bin/sh", "-c", "t_alloc link alloc 256 >/dev/null; echo started; sleep 3600"],
-        "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": "8192"}],
-    }
-    tolerations = [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}]
-    if gpu:
-        container["resources"] = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}
-    else:
-        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": realnode.NAME},
-            "tolerations": tolerations,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [container],
-        },
-    }
+    command = "t_alloc link alloc 256 >/dev/null; echo started; sleep 3600"
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"} if gpu else None
+    return realnode.sample_pod(name, command, limits, 8192)
 
 
 def _start_time(sandbox: Sandbox, name: str, gpu: bool) -> float:

@@ -36,7 +36,6 @@ VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME
 CARD_MIB = 8192
 SPLIT = 4
-SAMPLE = "docker.io/vgpu/sample:dev"
 NAMESPACE = "kube-system"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -202,30 +201,7 @@ def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_wi
 
 
 def _sample_pod(name: str, command: str, resources: dict[str, str] | None) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": "cuda",
-        "image": SAMPLE,
-        "imagePullPolicy": "Never",
-        "command": ["/bin/sh", "-c", command],
-        # The stub driver's card (the fake NVML describes the same size to the plugin).
-        "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(CARD_MIB)}],
-    }
-    spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "nodeSelector": {"kubernetes.io/hostname": NODE},
-        "terminationGracePeriodSeconds": 1,
-        "containers": [container],
-        # The sandbox keeps its real node to pods that ask for it. The GPU node's own taint is
-        # tolerated by the API server's ExtendedResourceToleration for pods asking for GPUs.
-        "tolerations": [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
-    }
-    if resources:
-        container["resources"] = {"limits": resources}
-    else:
-        # No GPU asked: nothing gives this pod the GPU node's toleration.
-        spec["tolerations"].append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-    metadata = {"name": name, "namespace": "default"}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+    return realnode.sample_pod(name, command, resources, CARD_MIB)
 
 
 WORKLOAD = (

@@ -108,26 +108,8 @@ def run_on_the_real_node(sandbox: Sandbox) -> None:
         "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "
         "t_alloc link alloc 256 | grep -E 'chunks|refused'; sleep infinity | t_hold 1024"
     )
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": REAL_NODE_POD, "namespace": "default"},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": realnode.NAME},
-            "tolerations": [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "cuda",
-                    "image": "docker.io/vgpu/sample:dev",
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", command],
-                    "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(Spec().gpu_memory_mib)}],
-                    "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}},
-                }
-            ],
-        },
-    }
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}
+    pod = realnode.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
     say(f"a pod on the real node {realnode.NAME}: the sample image, 3000 MiB, 256 MiB at a time")
     sandbox.kubectl("delete", "pod", REAL_NODE_POD, "--ignore-not-found", "--wait=true", check=False)
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod))

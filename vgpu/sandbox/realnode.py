@@ -390,6 +390,42 @@ def chart_values(sandbox: Sandbox, spec: Spec, lay: NodeLayout, monitor_port: in
     }
 
 
+SAMPLE_IMAGE = "docker.io/vgpu/sample:dev"
+
+
+def sample_pod(name: str, command: str, limits: dict[str, str] | None, card_mib: int) -> dict[str, Any]:
+    """A pod of the sample image on the real node, running ``command`` in a shell.
+
+    ``card_mib`` is the stub driver's card (the fake NVML describes the same size to the plugin).
+    The sandbox keeps its real node to pods that ask for it; the GPU node's own taint is tolerated
+    by the API server's ExtendedResourceToleration for pods asking for GPUs, so only a pod without
+    ``limits`` carries that toleration itself."""
+    container: dict[str, Any] = {
+        "name": "cuda",
+        "image": SAMPLE_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", command],
+        "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(card_mib)}],
+    }
+    tolerations = [{"key": RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}]
+    if limits:
+        container["resources"] = {"limits": limits}
+    else:
+        tolerations.append({"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": NAME},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container],
+            "tolerations": tolerations,
+        },
+    }
+
+
 # ---- up --------------------------------------------------------------------------------------
 def _load_record(lay: NodeLayout) -> dict[str, Any]:
     try:
