@@ -101,10 +101,7 @@ def work() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
-            point = line.split()[4]
-            if point.startswith(str(path)):
-                subprocess.run(["umount", "--lazy", point], capture_output=True)
+        realnode.unmount_under(path)
         shutil.rmtree(path, ignore_errors=True)
 
 

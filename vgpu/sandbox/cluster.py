@@ -176,6 +176,12 @@ class Sandbox:
             found["kubectl"] = binaries.find("kubectl")
         if spec.apiserver_port:
             procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
+        if spec.real_node:
+            from vgpu.sandbox import realnode
+
+            reason = realnode.why_not()
+            if reason:
+                raise SandboxError(f"--real-node: {reason}")
         start = time.monotonic()
         self._reset_folder()
         self._state = State(spec=spec, started=time.time())
@@ -452,12 +458,13 @@ class Sandbox:
             state = None
         if state is not None:
             pids |= {c.pid for c in state.components}
-            node_pids = {c.name: c.pid for c in state.components if c.name in ("containerd", "kubelet")}
             if state.spec.real_node:
                 from vgpu.sandbox import realnode
 
                 # Pods through the CRI first, while the API server still answers nothing new.
-                realnode.stop(self, node_pids)
+                realnode.stop(
+                    self, {c.name: c.pid for c in state.components if c.name in realnode.COMPONENTS}
+                )
         procs.stop_all(pids, self.state_dir)
         for proc in self._procs.values():
             try:

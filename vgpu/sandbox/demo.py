@@ -146,16 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             if sandbox.is_running():
                 say("the sandbox is degraded; restarting it")
                 sandbox.down()
-            real = ""
-            if args.real_node:
-                from vgpu.sandbox import realnode
-
-                reason = realnode.why_not()
-                if reason:
-                    raise SandboxError(f"--real-node: {reason}")
-                real = " --real-node"
-            say(f"vgpu sandbox up --nodes {args.nodes}{real}")
-            spec = Spec(nodes=args.nodes, real_node=bool(real))
+            say(f"vgpu sandbox up --nodes {args.nodes}{' --real-node' if args.real_node else ''}")
+            spec = Spec(nodes=args.nodes, real_node=args.real_node)
             seconds = sandbox.up(spec, progress=lambda m: print(f"  {m}", flush=True))
             print(f"  up in {seconds:.1f}s")
         print(sandbox.kubectl("get", "nodes", "-L", "gpu").stdout)

@@ -129,14 +129,19 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 30.0) -> None:
         proc.wait()
 
 
-def stop_all(pids: Iterable[int], state_dir: Path, grace: float = 5.0) -> None:
-    """SIGTERM, a grace period, then SIGKILL; the /proc sweep catches strays."""
-    targets = set(pids) | set(tagged_pids(state_dir))
+def stop_all(pids: Iterable[int], state_dir: Path | None, grace: float = 5.0) -> None:
+    """SIGTERM, a grace period, then SIGKILL; the /proc sweep of ``state_dir``'s tag catches strays
+    (``None``: only ``pids`` and their groups, as for the real node's daemons and shims)."""
+
+    def tagged() -> set[int]:
+        return set(tagged_pids(state_dir)) if state_dir is not None else set()
+
+    targets = set(pids) | tagged()
     for pid in targets:
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        targets = {p for p in targets | set(tagged_pids(state_dir)) if alive(p)}
+        targets = {p for p in targets | tagged() if alive(p)}
         if not targets:
             return
         time.sleep(0.1)
@@ -144,12 +149,12 @@ def stop_all(pids: Iterable[int], state_dir: Path, grace: float = 5.0) -> None:
         _signal_group(pid, signal.SIGKILL)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        left = [p for p in tagged_pids(state_dir) if alive(p)]
+        left = [p for p in tagged() if alive(p)]
         if not left:
             return
         for pid in left:
             _signal_group(pid, signal.SIGKILL)
         time.sleep(0.1)
-    left = [p for p in tagged_pids(state_dir) if alive(p)]
+    left = [p for p in tagged() if alive(p)]
     if left:
         raise SandboxError(f"processes {left} of the sandbox would not die; kill them by hand (kill -9)")

@@ -175,7 +175,7 @@ def why_not() -> str | None:
     if not (Path("/sys/fs/cgroup/cgroup.controllers").exists() or Path("/sys/fs/cgroup/memory").is_dir()):
         return "no cgroup hierarchy is mounted at /sys/fs/cgroup, so runc cannot contain processes"
     for tool, package in (("unshare", "util-linux"), ("ip", "iproute2")):
-        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+        if _system_binary(tool) is None:
             return f"{tool} is missing (Debian package {package}); install it"
     probe = subprocess.run(
         ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "true"],
@@ -507,10 +507,9 @@ def _wait_kubelet(sandbox: Sandbox, healthz_port: int) -> None:
 
 
 def start(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
-    """containerd, the images, then the kubelet; returns when the node is Ready."""
-    reason = why_not()
-    if reason:
-        raise SandboxError(f"--real-node: {reason}")
+    """containerd, the images, then the kubelet; returns when the node is Ready.
+
+    ``Sandbox.up`` has checked ``why_not`` before it started anything."""
     lay = layout_of(sandbox)
     lay.root.mkdir(mode=0o700)
     for folder in (
@@ -621,7 +620,7 @@ def restart(sandbox: Sandbox, component: str) -> float:
     lay = layout_of(sandbox)
     start_t = time.monotonic()
     old = found[-1]
-    procs.stop_all([old.pid], Path("/nonexistent"), grace=20)
+    procs.stop_all([old.pid], None, grace=20)
     sandbox.adopt(state)
     state.components.remove(old)
     sandbox.launch(component, old.argv, old.port)
@@ -640,14 +639,16 @@ def restarts(sandbox: Sandbox) -> dict[str, int]:
     return dict(_load_record(layout_of(sandbox)).get("restarts") or {})
 
 
-def _mounts_under(root: Path) -> list[str]:
+def unmount_under(root: Path) -> None:
+    """Detach every mount at or below ``root``, deepest first (lazily: busy ones go when freed)."""
     found = []
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
         for line in f:
             point = line.split()[4].encode().decode("unicode_escape")
             if point == str(root) or point.startswith(str(root) + "/"):
                 found.append(point)
-    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+    for point in sorted(found, key=lambda p: p.count("/"), reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
 
 
 def _shims_of(lay: NodeLayout) -> list[int]:
@@ -678,7 +679,7 @@ def stop(sandbox: Sandbox, pids: dict[str, int]) -> None:
         return
     record = _load_record(lay)
     if "kubelet" in pids:
-        procs.stop_all([pids["kubelet"]], Path("/nonexistent"), grace=10)
+        procs.stop_all([pids["kubelet"]], None, grace=10)
     temporary: subprocess.Popen[bytes] | None = None
     if lay.containerd_config.exists() and not _socket_answers(lay.containerd_socket):
         # containerd is gone (a crash, a killed sandbox): start it again to remove the pods properly.
@@ -703,24 +704,18 @@ def stop(sandbox: Sandbox, pids: dict[str, int]) -> None:
                 _ctr(lay, "tasks", "kill", "--all", "--signal=SIGKILL", task, timeout=30)
                 _ctr(lay, "tasks", "delete", "--force", task, timeout=30)
     if "containerd" in pids:
-        procs.stop_all([pids["containerd"]], Path("/nonexistent"), grace=10)
+        procs.stop_all([pids["containerd"]], None, grace=10)
     if temporary is not None:
         procs.stop_group(temporary, grace=10)
     shims = _shims_of(lay)
     if shims:
-        procs.stop_all(shims, Path("/nonexistent"), grace=5)
-    for point in _mounts_under(lay.root):
-        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
+        procs.stop_all(shims, None, grace=5)
+    unmount_under(lay.root)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
     for created in record.get("created", []):
-        path = Path(created)
-        for point in _mounts_under(path):
-            subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
-        shutil.rmtree(path, ignore_errors=True)
+        unmount_under(Path(created))
+        shutil.rmtree(created, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         # Our kubelet's registration socket, when /var/lib/kubelet was there before us.
         (HOST_PLUGIN_DIR / "kubelet.sock").unlink()
-    shutil.rmtree(lay.root, ignore_errors=True)
-    for point in _mounts_under(lay.root):
-        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30)
     shutil.rmtree(lay.root, ignore_errors=True)
