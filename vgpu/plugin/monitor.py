@@ -190,7 +190,7 @@ class NodeCollector(Collector):
         )
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
         sampled: list[tuple[str, int, str]] = []
-        for folder in sorted(self._region_dirs()):
+        for folder in self._region_dirs():
             pod_uid, _, container = folder.name.partition("_")
             namespace, pod = names.get(pod_uid, ("", ""))
             try:
@@ -286,13 +286,21 @@ class NodeCollector(Collector):
         writes.add_metric([self.node], float(stats.flag_writes))
         yield from (passes, regions, took, writes)
 
-    def _region_dirs(self) -> Iterator[Path]:
+    def _region_dirs(self) -> list[Path]:
         try:
-            for folder in self.paths.containers_dir.iterdir():
-                if (folder / REGION_FILE_NAME).is_file():
-                    yield folder
+            return region_dirs(self.paths.containers_dir)
         except OSError:
-            return
+            return []
+
+
+def region_dirs(containers_dir: Path) -> list[Path]:
+    """The containers' folders that hold a region, sorted; none when the folder is not there yet.
+    Raises OSError when it cannot be read."""
+    try:
+        folders = sorted(containers_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    return [folder for folder in folders if (folder / REGION_FILE_NAME).is_file()]
 
 
 def region_usage(containers_dir: Path) -> dict[str, dict[str, int]]:
@@ -301,13 +309,7 @@ def region_usage(containers_dir: Path) -> dict[str, dict[str, int]]:
     What the node's Lease carries for ``vgpu status``; unreadable regions are left out (the
     monitor's metrics report them)."""
     usage: dict[str, dict[str, int]] = {}
-    try:
-        folders = sorted(containers_dir.iterdir())
-    except FileNotFoundError:
-        return usage
-    for folder in folders:
-        if not (folder / REGION_FILE_NAME).is_file():
-            continue
+    for folder in region_dirs(containers_dir):
         try:
             with Region(folder / REGION_FILE_NAME, mapped=False) as region:
                 snap = region.snapshot()
