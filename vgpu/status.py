@@ -155,7 +155,8 @@ def build_status(
                     reason=reason,
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
                 )
-                used = (usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}") or {}).get(d.uuid)
+                per_card = usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}")
+                used = per_card.get(d.uuid) if isinstance(per_card, dict) else None
                 share.used_bytes = used if isinstance(used, int) and used >= 0 else None
                 card = cards.get(d.uuid)
                 (card.shares if card else node_status.unplaced).append(share)

@@ -113,7 +113,7 @@ def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignor
     assert [(s.pod, s.used_bytes) for s in card_b.shares] == [("b", 5)]
     assert "ml/a main  3000 MiB  30%  allocated  using 1664 MiB" in render_text([status])
 
-    for bad in ("{not json", "[1, 2]", '"text"'):
+    for bad in ("{not json", "[1, 2]", '"text"', '{"uid-a_main": [1]}', '{"uid-a_main": {"GPU-a": "5"}}'):
         with_usage["metadata"]["annotations"] = {USAGE_ANNOTATION: bad}
         [status] = build_status([node("n1")], [a], [with_usage], NOW)
         assert status.cards[0].shares[0].used_bytes is None
