@@ -6,7 +6,6 @@ module creates (the release, an extra node) is removed at the end."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,49 +16,15 @@ from typing import Any
 import pytest
 import yaml
 
+from playbooks import play, play_recap
 from vgpu.sandbox.cluster import Sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 NAMESPACE = "kube-system"
 RELEASE = "vgpu"
 EXTRA_NODE = "vgpu-ansible-e2e"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-
-def _play(
-    sandbox: Sandbox, playbook: str, *extra: str, inventory: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = dict(
-        os.environ,
-        KUBECONFIG=str(sandbox.kubeconfig),
-        VGPU_BIN_DIR=str(sandbox.bin("helm").parent.parent),
-        ANSIBLE_NOCOLOR="1",
-        ANSIBLE_FORCE_COLOR="0",
-    )
-    return subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "-i",
-            str(inventory or ROOT / "inventory" / "sandbox.yml"),
-            str(ROOT / "playbooks" / playbook),
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-
-
-def _recap(result: subprocess.CompletedProcess[str]) -> dict[str, dict[str, int]]:
-    recap = result.stdout.split("PLAY RECAP", 1)[-1]
-    return {
-        host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counts)}
-        for host, counts in re.findall(r"^(\S+)\s+:\s+(.*)$", recap, re.M)
-    }
 
 
 def _helm(sandbox: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
@@ -82,7 +47,7 @@ def _get(sandbox: Sandbox, *args: str) -> Any:
 
 @pytest.fixture(scope="module")
 def site_run(sandbox: Sandbox) -> Iterator[subprocess.CompletedProcess[str]]:
-    result = _play(sandbox, "site.yml")
+    result = play(sandbox, "site.yml")
     try:
         yield result
     finally:
@@ -118,9 +83,9 @@ def test_a_second_site_run_changes_nothing(
 ) -> None:
     assert site_run.returncode == 0
     before = _release(sandbox)
-    again = _play(sandbox, "site.yml")
+    again = play(sandbox, "site.yml")
     assert again.returncode == 0, again.stdout[-4000:]
-    recap = _recap(again)
+    recap = play_recap(again)
     assert set(recap) >= {"localhost", "vgpu-node-0"}
     assert all(counts["changed"] == 0 for counts in recap.values()), recap
     after = _release(sandbox)
@@ -130,7 +95,7 @@ def test_a_second_site_run_changes_nothing(
 def test_a_cluster_version_the_chart_does_not_support_stops_before_anything_is_installed(
     sandbox: Sandbox, site_run: subprocess.CompletedProcess[str]
 ) -> None:
-    result = _play(
+    result = play(
         sandbox,
         "vgpu.yml",
         "-e",
@@ -150,7 +115,7 @@ def test_upgrade_playbook_moves_the_release_to_new_images_and_reports_both_revis
     assert site_run.returncode == 0
     before = _release(sandbox)
     assert before is not None
-    result = _play(sandbox, "upgrade.yml", "-e", "vgpu_scheduler_image_tag=0.1.0-upgrade-test")
+    result = play(sandbox, "upgrade.yml", "-e", "vgpu_scheduler_image_tag=0.1.0-upgrade-test")
     assert result.returncode == 0, result.stdout[-4000:]
     after = _release(sandbox)
     assert after is not None and int(after["revision"]) == int(before["revision"]) + 1
@@ -191,12 +156,12 @@ def test_gpu_nodes_play_labels_a_new_node_and_uninstall_removes_the_label_and_th
         )
     )
 
-    labelled = _play(sandbox, "gpu_nodes.yml", inventory=inventory)
+    labelled = play(sandbox, "gpu_nodes.yml", inventory=inventory)
     assert labelled.returncode == 0, labelled.stdout[-4000:]
-    assert _recap(labelled)[EXTRA_NODE]["changed"] == 1
+    assert play_recap(labelled)[EXTRA_NODE]["changed"] == 1
     assert _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"].get("gpu") == "on"
 
-    removed = _play(sandbox, "uninstall.yml", inventory=inventory)
+    removed = play(sandbox, "uninstall.yml", inventory=inventory)
     assert removed.returncode == 0, removed.stdout[-4000:]
     assert "gpu" not in _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"]
     assert _release(sandbox) is None
@@ -229,14 +194,14 @@ def test_a_node_missing_from_the_cluster_stops_the_play_naming_the_fix(
             }
         )
     )
-    result = _play(sandbox, "gpu_nodes.yml", inventory=inventory)
+    result = play(sandbox, "gpu_nodes.yml", inventory=inventory)
     assert result.returncode != 0
     assert "Node no-such-node is not registered with the cluster" in result.stdout
     assert "Fix: join the node to the cluster first" in result.stdout
 
 
 def test_upgrade_playbook_without_an_installed_release_stops_naming_the_fix(sandbox: Sandbox) -> None:
-    result = _play(sandbox, "upgrade.yml", "-e", "vgpu_scheduler_release_name=never-installed")
+    result = play(sandbox, "upgrade.yml", "-e", "vgpu_scheduler_release_name=never-installed")
     assert result.returncode != 0
     assert "There is no release never-installed in namespace kube-system to upgrade" in result.stdout
     assert "Fix: install it first with playbooks/site.yml" in result.stdout

@@ -13,7 +13,6 @@ reason. The sandbox runs in its own folder and is taken down at the end, pods an
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -27,11 +26,10 @@ from typing import Any
 
 import pytest
 
+from playbooks import play, play_recap
 from vgpu.sandbox import procs, realnode
 from vgpu.sandbox.cluster import Sandbox, Spec
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME
 CARD_MIB = 8192
@@ -70,15 +68,7 @@ class Node:
         self.plays: list[subprocess.CompletedProcess[str]] = []
 
     def play(self, playbook: str = "site.yml") -> subprocess.CompletedProcess[str]:
-        env = dict(
-            os.environ,
-            KUBECONFIG=str(self.sandbox.kubeconfig),
-            VGPU_BIN_DIR=str(self.sandbox.bin("helm").parent.parent),
-            ANSIBLE_NOCOLOR="1",
-            ANSIBLE_FORCE_COLOR="0",
-        )
-        argv = [str(ANSIBLE_PLAYBOOK), "-i", str(self.inventory), str(ROOT / "playbooks" / playbook)]
-        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        result = play(self.sandbox, playbook, inventory=self.inventory, timeout=600)
         self.plays.append(result)
         return result
 
@@ -104,14 +94,6 @@ class Node:
         state = self.sandbox.state()
         assert state is not None
         return state.ports["real-node-monitor"]
-
-
-def _recap(result: subprocess.CompletedProcess[str]) -> dict[str, dict[str, int]]:
-    recap = result.stdout.split("PLAY RECAP", 1)[-1]
-    return {
-        host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counts)}
-        for host, counts in re.findall(r"^(\S+)\s+:\s+(.*)$", recap, re.M)
-    }
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +137,7 @@ def _plugin_running(node: Node) -> dict[str, Any] | None:
 def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node(prepared: Node) -> None:
     node = prepared
     first = node.plays[0]
-    recap = _recap(first)
+    recap = play_recap(first)
     assert recap[NODE]["failed"] == 0 and recap[NODE]["changed"] >= 2, recap
     config = node.lay.containerd_config.read_text()
     # nvidia-ctk (NVIDIA's, built from Go modules) merged its runtime and kept ours.
@@ -169,7 +151,7 @@ def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node
 
     again = node.play()
     assert again.returncode == 0, again.stdout[-4000:]
-    recap2 = _recap(again)
+    recap2 = play_recap(again)
     assert all(counts["changed"] == 0 for counts in recap2.values()), recap2
     assert realnode.restarts(node.sandbox)["containerd"] == 1, "containerd restarted without a change"
     _log(f"second run: {recap2}; containerd restarts still 1")
