@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-IMAGE_DIR = Path(os.environ.get("VGPU_IMAGE_DIR") or REPO / ".cache" / "images")
+from vgpu.sandbox import realnode
+
+IMAGE_DIR = realnode.image_dir()  # make images writes there (VGPU_IMAGE_DIR, else <repo>/.cache/images)
 REFS = {
     "device-plugin": "docker.io/vgpu/device-plugin:dev",
     "scheduler": "docker.io/vgpu/scheduler:dev",
