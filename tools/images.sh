@@ -10,7 +10,7 @@
 # Writes ${VGPU_IMAGE_DIR:-<repo>/.cache/images}/<name>.tar (a stamp beside each: an image is
 # rebuilt only when what it packs changed) and images.json. The Debian base, the dependency
 # wheels and ocipack are cached by their inputs under ${VGPU_BIN_DIR:-<repo>/.cache/bin}.
-# Needs root (debootstrap, chroot), debootstrap, gcc, make, Go (first run) and the repo's venv
+# Needs root (debootstrap, chroot), debootstrap (installed with apt-get where missing), gcc, make, Go (first run) and the repo's venv
 # (.venv/bin/pip, or VGPU_PIP) for `pip wheel`. VGPU_DEBIAN_MIRROR picks the Debian mirror.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -69,7 +69,16 @@ build_base() {
   need_root
   local debootstrap
   debootstrap=$(command -v debootstrap || { [ -x /usr/sbin/debootstrap ] && echo /usr/sbin/debootstrap; } || true)
-  [ -n "$debootstrap" ] || die "debootstrap is missing; install it with: apt-get install -y debootstrap"
+  if [ -z "$debootstrap" ] && command -v apt-get >/dev/null; then
+    # A fresh Debian has no debootstrap: install it as node-setup.sh installs containerd.
+    log "base: installing debootstrap (Debian package)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends debootstrap >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends debootstrap >/dev/null; } ||
+      die "apt-get install debootstrap failed (output above)"
+    debootstrap=$(command -v debootstrap || echo /usr/sbin/debootstrap)
+  fi
+  [ -n "$debootstrap" ] && [ -x "$debootstrap" ] || die "debootstrap is missing; install it with: apt-get install -y debootstrap"
   log "base: debootstrap --variant=minbase --include=$BASE_PACKAGES $SUITE from $mirror (first time only, a few minutes)"
   local start=$SECONDS tmp
   mkdir -p "$bin_dir"
