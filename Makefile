@@ -15,10 +15,10 @@ SETUP_IMAGES := $(if $(filter 0,$(shell id -u)),images,)
 
 setup: venv tools native fuzz-tools node-tools $(SETUP_IMAGES) ## everything the tests, fuzzing and the demo need; rebuilds only what is missing
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml sandbox/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' -e ./sandbox
 	touch $@
 
 venv: $(BIN)/.installed
@@ -52,8 +52,8 @@ gpu-test: venv native ## on a machine with an NVIDIA GPU
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
 lint: venv tools ## ruff, mypy, ansible-lint, helm lint --strict
-	$(BIN)/ruff check vgpu tests bench fuzz
-	$(BIN)/ruff format --check vgpu tests bench fuzz
+	$(BIN)/ruff check vgpu sandbox tests bench fuzz
+	$(BIN)/ruff format --check vgpu sandbox tests bench fuzz
 	$(BIN)/mypy
 	@if [ -d roles ]; then PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ansible-lint --offline -q playbooks roles; fi
 	@if [ -d charts/vgpu ]; then $(VGPU_BIN_DIR)/current/helm lint --strict charts/vgpu; fi
@@ -62,7 +62,7 @@ proto: venv ## regenerate the kubelet device-plugin stubs
 	@if [ -f vgpu/plugin/proto.mk ]; then $(MAKE) -f vgpu/plugin/proto.mk BIN=$(BIN); fi
 
 demo: setup ## the sandbox, the playbook, sample pods placed and shown (REAL_NODE=1: and a pod on a real node, as root)
-	$(BIN)/python -m vgpu.sandbox.demo $(if $(REAL_NODE),--real-node)
+	$(BIN)/python -m vgpu_sandbox.demo $(if $(REAL_NODE),--real-node)
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -1,9 +1,9 @@
-"""Figures for vgpu.kube's calls per scheduled pod: CPU of a Binding, and of reading watch events.
+"""Figures for vgpu.kube.client's calls per scheduled pod: CPU of a Binding, and of reading watch events.
 
 Run: .venv/bin/python bench/bench_kube_client.py [--pods 300]
 
 Against a control-plane-only sandbox (a real API server): ``--pods`` pods are bound one after
-another on one thread, first through vgpu.kubewire (what the extender uses), then through urllib3
+another on one thread, first through vgpu.kube.wire (what the extender uses), then through urllib3
 (the generated client's connection pool, what a kubeconfig with a proxy uses), and the CPU time of
 the calling thread per Binding is printed for each, with the wall time. Then the pods' watch is
 read from the start through each path, and the CPU per event printed. Asserts nothing.
@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu.kube import Kube
-from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.cluster import Sandbox, Spec
+
+from vgpu.kube.client import Kube
 
 NS = "bench-kube"
 

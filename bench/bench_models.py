@@ -82,7 +82,7 @@ def build(kind):
     return getattr(torchvision.models, kind)(weights=None)
 
 def region(writable=False):
-    from vgpu.region import Region
+    from vgpu.hookabi.region import Region
     return Region(region_path, writable=writable)
 
 def spilled():

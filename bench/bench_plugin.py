@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 import yaml
+from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.kubelet import Kubelet
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     PHASE_ANNOTATION,
     Allocation,
@@ -32,14 +34,12 @@ from vgpu.annotations import (
     DeviceAllocation,
     encode_allocation,
 )
-from vgpu.kube import NodeAgentClient
+from vgpu.kube.client import NodeAgentClient
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.paths import HostPaths
-from vgpu.sandbox.cluster import Sandbox, Spec
-from vgpu.sandbox.kubelet import Kubelet
 
 NS = "bench"
 
@@ -163,7 +163,7 @@ def bench_rss(sb: Sandbox, tmp: Path, cards: int, split: int) -> None:
         [
             sys.executable,
             "-m",
-            "vgpu.cli",
+            "vgpu.commands.cli",
             "device-plugin",
             f"--node={node}",
             f"--kubeconfig={sb.kubeconfig}",

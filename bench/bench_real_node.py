@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu.sandbox import realnode
-from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox import realnode
+from vgpu_sandbox.cluster import Sandbox, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vgpu.sandbox.binaries import repo_root
-from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.binaries import repo_root
+from vgpu_sandbox.cluster import Sandbox, Spec
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]

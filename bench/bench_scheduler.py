@@ -56,13 +56,13 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from vgpu_sandbox import controlplane
+from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.pki import CertificateAuthority
 
-from vgpu import annotations as ann
+from vgpu.core import annotations as ann
 from vgpu.extender.worker import SHORT_PARSER_ENV
-from vgpu.kube import Kube, now_micro
-from vgpu.sandbox import controlplane
-from vgpu.sandbox.cluster import Sandbox, Spec
-from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.kube.client import Kube, now_micro
 
 SCHEDULER = "vgpu-bench"
 NAMESPACE = "bench"
@@ -259,7 +259,7 @@ class Extender:
         if not short_parser:
             env[SHORT_PARSER_ENV] = "0"
         argv = [
-            sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sb.kubeconfig}",
+            sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={sb.kubeconfig}",
             f"--listen=127.0.0.1:{self.port}", f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}", "--namespace=kube-system",
             f"--scheduler-name={SCHEDULER}", "--identity=bench",

@@ -20,15 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vgpu import annotations as ann
-from vgpu import grant as grants
-from vgpu import region
-from vgpu.config import SchedulerConfig
-from vgpu.errors import AnnotationError, RequestError
+from vgpu.core import annotations as ann
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.requests import asks_for_vgpu, parse_pod
 from vgpu.extender import worker
 from vgpu.extender.app import _dumps, create_app
 from vgpu.extender.state import SchedulerState
-from vgpu.requests import asks_for_vgpu, parse_pod
+from vgpu.hookabi import grant as grants
+from vgpu.hookabi import region
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = SchedulerConfig()
@@ -48,7 +48,7 @@ def _json(data: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/annotations.py: contracts 2 and 3
+# vgpu/core/annotations.py: contracts 2 and 3
 
 
 def check_devices_annotation(data: bytes) -> None:
@@ -77,7 +77,7 @@ def check_allocation_annotation(data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/requests.py: contract 1
+# vgpu/core/requests.py: contract 1
 
 
 def check_pod_request(data: bytes) -> None:
@@ -183,7 +183,7 @@ def check_worker_head(data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/region.py: the node monitor's reader of a container's region file
+# vgpu/hookabi/region.py: the node monitor's reader of a container's region file
 
 _region_dir: str | None = None
 
@@ -220,7 +220,7 @@ def check_region_file(data: bytes) -> None:
             assert d.uuid == header.uuid(d.index)
 
 
-# vgpu/grant.py: a container's grant as the monitor, the arbiter and `vgpu limits` read it
+# vgpu/hookabi/grant.py: a container's grant as the monitor, the arbiter and `vgpu limits` read it
 
 
 def check_grant_file(data: bytes) -> None:

@@ -1,5 +1,5 @@
 /* The grant: the limits the device plugin granted this container, in a file the container can
- * only read (vgpu/grant.py has the full story). Found at VGPU_GRANT_PATH (/etc/vgpu/limits,
+ * only read (vgpu/hookabi/grant.py has the full story). Found at VGPU_GRANT_PATH (/etc/vgpu/limits,
  * mounted read-only by the device plugin) whatever the environment says; only where that path
  * does not exist (a process run by hand) may VGPU_GRANT_FILE name one. While a grant governs,
  * every limit comes from it and the environment's limits are ignored.

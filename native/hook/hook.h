@@ -71,7 +71,7 @@ HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
 HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL when not enabled */
 HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
 
-/* grant.c: the limits granted to the container, read-only to it (vgpu/grant.py) */
+/* grant.c: the limits granted to the container, read-only to it (vgpu/hookabi/grant.py) */
 HIDDEN int vgpu_grant_load(struct vgpu_config *cfg); /* 1: a grant governs cfg; 0: none; -1: damaged, cfg refuses */
 HIDDEN int vgpu_grant_state(void);                   /* 1: valid, 0: no grant, -1: damaged: refuse allocations */
 HIDDEN const struct vgpu_grant *vgpu_grant(void);    /* the read-only map, NULL without a grant */

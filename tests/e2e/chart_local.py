@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from vgpu.sandbox.procs import free_port
+from vgpu_sandbox.procs import free_port
 
 
 def local_extender_flags(command: Sequence[str], cert: Path, key: Path) -> tuple[int, list[str]]:

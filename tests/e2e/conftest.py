@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from vgpu.sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.cluster import Sandbox, Spec
 
 E2E_NODES = 3
 E2E_GPUS_PER_NODE = 4

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vgpu.sandbox.cluster import Sandbox
+from vgpu_sandbox.cluster import Sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")

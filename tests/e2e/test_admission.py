@@ -26,10 +26,9 @@ import pytest
 import requests
 import yaml
 from chart_local import local_extender_flags
-
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.pki import CertificateAuthority
-from vgpu.sandbox.procs import stop_group
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.pki import CertificateAuthority
+from vgpu_sandbox.procs import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -133,7 +132,7 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     log = (folder / "extender.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags],
+        [sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

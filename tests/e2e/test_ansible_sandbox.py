@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
+from vgpu_sandbox.cluster import Sandbox
 
 from playbooks import play, play_recap
-from vgpu.sandbox.cluster import Sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "kube-system"

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import yaml
 from chart_local import local_extender_flags
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.procs import free_port
 
-from vgpu.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.procs import free_port
+from vgpu.core.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -233,7 +233,10 @@ def _running(argv: list[str], what: str, ready: Callable[[], bool]) -> Iterator[
     """Runs ``vgpu ARGV`` until the block ends; fails if it is not ready in time or if any API
     call it made was refused."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "vgpu.commands.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 90

@@ -31,11 +31,11 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from chart_local import local_extender_flags
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.procs import stop_group
 
-from vgpu import annotations as ann
-from vgpu.kube import now_micro
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.procs import stop_group
+from vgpu.core import annotations as ann
+from vgpu.kube.client import now_micro
 
 pytestmark = pytest.mark.e2e
 
@@ -147,7 +147,14 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
     for name, data in chart.tls.items():
         (tmp_path / name).write_bytes(data)
     port, flags = local_extender_flags(chart.extender, tmp_path / "tls.crt", tmp_path / "tls.key")
-    extender = [sys.executable, "-m", "vgpu.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags]
+    extender = [
+        sys.executable,
+        "-m",
+        "vgpu.commands.cli",
+        "extender",
+        f"--kubeconfig={sandbox.kubeconfig}",
+        *flags,
+    ]
 
     # kube-scheduler: the chart's config, reaching the extender on 127.0.0.1 under the Service's name
     config = chart.config

@@ -1,4 +1,4 @@
-"""vgpu.kube's own HTTP/1.1 calls (the Binding and watches, see vgpu.kubewire) against the real API server."""
+"""vgpu.kube.client's own HTTP/1.1 calls (Binding, watches: vgpu.kube.wire) on the real API server."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from vgpu_sandbox.cluster import Sandbox
 
-from vgpu.errors import ConflictError, KubeError
-from vgpu.kube import Gone, Kube
-from vgpu.sandbox.cluster import Sandbox
+from vgpu.core.errors import ConflictError, KubeError
+from vgpu.kube.client import Gone, Kube
 
 NS = "vgpu-kube-client"
 
@@ -216,7 +216,7 @@ class ConnectProxy:
 
 
 def test_a_kubeconfig_with_a_proxy_binds_and_watches_through_it(sandbox: Sandbox, tmp_path: Path) -> None:
-    """The generated-client path (vgpu.kubewire does not speak to proxies) still binds and watches."""
+    """The generated-client path (vgpu.kube.wire does not speak to proxies) still binds and watches."""
     proxy = ConnectProxy()
     try:
         config = yaml.safe_load(Path(sandbox.kubeconfig).read_text())

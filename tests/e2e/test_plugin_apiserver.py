@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 import yaml
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION, Kubelet
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -33,13 +35,11 @@ from vgpu.annotations import (
     encode_allocation,
     lease_name,
 )
-from vgpu.kube import NodeAgentClient
+from vgpu.kube.client import NodeAgentClient
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.paths import HostPaths
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION, Kubelet
 
 NAMESPACE = "kube-system"
 SPLIT = 4

@@ -13,15 +13,16 @@ import sys
 import time
 from typing import Any
 
-from vgpu.annotations import (
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
+
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
     decode_allocation,
     decode_devices,
 )
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
 NAME = "vgpu-e2e-plugin"
 POD: dict[str, Any] = {
@@ -100,7 +101,15 @@ def test_an_applied_vgpu_pod_starts_with_the_limits_the_scheduler_chose(sandbox:
         assert record["small"]["envs"]["CUDA_TASK_PRIORITY"] == "1"
 
         status = subprocess.run(
-            [sys.executable, "-m", "vgpu.cli", "status", f"--kubeconfig={sandbox.kubeconfig}", "-o", "json"],
+            [
+                sys.executable,
+                "-m",
+                "vgpu.commands.cli",
+                "status",
+                f"--kubeconfig={sandbox.kubeconfig}",
+                "-o",
+                "json",
+            ],
             capture_output=True,
             text=True,
             timeout=60,

@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 import pytest
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
-from vgpu.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, decode_allocation
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
+from vgpu.core.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, decode_allocation
 
 NODE = "vgpu-node-1"
 PODS = 8

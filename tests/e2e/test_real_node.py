@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vgpu_sandbox import procs, realnode
+from vgpu_sandbox.cluster import Sandbox, Spec
 
 from playbooks import play, play_recap
-from vgpu.sandbox import procs, realnode
-from vgpu.sandbox.cluster import Sandbox, Spec
 
 VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME

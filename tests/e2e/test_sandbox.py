@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from vgpu.sandbox.cluster import Sandbox
+from vgpu_sandbox.cluster import Sandbox
 
 
 def _wait(predicate, timeout: float = 60.0, every: float = 0.5):  # type: ignore[no-untyped-def]

@@ -18,10 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from vgpu.sandbox import procs
-from vgpu.sandbox.cluster import Sandbox, Spec
-from vgpu.sandbox.errors import SandboxError
+from vgpu_sandbox import procs
+from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.errors import SandboxError
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +29,7 @@ def vgpu(
     *args: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "vgpu.cli", *args],
+        [sys.executable, "-m", "vgpu.commands.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -113,7 +112,7 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
 def test_down_after_up_itself_was_killed_midway_leaves_nothing(short_dir: Path) -> None:
     sb_dir = (short_dir / "killed").resolve()
     up = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
+        [sys.executable, "-m", "vgpu.commands.cli", "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 import requests
+from vgpu_sandbox import controlplane
+from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.pki import CertificateAuthority
+from vgpu_sandbox.procs import free_port, stop_group
 
-from vgpu import annotations as ann
-from vgpu.kube import now_micro
-from vgpu.sandbox import controlplane
-from vgpu.sandbox.cluster import Sandbox
-from vgpu.sandbox.pki import CertificateAuthority
-from vgpu.sandbox.procs import free_port, stop_group
+from vgpu.core import annotations as ann
+from vgpu.kube.client import now_micro
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +59,7 @@ class OwnScheduler:
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.argv = [
-            sys.executable, "-m", "vgpu.cli", "extender",
+            sys.executable, "-m", "vgpu.commands.cli", "extender",
             f"--kubeconfig={sandbox.kubeconfig}", f"--listen=127.0.0.1:{self.port}",
             f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}",
@@ -75,7 +75,7 @@ class OwnScheduler:
                 managed_resources=MANAGED,
             )
         )
-        # as the sandbox's product runs it (vgpu/sandbox/product.py): a pod the extender refused
+        # as the sandbox's product runs it (sandbox/vgpu_sandbox/product.py): a pod the extender refused
         # is retried at least every 10 s. Without it the retry rides on cluster events only, and
         # the event of a freed pod can reach kube-scheduler before the extender's watch frees the
         # capacity: the retry is refused and the next one waits for another event or 5 minutes.

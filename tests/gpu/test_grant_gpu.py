@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from gpu_figures import record
 
-from vgpu.grant import Grant, write_grant
-from vgpu.region import Region
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.hookabi.region import Region
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from gpu_figures import record
 
-from vgpu.region import Region
+from vgpu.hookabi.region import Region
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from gpu_figures import Clocks, record
 
-from vgpu.region import Region
+from vgpu.hookabi.region import Region
 
 pytestmark = pytest.mark.gpu
 
@@ -129,7 +129,7 @@ def limits_set(container_dir: Path, *args: str) -> None:
         [
             sys.executable,
             "-m",
-            "vgpu.cli",
+            "vgpu.commands.cli",
             "limits",
             "set",
             "--container-dir",
@@ -284,7 +284,7 @@ def test_sm_limit_changes_on_a_running_process(lib: Path, tmp_path: Path) -> Non
 
 
 def test_priority_1_yields_while_priority_0_is_busy_and_resumes_after(lib: Path, tmp_path: Path) -> None:
-    from vgpu.plugin.arbiter import Arbiter
+    from vgpu.plugin.monitor.arbiter import Arbiter
 
     containers = tmp_path / "containers"
     for name in ("low", "high"):

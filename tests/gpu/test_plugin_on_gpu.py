@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vgpu_sandbox.kubelet import Kubelet
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     PHASE_ANNOTATION,
     Allocation,
@@ -28,7 +29,6 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.nvml import NvmlDiscovery
 from vgpu.plugin.paths import HookInstall, HostPaths
-from vgpu.sandbox.kubelet import Kubelet
 
 pytestmark = pytest.mark.gpu
 

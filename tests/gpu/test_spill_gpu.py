@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from gpu_figures import record
 
-from vgpu.region import Region
+from vgpu.hookabi.region import Region
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from vgpu.sandbox import binaries
+from vgpu_sandbox import binaries
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"

@@ -21,12 +21,12 @@ from chart_support import CHART, KUBE_VERSION, NS, find, helm, render
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu import region
-from vgpu.plugin.arbiter import Arbiter
+from vgpu.hookabi import region
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.monitor import NodeCollector, make_registry
+from vgpu.plugin.monitor.arbiter import Arbiter
+from vgpu.plugin.monitor.collector import NodeCollector, make_registry
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
 NAME = "vgpu-grafana-dashboard"

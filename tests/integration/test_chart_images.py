@@ -110,6 +110,6 @@ def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     (wheel,) = tmp_path.glob("vgpu-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"vgpu/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
+    assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "vgpu = vgpu.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "vgpu = vgpu.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

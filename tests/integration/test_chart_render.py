@@ -27,8 +27,8 @@ from chart_support import (
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from vgpu.annotations import LEASE_PREFIX
-from vgpu.config import load_config
+from vgpu.core.annotations import LEASE_PREFIX
+from vgpu.core.config import load_config
 from vgpu.extender import cli as extender_cli
 from vgpu.plugin import cli as plugin_cli
 from vgpu.plugin.config import NodeConfig, parse_node_config

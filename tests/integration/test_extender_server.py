@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from vgpu.sandbox.pki import CertificateAuthority
-from vgpu.sandbox.procs import stop_group
+from vgpu_sandbox.pki import CertificateAuthority
+from vgpu_sandbox.procs import stop_group
 
 
 def free_port() -> int:
@@ -57,7 +56,7 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     log = tmp / "extender.log"
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     argv = [
-        sys.executable, "-m", "vgpu.cli", "extender",
+        sys.executable, "-m", "vgpu.commands.cli", "extender",
         "--kubeconfig", str(_kubeconfig(tmp / "kubeconfig")),
         "--listen", f"127.0.0.1:{port}",
         "--cert-file", str(pair.cert), "--key-file", str(pair.key),
@@ -149,7 +148,7 @@ def test_metrics_are_served_on_their_own_port_from_the_worker_in_multiprocess_mo
 
 def test_the_cli_refuses_to_start_without_a_certificate(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "vgpu.cli", "extender", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "vgpu.commands.cli", "extender", "--listen", "127.0.0.1:0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -159,7 +158,7 @@ def test_the_cli_refuses_to_start_without_a_certificate(tmp_path: Path) -> None:
 
 def test_the_cli_names_a_bad_setting(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "vgpu.cli", "extender", "--default-cores", "300", "--insecure-http"],
+        [sys.executable, "-m", "vgpu.commands.cli", "extender", "--default-cores", "300", "--insecure-http"],
         capture_output=True,
         text=True,
         timeout=60,

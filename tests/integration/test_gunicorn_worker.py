@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from vgpu.sandbox.pki import CertificateAuthority
-from vgpu.sandbox.procs import free_port
+from vgpu_sandbox.pki import CertificateAuthority
+from vgpu_sandbox.procs import free_port
 
 APP = textwrap.dedent(
     """

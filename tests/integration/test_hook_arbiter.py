@@ -16,7 +16,7 @@ import pytest
 import yaml
 from hook_harness import Built, Holder, build, env
 
-from vgpu import region
+from vgpu.hookabi import region
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
 # the stub's device N has a UUID made of bytes 0x10+N
@@ -100,7 +100,17 @@ def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy
     )
     port = free_port()
     monitor = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
+        [
+            sys.executable,
+            "-m",
+            "vgpu.commands.cli",
+            "monitor",
+            "--node",
+            "n1",
+            "--no-kube",
+            "--root",
+            str(tmp_path),
+        ]
         + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "10"]
         # a window wide enough to see a launch's effect on a busy CI machine
         + ["--activity-window-ms", "1000"],
@@ -163,7 +173,17 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     monitor = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
+        [
+            sys.executable,
+            "-m",
+            "vgpu.commands.cli",
+            "monitor",
+            "--node",
+            "n1",
+            "--no-kube",
+            "--root",
+            str(tmp_path),
+        ]
         + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,6 +1,6 @@
 """libvgpu over the stub driver under a grant: limits the container's processes cannot lift.
 
-The grant (vgpu/grant.py) is what the device plugin mounts read-only at /etc/vgpu/limits. Most
+The grant (vgpu/hookabi/grant.py) is what the device plugin mounts read-only at /etc/vgpu/limits. Most
 tests name it with VGPU_GRANT_FILE, which the hook honours only where /etc/vgpu/limits does not
 exist (a process run by hand). The last test puts the processes where a container's are: in a
 mount namespace of their own, /etc/ld.so.preload naming the hook, the grant mounted read-only
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, Holder, build, env, parse, run
 
-from vgpu.grant import Grant, apply_limits, encode, read_grant, write_grant
-from vgpu.region import GRANT_LAYOUT, GRANT_PAYLOAD, HEADER_LAYOUT, Region
+from vgpu.hookabi.grant import Grant, apply_limits, encode, read_grant, write_grant
+from vgpu.hookabi.region import GRANT_LAYOUT, GRANT_PAYLOAD, HEADER_LAYOUT, Region
 
 MIB = 1 << 20
 OUT_OF_MEMORY = 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, Holder, build, env, run
 
-from vgpu.cli import main
+from vgpu.commands.cli import main
 
 MIB = 1 << 20
 

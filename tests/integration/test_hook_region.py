@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, Holder, build, env, run
 
-from vgpu import region
-from vgpu.region import Region
+from vgpu.hookabi import region
+from vgpu.hookabi.region import Region
 
 MIB = 1 << 20
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, build, env
 
-from vgpu.region import Region
+from vgpu.hookabi.region import Region
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hook_harness import STUB_MIB, Built, Holder, build, env, run
 
-from vgpu.region import Region
+from vgpu.hookabi.region import Region
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -15,8 +15,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from vgpu.sandbox import realnode
+from vgpu_sandbox import realnode
 
 IMAGE_DIR = realnode.image_dir()  # make images writes there (VGPU_IMAGE_DIR, else <repo>/.cache/images)
 REFS = {

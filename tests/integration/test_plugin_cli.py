@@ -15,7 +15,7 @@ def start(tmp_path: Path, *extra: str, gpus: str | None = GPUS) -> subprocess.Co
     argv = [
         sys.executable,
         "-m",
-        "vgpu.cli",
+        "vgpu.commands.cli",
         "device-plugin",
         "--node=n1",
         f"--kubeconfig={tmp_path / 'no-such-kubeconfig'}",
@@ -97,7 +97,7 @@ def test_vgpu_monitor_serves_a_nodes_metrics_and_stops_on_sigterm(tmp_path: Path
         [
             sys.executable,
             "-m",
-            "vgpu.cli",
+            "vgpu.commands.cli",
             "monitor",
             "--node=n1",
             "--no-kube",

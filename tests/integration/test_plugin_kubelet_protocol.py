@@ -18,8 +18,9 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from vgpu_sandbox.kubelet import Kubelet
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -33,7 +34,6 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.paths import HostPaths
-from vgpu.sandbox.kubelet import Kubelet
 
 NODE = "node-a"
 SPLIT = 3

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     Allocation,
@@ -23,7 +23,7 @@ from vgpu.annotations import (
     encode_devices,
     lease_name,
 )
-from vgpu.errors import AnnotationError, VgpuError
+from vgpu.core.errors import AnnotationError, VgpuError
 
 H200 = Device(
     uuid="GPU-aaaa",

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.config import SchedulerConfig, load_config
-from vgpu.errors import ConfigError
+from vgpu.core.config import SchedulerConfig, load_config
+from vgpu.core.errors import ConfigError
 
 
 def test_defaults_apply_when_nothing_is_given() -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
-from vgpu import annotations as ann
-from vgpu.config import SchedulerConfig
+from vgpu.core import annotations as ann
+from vgpu.core.config import SchedulerConfig
 from vgpu.extender.app import create_app
 from vgpu.extender.state import SchedulerState
 
@@ -83,7 +83,7 @@ def test_filter_rejects_a_node_that_is_full_with_the_shortage_named(
 
 
 def ann_usage(mem: int) -> Any:
-    from vgpu.ledger import vgpu_usage
+    from vgpu.core.ledger import vgpu_usage
 
     return vgpu_usage(mem, 0)
 

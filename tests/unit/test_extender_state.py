@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from vgpu import annotations as ann
-from vgpu.config import SchedulerConfig
-from vgpu.errors import KubeError
+from vgpu.core import annotations as ann
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.errors import KubeError
+from vgpu.core.ledger import Usage
 from vgpu.extender.state import ASSUME_TTL_S, NUDGE_WINDOW_S, SchedulerState
-from vgpu.ledger import Usage
 
 CFG = SchedulerConfig()
 NOW = 2_000_000.0
@@ -286,7 +286,7 @@ def test_filter_keep_comes_from_the_flag_then_the_environment_then_the_default()
 def test_a_bad_filter_keep_is_refused_naming_where_it_came_from(
     flag: int | None, env: dict[str, str], named: str
 ) -> None:
-    from vgpu.errors import ConfigError
+    from vgpu.core.errors import ConfigError
     from vgpu.extender.cli import filter_keep_setting
 
     with pytest.raises(ConfigError, match=named) as info:

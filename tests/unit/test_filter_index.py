@@ -15,12 +15,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vgpu import annotations as ann
-from vgpu.config import SchedulerConfig
+from vgpu.core import annotations as ann
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.fit import card_summary, may_fit, quick_fits
+from vgpu.core.ledger import Usage, vgpu_usage
+from vgpu.core.requests import ContainerRequest, Selection
 from vgpu.extender.state import SchedulerState
-from vgpu.fit import card_summary, may_fit, quick_fits
-from vgpu.ledger import Usage, vgpu_usage
-from vgpu.requests import ContainerRequest, Selection
 
 NOW = 2_000_000.0
 MODELS = ("NVIDIA H200", "Tesla T4")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vgpu.annotations import Device, NodeInventory
-from vgpu.config import SchedulerConfig
-from vgpu.fit import Plan, Rejection, fit_node
-from vgpu.ledger import Ledger, Usage
-from vgpu.policy import node_scores
-from vgpu.requests import parse_pod
+from vgpu.core.annotations import Device, NodeInventory
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.fit import Plan, Rejection, fit_node
+from vgpu.core.ledger import Ledger, Usage
+from vgpu.core.policy import node_scores
+from vgpu.core.requests import parse_pod
 
 CFG = SchedulerConfig()
 

@@ -1,7 +1,7 @@
 """Properties of the fit over random clusters and request sequences (hypothesis).
 
 The oracle below is an independent brute force: it tries every assignment of every vGPU to a card
-and checks the per-card limits directly, so it shares no search code with :mod:`vgpu.fit`.
+and checks the per-card limits directly, so it shares no search code with :mod:`vgpu.core.fit`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vgpu.annotations import Device, NodeInventory
-from vgpu.fit import Plan, fit_node, quick_fits
-from vgpu.ledger import ZERO, Ledger, Usage, vgpu_usage
-from vgpu.requests import ContainerRequest, PodRequest, Selection
+from vgpu.core.annotations import Device, NodeInventory
+from vgpu.core.fit import Plan, fit_node, quick_fits
+from vgpu.core.ledger import ZERO, Ledger, Usage, vgpu_usage
+from vgpu.core.requests import ContainerRequest, PodRequest, Selection
 
 MODELS = ("NVIDIA H200", "Tesla T4")
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from fuzz.properties import TARGETS
-from vgpu import annotations as ann
-from vgpu.errors import AnnotationError, RequestError
-from vgpu.requests import parse_quantity
+from vgpu.core import annotations as ann
+from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.requests import parse_quantity
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "fuzz"

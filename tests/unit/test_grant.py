@@ -1,4 +1,4 @@
-"""The grant (vgpu/grant.py): its codec, damage detection, and changes made in place."""
+"""The grant (vgpu/hookabi/grant.py): its codec, damage detection, and changes made in place."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu.grant import (
+from vgpu.hookabi.grant import (
     Grant,
     GrantError,
     apply_limits,
@@ -21,7 +21,7 @@ from vgpu.grant import (
     update_grant,
     write_grant,
 )
-from vgpu.region import GRANT_LAYOUT, GRANT_PAYLOAD, LimitError, Region, fnv1a64, format_region
+from vgpu.hookabi.region import GRANT_LAYOUT, GRANT_PAYLOAD, LimitError, Region, fnv1a64, format_region
 
 GIB = 1 << 30
 

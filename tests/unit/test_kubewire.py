@@ -1,4 +1,4 @@
-"""vgpu.kubewire against a scripted HTTP/1.1 server on a real socket (plain TCP and verified TLS).
+"""vgpu.kube.wire against a scripted HTTP/1.1 server on a real socket (plain TCP and verified TLS).
 
 The API server never sends a malformed answer or closes a kept-alive connection on demand, so
 those cases are scripted here; the calls against the real API server are in
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
+from vgpu_sandbox.pki import CertificateAuthority
 
-from vgpu.kubewire import Wire, WireError
-from vgpu.sandbox.pki import CertificateAuthority
+from vgpu.kube.wire import Wire, WireError
 
 # a handler reads one request from the connection and answers (or not); False ends the connection
 Handler = Callable[[socket.socket, bytes, int], bool]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vgpu import region
-from vgpu.cli import main
-from vgpu.grant import Grant, read_grant, write_grant
+from vgpu.commands.cli import main
+from vgpu.hookabi import region
+from vgpu.hookabi.grant import Grant, read_grant, write_grant
 from vgpu.plugin.paths import REGION_FILE_NAME
 
 MIB = 1 << 20

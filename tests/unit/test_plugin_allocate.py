@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     PHASE_ANNOTATION,
     REASON_ANNOTATION,
@@ -24,7 +24,7 @@ from vgpu.annotations import (
     DeviceAllocation,
     encode_allocation,
 )
-from vgpu.grant import Grant, read_grant
+from vgpu.hookabi.grant import Grant, read_grant
 from vgpu.plugin.allocate import AllocateError, Allocator
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu import region
-from vgpu.errors import ConfigError
-from vgpu.grant import Grant, grant_path, write_grant
-from vgpu.plugin.arbiter import Activity, Arbiter, add_arguments, decide, settings
+from vgpu.core.errors import ConfigError
+from vgpu.hookabi import region
+from vgpu.hookabi.grant import Grant, grant_path, write_grant
+from vgpu.plugin.monitor.arbiter import Activity, Arbiter, add_arguments, decide, settings
 from vgpu.plugin.paths import REGION_FILE_NAME
 
 Y, A, G = region.FLAG_YIELD, region.FLAG_ALONE, region.FLAG_GUARD

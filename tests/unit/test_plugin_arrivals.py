@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from vgpu.errors import KubeError
+from vgpu.core.errors import KubeError
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.errors import ConfigError
+from vgpu.core.errors import ConfigError
 from vgpu.plugin.config import NodeConfig, load_node_config, parse_node_config
 from vgpu.plugin.fake_nvml import FakeDiscovery, parse_fake_gpus
 

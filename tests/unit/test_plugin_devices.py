@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from vgpu.annotations import decode_devices, encode_devices
+from vgpu.core.annotations import decode_devices, encode_devices
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.discovery import Card

@@ -12,13 +12,13 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu import region
-from vgpu.grant import Grant, write_grant
-from vgpu.plugin.arbiter import Arbiter
+from vgpu.hookabi import region
+from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
-from vgpu.plugin.monitor import NodeCollector, make_registry
+from vgpu.plugin.monitor.arbiter import Arbiter
+from vgpu.plugin.monitor.collector import NodeCollector, make_registry
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
 MIB = 1 << 20
@@ -42,7 +42,7 @@ class Cards:
 
 
 def write_region(path: Path, devices: list[tuple[str, int, int]], procs: list[tuple[int, list[int]]]) -> None:
-    """A region file as the hook lays it out (offsets from vgpu.region), then limits set through it."""
+    """A region file as the hook lays it out (offsets from vgpu.hookabi.region), then limits set."""
     h, s = region.HEADER_LAYOUT.offsets, region.SLOT_LAYOUT.offsets
     buf = bytearray(region.REGION_SIZE)
     struct.pack_into("<Q", buf, h["magic"], region.MAGIC)
@@ -344,7 +344,7 @@ def test_a_replaced_region_starts_its_ratio_anew_and_a_removed_one_is_forgotten(
 def test_region_usage_reports_each_containers_memory_per_card_and_skips_what_it_cannot_read(
     tmp_path: Path,
 ) -> None:
-    from vgpu.plugin.monitor import region_usage
+    from vgpu.plugin.monitor.collector import region_usage
 
     containers = tmp_path / "containers"
     write_region(
@@ -364,7 +364,7 @@ def test_region_usage_reports_each_containers_memory_per_card_and_skips_what_it_
 def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
     import json as _json
 
-    from vgpu.annotations import USAGE_ANNOTATION
+    from vgpu.core.annotations import USAGE_ANNOTATION
     from vgpu.plugin.report import NodeReporter
 
     calls: list[dict[str, str] | None] = []

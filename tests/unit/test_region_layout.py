@@ -1,4 +1,4 @@
-"""The region layout has one definition (vgpu/region.py); the C header is generated from it."""
+"""The region layout has one definition (vgpu/hookabi/region.py); the C header is generated from it."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from vgpu import region
+from vgpu.hookabi import region
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "hook" / "region_layout.h"
 
 
 def test_the_committed_c_header_is_generated_from_the_python_layout() -> None:
     assert HEADER.read_text() == region.c_header(), (
-        "run: python -m vgpu.region --c-header > native/hook/region_layout.h"
+        "run: python -m vgpu.hookabi.region --c-header > native/hook/region_layout.h"
     )
 
 

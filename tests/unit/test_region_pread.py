@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu import region
+from vgpu.hookabi import region
 
 H = region.HEADER_LAYOUT.offsets
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from vgpu.config import SchedulerConfig
-from vgpu.errors import RequestError
-from vgpu.requests import asks_for_vgpu, parse_pod, parse_quantity
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.errors import RequestError
+from vgpu.core.requests import asks_for_vgpu, parse_pod, parse_quantity
 
 CFG = SchedulerConfig()
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 from cryptography import x509
-
-from vgpu.sandbox import controlplane, kubeconfig, nodes, pki
-from vgpu.sandbox.cluster import Spec
-from vgpu.sandbox.errors import SandboxError
+from vgpu_sandbox import controlplane, kubeconfig, nodes, pki
+from vgpu_sandbox.cluster import Spec
+from vgpu_sandbox.errors import SandboxError
 
 
 def test_serving_certificates_verify_against_the_ca_and_keys_are_private(tmp_path: Path) -> None:

@@ -8,9 +8,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from vgpu.sandbox import realnode
-from vgpu.sandbox.cluster import Sandbox, Spec, State
+from vgpu_sandbox import realnode
+from vgpu_sandbox.cluster import Sandbox, Spec, State
 
 
 def test_containerd_keeps_every_path_under_the_node_and_sets_what_the_kubelet_needs(tmp_path: Path) -> None:

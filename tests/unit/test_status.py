@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 
-from vgpu.annotations import (
+from vgpu.commands.status import RECORD_ANNOTATION, build_status, render_text
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -17,7 +18,6 @@ from vgpu.annotations import (
     encode_allocation,
     encode_devices,
 )
-from vgpu.status import RECORD_ANNOTATION, build_status, render_text
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -98,7 +98,7 @@ def test_a_pod_kubelet_rejected_shows_rejected_with_kubelets_reason() -> None:
 
 
 def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignored() -> None:
-    from vgpu.annotations import USAGE_ANNOTATION
+    from vgpu.core.annotations import USAGE_ANNOTATION
 
     a = pod("a", [("GPU-a", 3000, 30)], "allocated")
     a["metadata"]["uid"] = "uid-a"

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from flask import Flask, Response, request
 
-from vgpu.config import SchedulerConfig
+from vgpu.core.config import SchedulerConfig
 from vgpu.extender import metrics, webhook
 from vgpu.extender.state import NotReady, SchedulerState
 

@@ -7,7 +7,7 @@
                   [--reject-unsatisfiable true|false] [--config FILE]
 
 Without --kubeconfig: the in-cluster service account. Settings: flag > ``VGPU_*`` environment >
---config file > defaults (see vgpu.config). ``--workers`` is the number of threads of the single
+--config file > defaults (see vgpu.core.config). ``--workers`` is the number of threads of the single
 worker process that holds the ledger (see vgpu.extender.server for why not processes).
 ``--filter-keep`` (or ``VGPU_FILTER_KEEP``): how many of the feasible nodes ``filter`` answers for a
 vGPU pod, the best by the pod's node policy (default 1: kube-scheduler then binds there without
@@ -27,8 +27,8 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from vgpu.config import POLICIES, load_config
-from vgpu.errors import ConfigError
+from vgpu.core.config import POLICIES, load_config
+from vgpu.core.errors import ConfigError
 
 
 def register(parser: argparse.ArgumentParser) -> None:

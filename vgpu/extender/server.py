@@ -24,7 +24,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from vgpu.config import SchedulerConfig
+from vgpu.core.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
@@ -53,7 +53,7 @@ def build_worker_app(config: SchedulerConfig, filter_keep: int | None = None) ->
     from vgpu.extender.app import create_app
     from vgpu.extender.state import FILTER_KEEP, SchedulerState
     from vgpu.extender.sync import Syncer
-    from vgpu.kube import Kube
+    from vgpu.kube.client import Kube
 
     kube = Kube(config.kubeconfig)
     state = SchedulerState(config, kube, filter_keep=filter_keep or FILTER_KEEP)

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vgpu import annotations as ann
-from vgpu.config import BINPACK, SchedulerConfig
-from vgpu.errors import AnnotationError, KubeError, RequestError
-from vgpu.fit import (
+from vgpu.core import annotations as ann
+from vgpu.core.config import BINPACK, SchedulerConfig
+from vgpu.core.errors import AnnotationError, KubeError, RequestError
+from vgpu.core.fit import (
     CardSummary,
     Plan,
     Rejection,
@@ -32,9 +32,9 @@ from vgpu.fit import (
     quick_utilization,
     utilization,
 )
-from vgpu.ledger import Ledger, Usage, footprint
-from vgpu.policy import node_scores
-from vgpu.requests import ContainerRequest, PodRequest, parse_pod
+from vgpu.core.ledger import Ledger, Usage, footprint
+from vgpu.core.policy import node_scores
+from vgpu.core.requests import ContainerRequest, PodRequest, parse_pod
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ REFUSED_KEPT = 4096
 
 
 class KubeAPI(Protocol):
-    """What the state needs from the API server (satisfied by :class:`vgpu.kube.Kube`)."""
+    """What the state needs from the API server (satisfied by :class:`vgpu.kube.client.Kube`)."""
 
     def get_pod(self, namespace: str, name: str) -> Obj | None: ...
 
@@ -206,7 +206,7 @@ class SchedulerState:
 
     # -- feeding: device plugin Leases ---------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
-        from vgpu.kube import parse_time
+        from vgpu.kube.client import parse_time
 
         name = (lease.get("metadata") or {}).get("name") or ""
         if not name.startswith(ann.LEASE_PREFIX) or name == self.config.leader_lease:

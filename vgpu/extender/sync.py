@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vgpu import annotations as ann
-from vgpu.errors import ConflictError, KubeError
+from vgpu.core import annotations as ann
+from vgpu.core.errors import ConflictError, KubeError
 from vgpu.extender.state import SchedulerState
-from vgpu.kube import Gone, Kube, now_micro, parse_time
+from vgpu.kube.client import Gone, Kube, now_micro, parse_time
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -256,7 +256,7 @@ def refresh_gauges(state: SchedulerState, m: Any, seen: dict[str, tuple[int, int
     ``seen`` (node -> (ledger node version, inventory id) last written) skips nodes that did not
     change: at 1,000 nodes of 8 cards, rewriting every gauge each time cost more CPU than the verbs.
     """
-    from vgpu.ledger import ZERO
+    from vgpu.core.ledger import ZERO
 
     m.LEADER.set(1 if state.leader.is_set() else 0)
     for reason, n in state.skipped().items():

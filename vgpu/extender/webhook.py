@@ -6,7 +6,7 @@
   ``nvidia.com/gpu: 1`` added (contract 1's default), since kubelet calls the device plugin's
   Allocate only for containers that ask for ``nvidia.com/gpu`` itself.
 * validate: a pod whose vGPU request no node could ever hold is denied with a message naming the
-  field: the static rules of contract 1 (see :mod:`vgpu.requests`: cores over 100, negative or
+  field: the static rules of contract 1 (see :mod:`vgpu.core.requests`: cores over 100, negative or
   fractional sizes, ``gpumem`` with ``gpumem-percentage``...). A request merely larger than the
   cluster is today (more memory per vGPU than the largest card, more vGPUs in a container than
   any node's cards) is admitted: a cluster autoscaler or a batch queue may add the node after the
@@ -26,9 +26,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from vgpu.config import SchedulerConfig
-from vgpu.errors import RequestError
-from vgpu.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.errors import RequestError
+from vgpu.core.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
 
 Obj = dict[str, Any]
 

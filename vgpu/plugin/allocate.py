@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     PHASE_ALLOCATED,
     PHASE_ANNOTATION,
@@ -42,14 +42,14 @@ from vgpu.annotations import (
     ContainerAllocation,
     decode_allocation,
 )
-from vgpu.errors import AnnotationError, KubeError
-from vgpu.grant import Grant, write_grant
+from vgpu.core.errors import AnnotationError, KubeError
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.hookabi.region import GRANT_PATH_IN_CONTAINER
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
-from vgpu.region import GRANT_PATH_IN_CONTAINER
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ DEFAULT_PRIORITY = "1"
 
 
 class PodSource(Protocol):
-    """The two API server calls Allocate needs (vgpu.kube provides them)."""
+    """The two API server calls Allocate needs (vgpu.kube.client provides them)."""
 
     def list_node_pods(self, node: str) -> list[dict[str, Any]]:
         """Pods bound to ``node``, as API JSON (camelCase keys)."""

@@ -20,14 +20,14 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from vgpu.errors import KubeError
+from vgpu.core.errors import KubeError
 
 log = logging.getLogger(__name__)
 
 
 @runtime_checkable
 class PodWatchSource(Protocol):
-    """List and watch pods by field selector (vgpu.kube.Kube provides both)."""
+    """List and watch pods by field selector (vgpu.kube.client.Kube provides both)."""
 
     def list_pods(self, field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]: ...
 

@@ -10,9 +10,9 @@ import sys
 import threading
 from pathlib import Path
 
-from vgpu.errors import ConfigError, KubeError
-from vgpu.plugin.arbiter import add_arguments as add_arbiter_arguments
+from vgpu.core.errors import ConfigError, KubeError
 from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
 from vgpu.plugin.paths import HookInstall, HostPaths, install_hook
 
 log = logging.getLogger("vgpu.plugin")

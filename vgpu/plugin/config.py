@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from vgpu.errors import ConfigError
+from vgpu.core.errors import ConfigError
 
 _RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 

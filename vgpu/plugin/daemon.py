@@ -10,15 +10,21 @@ from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
-from vgpu.errors import KubeError
+from vgpu.core.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
-from vgpu.plugin.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
-from vgpu.plugin.arbiter import settings as arbiter_settings
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, region_usage, serve_metrics
+from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
+from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
+from vgpu.plugin.monitor.collector import (
+    NodeCollector,
+    make_registry,
+    parse_listen,
+    region_usage,
+    serve_metrics,
+)
 from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
@@ -27,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class NodeClient(PodSource, NodeAPI, Protocol):
-    """Everything the node side asks of the API server (vgpu.kube.NodeAgentClient)."""
+    """Everything the node side asks of the API server (vgpu.kube.client.NodeAgentClient)."""
 
 
 @dataclass
@@ -40,7 +46,7 @@ class Daemon:
     client: NodeClient
     hook: HookInstall | None
     monitor_listen: tuple[str, int] | None = None
-    # The arbiter's pass interval and activity window (vgpu.plugin.arbiter); None: no arbiter.
+    # The arbiter's pass interval and activity window (vgpu.plugin.monitor.arbiter); None: no arbiter.
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)
 
     def __post_init__(self) -> None:
@@ -48,7 +54,7 @@ class Daemon:
         self.arrivals = Arrivals()
         self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
         # The order pods arrive on the node is kubelet's admission order: watch it where the
-        # client can (vgpu.kube can; the tests' in-memory clients cannot, and lists stand in).
+        # client can (vgpu.kube.client can; the tests' in-memory clients cannot, and lists stand in).
         self.arrival_watch = (
             ArrivalWatch(self.client, self.node, self.arrivals)
             if isinstance(self.client, PodWatchSource)
@@ -87,7 +93,7 @@ class Daemon:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Daemon:
         """Validate every setting first: a bad one stops the plugin before anything starts."""
-        from vgpu.kube import NodeAgentClient
+        from vgpu.kube.client import NodeAgentClient
         from vgpu.plugin.cli import hook_install, open_discovery
 
         config = load_node_config(args.config, args.node)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from vgpu.annotations import Device, NodeInventory
+from vgpu.core.annotations import Device, NodeInventory
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.discovery import Card

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from vgpu.errors import ConfigError
+from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vgpu.errors import ConfigError
+from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
 
 log = logging.getLogger(__name__)

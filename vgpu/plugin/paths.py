@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu.grant import grant_path
+from vgpu.hookabi.grant import grant_path
 
 PLUGIN_SOCKET_NAME = "vgpu.sock"
 KUBELET_SOCKET_NAME = "kubelet.sock"
@@ -55,7 +55,7 @@ class HostPaths:
         return self.vgpu_dir / "grants"
 
     def grant(self, folder_name: str) -> Path:
-        """The container's grant (vgpu/grant.py), mounted read-only into it."""
+        """The container's grant (vgpu/hookabi/grant.py), mounted read-only into it."""
         return grant_path(self.grants_dir, folder_name)
 
     def priority_record(self, folder_name: str) -> Path:

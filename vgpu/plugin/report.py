@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from vgpu.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
-from vgpu.errors import KubeError
+from vgpu.core.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
+from vgpu.core.errors import KubeError
 from vgpu.plugin.devices import DeviceState
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,13 @@
 
 Each subcommand lives in its own module, which exposes ``register(parser)`` to
 declare its arguments and ``run(args) -> int`` to carry it out. Modules are
-imported only when their subcommand runs, so ``vgpu sandbox`` never pays for
+imported only when their subcommand runs, so ``vgpu status`` never pays for
 grpc and ``vgpu device-plugin`` never pays for Flask.
+
+Other distributions add subcommands through the ``vgpu.commands`` entry-point
+group (name = module). The developer's sandbox (``sandbox/`` in the repository,
+never in the wheel or the images) registers ``vgpu sandbox`` that way, so
+nothing in ``vgpu`` imports it.
 """
 
 from __future__ import annotations
@@ -12,16 +17,27 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sandbox": ("vgpu.sandbox.cli", "a local control plane with simulated GPU nodes"),
     "extender": ("vgpu.extender.cli", "the kube-scheduler extender and admission webhook"),
     "device-plugin": ("vgpu.plugin.cli", "the kubelet device plugin for one node"),
-    "monitor": ("vgpu.plugin.monitor_cli", "the node monitor: /metrics from the hook's regions"),
-    "status": ("vgpu.status", "which container got which vGPU, per node and card"),
-    "limits": ("vgpu.limits_cli", "change a running container's limits through its region"),
+    "monitor": ("vgpu.plugin.monitor.cli", "the node monitor: /metrics from the hook's regions"),
+    "status": ("vgpu.commands.status", "which container got which vGPU, per node and card"),
+    "limits": ("vgpu.commands.limits", "change a running container's limits through its region"),
 }
+PLUGIN_GROUP = "vgpu.commands"
+
+
+def commands() -> dict[str, tuple[str, str]]:
+    """The built-in subcommands, then those other installed distributions declare."""
+    found = dict(COMMANDS)
+    for ep in entry_points(group=PLUGIN_GROUP):
+        if ep.name not in found:
+            summary = ep.dist.metadata["Summary"] if ep.dist is not None else None
+            found[ep.name] = (ep.value, summary or f"from the {ep.value} plugin")
+    return found
 
 
 def _load(module: str) -> object | None:
@@ -36,7 +52,7 @@ def _load(module: str) -> object | None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vgpu", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text) in commands().items():
         if only is not None and name != only:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
@@ -52,7 +68,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(only=first if first in COMMANDS else None)
+    parser = build_parser(only=first if first in commands() else None)
     args = parser.parse_args(args_list)
     mod = getattr(args, "_module", None)
     if mod is None:

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from vgpu.sandbox import binaries, nodes, procs
-from vgpu.sandbox.errors import SandboxError
+from vgpu_sandbox import binaries, nodes, procs
+from vgpu_sandbox.errors import SandboxError
 
 if TYPE_CHECKING:
-    from vgpu.sandbox.cluster import Sandbox, Spec
+    from vgpu_sandbox.cluster import Sandbox, Spec
 
 NAME = "real-node-0"
 # GPU nodes are commonly tainted so that only pods asking for GPUs land there; the API server's

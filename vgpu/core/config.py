@@ -3,7 +3,7 @@
 Precedence, highest first: a command-line flag, an environment variable ``VGPU_<NAME>``
 (``VGPU_DEFAULT_MEM``, ``VGPU_NODE_POLICY``...), a YAML or JSON file (``--config``, keys in
 camelCase: ``defaultMem``, ``nodePolicy``...), then the defaults below. A bad value raises
-:class:`vgpu.errors.ConfigError` naming where it came from.
+:class:`vgpu.core.errors.ConfigError` naming where it came from.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from vgpu.errors import ConfigError
+from vgpu.core.errors import ConfigError
 
 BINPACK = "binpack"
 SPREAD = "spread"

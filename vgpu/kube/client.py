@@ -3,10 +3,10 @@
 Everything else talks to :class:`Kube`, which speaks plain ``dict`` objects exactly as the API
 server serialises them (camelCase keys), never the client's generated models: they are slow to
 build for thousands of nodes, and keeping them out keeps the rest of the code free of them.
-Errors come out as :class:`vgpu.errors.KubeError` (``ConflictError`` for HTTP 409).
+Errors come out as :class:`vgpu.core.errors.KubeError` (``ConflictError`` for HTTP 409).
 
 Watches and the Binding (the calls made per scheduled pod) speak HTTP/1.1 through
-:mod:`vgpu.kubewire` instead of urllib3, so every watch event costs little more than one
+:mod:`vgpu.kube.wire` instead of urllib3, so every watch event costs little more than one
 ``orjson.loads`` (several pod events of a few kB each per scheduled pod); a stale resource
 version ends the watch with :class:`Gone` and the caller lists again.
 """
@@ -29,8 +29,8 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from vgpu.errors import ConflictError, KubeError
-from vgpu.kubewire import Wire, split_lines
+from vgpu.core.errors import ConflictError, KubeError
+from vgpu.kube.wire import Wire, split_lines
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Kube:
             raise KubeError(f"cannot load Kubernetes credentials from {where}: {err}") from err
         cfg.connection_pool_maxsize = pool_size
         try:
-            # the Binding and the watches: see vgpu.kubewire (None with a proxy: all through urllib3)
+            # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
             self._wire = Wire.from_configuration(cfg, pool_size)
         except (OSError, ValueError) as err:
             raise KubeError(
@@ -203,7 +203,7 @@ class Kube:
         what = f"bind pod {namespace}/{name} to {node}"
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/bindings"
         data = orjson.dumps(body)
-        if self._wire is not None:  # one bind per pod: see vgpu.kubewire
+        if self._wire is not None:  # one bind per pod: see vgpu.kube.wire
             try:
                 reply = self._wire.request("POST", path, self._headers(), data, REQUEST_TIMEOUT_S)
             except OSError as err:
@@ -379,7 +379,7 @@ class Kube:
     ) -> Iterator[tuple[str, Obj]]:
         """Yield (type, object) events; BOOKMARK events carry only the new resourceVersion.
 
-        ``path`` is read through :mod:`vgpu.kubewire`; ``call`` (the generated list method) only
+        ``path`` is read through :mod:`vgpu.kube.wire`; ``call`` (the generated list method) only
         when the kubeconfig names a proxy.
         """
         if self._wire is None:

@@ -3,15 +3,15 @@
 Per card, from discovery (NVML): memory total and used, utilization, health. Per container,
 from the hook's region files (contract 5) under ``<root>/var/lib/vgpu/containers/<pod-uid>_<container>/``:
 memory used, limit, budget and spilled per device, SM limit, GPU busy and throttled time,
-priority, whether the arbiter (``vgpu.plugin.arbiter``, a thread of the same monitor) tells it
+priority, whether the arbiter (``vgpu.plugin.monitor.arbiter``, a thread of the same monitor) tells it
 to yield, live processes, and the share of wall time its work kept the card busy over the last
-10 s (``vgpu.plugin.timeshare``: samples of ``busy_ns`` from the arbiter's passes and the
+10 s (``vgpu.plugin.monitor.timeshare``: samples of ``busy_ns`` from the arbiter's passes and the
 scrapes; no series before two samples a second apart). Pod names come from the API server
 (the node's pods, looked up at most every ``pod_cache_s``); without it the ``pod_uid`` label
 still identifies the pod.
 
 ``resize_container`` is the monitor's way to change a running container's limits (live
-resize); ``vgpu limits set`` goes through the same ``vgpu.grant.apply_limits``.
+resize); ``vgpu limits set`` goes through the same ``vgpu.hookabi.grant.apply_limits``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
-from vgpu.errors import KubeError
-from vgpu.grant import GrantError, apply_limits, as_granted, read_grant
-from vgpu.plugin.arbiter import Arbiter, BadRegions
+from vgpu.core.errors import KubeError
+from vgpu.hookabi.grant import GrantError, apply_limits, as_granted, read_grant
+from vgpu.hookabi.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.monitor.arbiter import Arbiter, BadRegions
+from vgpu.plugin.monitor.timeshare import TimeShare
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
-from vgpu.plugin.timeshare import TimeShare
-from vgpu.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -346,7 +346,7 @@ def make_registry(collector: NodeCollector) -> CollectorRegistry:
 
 
 def parse_listen(text: str, flag: str) -> tuple[str, int]:
-    from vgpu.errors import ConfigError
+    from vgpu.core.errors import ConfigError
 
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:

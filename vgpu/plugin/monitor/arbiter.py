@@ -17,14 +17,14 @@ high-priority neighbour is busy on the same card. The arbiter, a thread of the n
   one waits in a long sync without launching, looking idle while its work still runs;
 
 and ``arbiter_ns`` (CLOCK_MONOTONIC ns, the hook's clock) after each pass. The ``busy_ns`` it
-reads on each pass also goes into ``timeshare`` (``vgpu.plugin.timeshare``), from which the
+reads on each pass also goes into ``timeshare`` (``vgpu.plugin.monitor.timeshare``), from which the
 collector reports each container's busy share of the last 10 s. The hook ignores
 flags older than ``ARBITER_STALE_NS`` (1 s), so a stopped monitor never leaves a container
 held. A container is *active* on a card when its newest launch there (``last_launch_ns``) is
 within ``window_s`` (default 100 ms) or its ``busy_ns`` grew since the previous pass.
 
 A container's priority is the one the device plugin granted it, in its grant under
-``/var/lib/vgpu/grants/`` (mounted read-only into the container; vgpu/grant.py), or the
+``/var/lib/vgpu/grants/`` (mounted read-only into the container; vgpu/hookabi/grant.py), or the
 priority record plugins before the grant wrote there; the region's ``priority`` word, which the
 container can write, counts only where there is neither (a container run by hand).
 
@@ -51,11 +51,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vgpu.errors import ConfigError
-from vgpu.grant import GrantError, grant_path, read_grant
+from vgpu.core.errors import ConfigError
+from vgpu.hookabi.grant import GrantError, grant_path, read_grant
+from vgpu.hookabi.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
+from vgpu.plugin.monitor.timeshare import TimeShare
 from vgpu.plugin.paths import REGION_FILE_NAME, priority_record
-from vgpu.plugin.timeshare import TimeShare
-from vgpu.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, REASON_ANNOTATION, decode_allocation
-from vgpu.errors import AnnotationError
-from vgpu.sandbox.binaries import repo_root
-from vgpu.sandbox.cluster import Sandbox, Spec
-from vgpu.sandbox.errors import SandboxError
+from vgpu.core.annotations import (
+    ALLOCATION_ANNOTATION,
+    PHASE_ANNOTATION,
+    REASON_ANNOTATION,
+    decode_allocation,
+)
+from vgpu.core.errors import AnnotationError
+from vgpu_sandbox.binaries import repo_root
+from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.errors import SandboxError
 
 
 def say(message: str) -> None:
@@ -102,7 +107,7 @@ REAL_NODE_POD = "real-node-cuda"
 
 def run_on_the_real_node(sandbox: Sandbox) -> None:
     """A pod from the sample image on the real node: its limits, the hook's refusal, its logs."""
-    from vgpu.sandbox import realnode
+    from vgpu_sandbox import realnode
 
     command = (
         "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vgpu.sandbox.errors import SandboxError
+from vgpu_sandbox.errors import SandboxError
 
 TAG = "VGPU_SANDBOX"
 

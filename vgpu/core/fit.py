@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from vgpu.annotations import Allocation, ContainerAllocation, Device, DeviceAllocation, NodeInventory
-from vgpu.config import BINPACK
-from vgpu.ledger import ZERO, Usage, footprint, vgpu_usage
-from vgpu.requests import ContainerRequest, PodRequest, Selection
+from vgpu.core.annotations import Allocation, ContainerAllocation, Device, DeviceAllocation, NodeInventory
+from vgpu.core.config import BINPACK
+from vgpu.core.ledger import ZERO, Usage, footprint, vgpu_usage
+from vgpu.core.requests import ContainerRequest, PodRequest, Selection
 
 MAX_COMBINATIONS = 256  # card sets tried per multi-vGPU container
 DEFAULT_BUDGET = 20_000  # search steps per node

@@ -16,7 +16,7 @@ Two versioned JSON documents, each with one ``encode_*`` and one ``decode_*`` fu
   together with ``vgpu.openaios.io/phase`` (``bound`` -> ``allocated`` | ``failed``) and
   ``vgpu.openaios.io/reason``.
 
-Decoding checks the version and every field, and raises :class:`vgpu.errors.AnnotationError`
+Decoding checks the version and every field, and raises :class:`vgpu.core.errors.AnnotationError`
 naming the annotation and the field (``devices[1].memoryMiB``). Encoding is deterministic (sorted
 keys, no spaces), so a writer can compare strings to see whether anything changed.
 """
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vgpu.errors import AnnotationError
+from vgpu.core.errors import AnnotationError
 
 PREFIX = "vgpu.openaios.io/"
 

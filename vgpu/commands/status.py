@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vgpu.annotations import (
+from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -26,9 +26,9 @@ from vgpu.annotations import (
     decode_devices,
     lease_name,
 )
-from vgpu.errors import AnnotationError, KubeError
+from vgpu.core.errors import AnnotationError, KubeError
 
-RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu.sandbox.kubelet
+RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
 
 
 @dataclass
@@ -211,24 +211,28 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", choices=("text", "json"), default="text")
 
 
+def sandbox_dir() -> Path:
+    """The developer's sandbox's folder (``vgpu sandbox up``; docs/sandbox.md), whose ``kubeconfig``
+    status reads by default: $VGPU_SANDBOX_DIR, else $XDG_STATE_HOME/vgpu/sandbox, else
+    ~/.local/state/vgpu/sandbox. The sandbox takes its default from here."""
+    env = os.environ.get("VGPU_SANDBOX_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vgpu" / "sandbox"
+
+
 def _kubeconfig(arg: str | None) -> str | None:
     if arg:
         return arg
     if os.environ.get("KUBECONFIG"):
         return os.environ["KUBECONFIG"].split(os.pathsep)[0]
-    try:
-        from vgpu.sandbox.cluster import Sandbox
-
-        path = Sandbox().kubeconfig
-        if Path(path).exists():
-            return str(path)
-    except ImportError:
-        pass
-    return None
+    path = sandbox_dir() / "kubeconfig"
+    return str(path) if path.exists() else None
 
 
 def run(args: argparse.Namespace) -> int:
-    from vgpu.kube import Kube
+    from vgpu.kube.client import Kube
 
     try:
         kube = Kube(_kubeconfig(args.kubeconfig))

@@ -4,7 +4,7 @@
     vgpu limits set  --container-dir DIR --device 0 [--memory MIB] [--cores PCT] [--budget MIB]
 
 The limits live in the container's grant (``/var/lib/vgpu/grants/<folder>.limits``, written by the
-device plugin, read-only inside the container); the region file ``vgpu.region`` inside the
+device plugin, read-only inside the container); the region file ``vgpu.hookabi.region`` inside the
 container's folder holds usage and a copy of the limits. Naming the region file itself
 (``vgpu limits set REGION ...``, the older form) works too, as does ``--sm`` for ``--cores``.
 Sizes: a plain number is MiB (``--memory 4096``); with a suffix it is that unit (``512k``,
@@ -25,9 +25,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from vgpu.grant import apply_limits, as_granted, grant_beside, read_grant
-from vgpu.plugin.paths import REGION_FILE_NAME
-from vgpu.region import (
+from vgpu.hookabi.grant import apply_limits, as_granted, grant_beside, read_grant
+from vgpu.hookabi.region import (
     FLAG_ALONE,
     FLAG_GUARD,
     FLAG_YIELD,
@@ -36,6 +35,7 @@ from vgpu.region import (
     RegionError,
     Snapshot,
 )
+from vgpu.plugin.paths import REGION_FILE_NAME
 
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 

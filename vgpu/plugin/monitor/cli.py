@@ -15,8 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-from vgpu.errors import ConfigError, KubeError
-from vgpu.plugin.arbiter import add_arguments as add_arbiter_arguments
+from vgpu.core.errors import ConfigError, KubeError
+from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +37,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from vgpu.plugin.arbiter import Arbiter
-    from vgpu.plugin.arbiter import settings as arbiter_settings
     from vgpu.plugin.cli import open_discovery
     from vgpu.plugin.config import load_node_config
     from vgpu.plugin.devices import DeviceState
-    from vgpu.plugin.monitor import NodeCollector, make_registry, parse_listen, serve_metrics
+    from vgpu.plugin.monitor.arbiter import Arbiter
+    from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
+    from vgpu.plugin.monitor.collector import NodeCollector, make_registry, parse_listen, serve_metrics
     from vgpu.plugin.paths import HostPaths
 
     try:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         discovery = open_discovery(args)
         list_pods = None
         if not args.no_kube:
-            from vgpu.kube import NodeAgentClient
+            from vgpu.kube.client import NodeAgentClient
 
             list_pods = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None).list_node_pods
     except (ConfigError, KubeError) as err:

@@ -7,7 +7,6 @@ All state lives in one folder (``state.json`` records the processes and ports), 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import ssl
@@ -20,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vgpu.sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs
-from vgpu.sandbox.controlplane import Layout
-from vgpu.sandbox.errors import SandboxError
+from vgpu.commands.status import sandbox_dir
+from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs
+from vgpu_sandbox.controlplane import Layout
+from vgpu_sandbox.errors import SandboxError
 
 # Identities and the groups RBAC knows them by. Components get the bootstrap roles
 # made for them; only the person's kubeconfig and KWOK are cluster admins.
@@ -42,11 +42,7 @@ MAX_SOCKET_PATH = 107
 
 
 def default_dir() -> Path:
-    env = os.environ.get("VGPU_SANDBOX_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "vgpu" / "sandbox"
+    return sandbox_dir()
 
 
 @dataclass
@@ -177,7 +173,7 @@ class Sandbox:
         if spec.apiserver_port:
             procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
         if spec.real_node:
-            from vgpu.sandbox import realnode
+            from vgpu_sandbox import realnode
 
             reason = realnode.why_not()
             if reason:
@@ -187,13 +183,13 @@ class Sandbox:
         self._state = State(spec=spec, started=time.time())
         try:
             self._start_control_plane(spec, found, progress)
-            from vgpu.sandbox import product
+            from vgpu_sandbox import product
 
             parts = product.available() if spec.product else product.Parts(False, False)
             self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
             if spec.real_node:
-                from vgpu.sandbox import realnode
+                from vgpu_sandbox import realnode
 
                 realnode.start(self, spec, progress)
             self._state.ready = True
@@ -459,7 +455,7 @@ class Sandbox:
         if state is not None:
             pids |= {c.pid for c in state.components}
             if state.spec.real_node:
-                from vgpu.sandbox import realnode
+                from vgpu_sandbox import realnode
 
                 # Pods through the CRI first, while the API server still answers nothing new.
                 realnode.stop(

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from vgpu.sandbox import controlplane, nodes
-from vgpu.sandbox.binaries import repo_root
+from vgpu_sandbox import controlplane, nodes
+from vgpu_sandbox.binaries import repo_root
 
 if TYPE_CHECKING:
-    from vgpu.sandbox.cluster import Sandbox, Spec
+    from vgpu_sandbox.cluster import Sandbox, Spec
 
 NAMESPACE = "kube-system"
 SCHEDULER_NAME = "vgpu-scheduler"
@@ -64,12 +64,12 @@ def _installed(module: str) -> bool:
 def available() -> Parts:
     return Parts(
         extender=_installed("vgpu.extender.cli"),
-        plugins=_installed("vgpu.plugin.cli") and _installed("vgpu.sandbox.kubelet"),
+        plugins=_installed("vgpu.plugin.cli") and _installed("vgpu_sandbox.kubelet"),
     )
 
 
 def _vgpu(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vgpu.cli", *args]
+    return [sys.executable, "-m", "vgpu.commands.cli", *args]
 
 
 def start(sandbox: Sandbox, spec: Spec, parts: Parts, progress: Callable[[str], None]) -> None:
@@ -196,7 +196,7 @@ def start_node_agents(sandbox: Sandbox, spec: Spec, progress: Callable[[str], No
             [
                 sys.executable,
                 "-m",
-                "vgpu.sandbox.kubelet",
+                "vgpu_sandbox.kubelet",
                 f"--node={name}",
                 f"--kubeconfig={kubeconfig}",
                 f"--root={root}",

@@ -19,9 +19,9 @@ from fractions import Fraction
 from functools import cached_property, lru_cache
 from typing import Any
 
-from vgpu import annotations as ann
-from vgpu.config import POLICIES, SchedulerConfig
-from vgpu.errors import RequestError
+from vgpu.core import annotations as ann
+from vgpu.core.config import POLICIES, SchedulerConfig
+from vgpu.core.errors import RequestError
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_MEM = "nvidia.com/gpumem"

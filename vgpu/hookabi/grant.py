@@ -1,6 +1,6 @@
 """The grant: what the device plugin granted one container, where the container cannot write it.
 
-The region file (:mod:`vgpu.region`) lives in a folder mounted writable into its container: the
+The region file (:mod:`vgpu.hookabi.region`) lives in a folder mounted writable into its container: the
 processes there must update usage and their slots. So a word in it is only a claim. The grant
 holds the limits themselves (memory, budget, SM percent, priority, SM policy, spilling, the
 card UUIDs and the region's path), in a file the device plugin writes on the host under
@@ -9,7 +9,7 @@ card UUIDs and the region's path), in a file the device plugin writes on the hos
 process's environment says, reads every limit from it, and keeps the region's limit words as a
 mirror: a region whose words differ from the grant is logged and put back, and the grant holds.
 
-Layout: ``vgpu.region.GRANT`` (one definition; the C struct ``vgpu_grant`` is generated from it).
+Layout: ``vgpu.hookabi.region.GRANT`` (one definition; the C struct ``vgpu_grant`` is generated from it).
 A ``checksum`` (FNV-1a 64 over every byte from ``num_devices`` on) tells a whole grant from a
 damaged one; the hook refuses every allocation under a damaged grant rather than guess.
 
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vgpu.region import (
+from vgpu.hookabi.region import (
     _CTYPES,
     GRANT,
     GRANT_LAYOUT,

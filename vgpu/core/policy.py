@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vgpu.config import BINPACK
+from vgpu.core.config import BINPACK
 
 MAX_SCORE = 10
 

@@ -1,6 +1,6 @@
 """A kubelet stand-in for the sandbox's simulated nodes: the device-plugin half of kubelet.
 
-    python -m vgpu.sandbox.kubelet --node NAME --kubeconfig PATH --root DIR
+    python -m vgpu_sandbox.kubelet --node NAME --kubeconfig PATH --root DIR
 
 It serves kubelet's Registration service on ``DIR/var/lib/kubelet/device-plugins/kubelet.sock``
 (removing other sockets there at start, as kubelet does), follows each registered plugin's
@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from vgpu.errors import KubeError
+from vgpu.core.errors import KubeError
 from vgpu.plugin.api import api_pb2, api_pb2_grpc
 
-log = logging.getLogger("vgpu.sandbox.kubelet")
+log = logging.getLogger("vgpu_sandbox.kubelet")
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
 ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
@@ -404,7 +404,7 @@ class Kubelet:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vgpu.sandbox.kubelet", description=__doc__.splitlines()[0]
+        prog="python -m vgpu_sandbox.kubelet", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--node", required=True)
     parser.add_argument("--kubeconfig", type=Path, required=True)
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("VGPU_LOG_LEVEL", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from vgpu.kube import NodeAgentClient
+    from vgpu.kube.client import NodeAgentClient
 
     client = NodeAgentClient(str(args.kubeconfig))
     kubelet = Kubelet(args.node, args.root, client)

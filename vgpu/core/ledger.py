@@ -1,6 +1,6 @@
 """The ledger: what every card has committed (memory, cores, vGPUs), pod by pod.
 
-A pod holds on each card the most it needs at any one time (see :mod:`vgpu.requests`: init
+A pod holds on each card the most it needs at any one time (see :mod:`vgpu.core.requests`: init
 containers run before the app containers, so their capacity is reused). That per-card maximum is
 the pod's *footprint*; the ledger adds footprints per card. It is a plain data structure, not
 thread-safe: its owner serialises access.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from vgpu.annotations import Allocation
+from vgpu.core.annotations import Allocation
 
 
 class Usage(NamedTuple):

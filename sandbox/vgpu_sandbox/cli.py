@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from vgpu.sandbox.cluster import Sandbox, Spec, default_dir
-from vgpu.sandbox.errors import SandboxError
+from vgpu_sandbox.cluster import Sandbox, Spec, default_dir
+from vgpu_sandbox.errors import SandboxError
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 _print_status(report)
             return 0 if report.get("healthy") else 1
         if args.action == "restart":
-            from vgpu.sandbox import realnode
+            from vgpu_sandbox import realnode
 
             seconds = realnode.restart(sandbox, args.component)
             print(f"sandbox: {args.component} restarted in {seconds:.1f}s")

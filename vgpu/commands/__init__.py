@@ -1,0 +1,1 @@
+"""The `vgpu` command line: the entry point, status and limits."""

@@ -1,0 +1,1 @@
+"""The Kubernetes seam: the only floor that talks to the API server."""
