@@ -350,3 +350,51 @@ def test_a_body_over_the_limit_is_refused_with_413_naming_the_limit(state: Sched
     got: list[str] = []
     out = b"".join(create_app(CFG, state).wsgi_app(environ, lambda status, headers, *_: got.append(status)))
     assert got[0].startswith("413") and str(MAX_BODY) in json.loads(out)["Error"]
+
+
+def test_no_reason_the_extender_answers_holds_a_percent_sign(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    """kube-scheduler's event recorder reads its message as a printf format: a "%" in a reason
+    became "%!c(MISSING)" in every FailedScheduling event. Our own reasons hold none; a "%" that a
+    user's value or an inventory brings in is answered as the full-width sign."""
+    state.ledger.commit("other", "a", {"GPU-0-0": ann_usage(9000), "GPU-0-1": ann_usage(9000)})
+    state.apply_lease(lease("b", 60))
+    bodies = [
+        client.post("/filter", json={"Pod": pod, "NodeNames": ["a", "b", "bad", "plain", "ghost"]}).get_json()
+        for pod in (
+            gpu_pod(gpumem=3000, gpucores=30),
+            gpu_pod(gpumem_percentage=50, gpucores=100),
+            gpu_pod(gpu=3, gpumem=1),
+            gpu_pod(gpumem_percentage="50%"),  # admission bypassed: the user's value is quoted
+            {
+                **gpu_pod(gpumem=1),
+                "metadata": {"uid": "u", "annotations": {"nvidia.com/use-gputype": "A100%"}},
+            },
+        )
+    ]
+    reasons = [
+        r for b in bodies for part in ("FailedNodes", "FailedAndUnresolvableNodes") for r in b[part].values()
+    ]
+    assert len(reasons) == 5 * 5
+    assert not [r for r in reasons if "%" in r]
+    assert any("'50\uff05'" in r for r in reasons) and any("'A100\uff05'" in r for r in reasons)
+    # each reads right after kube-scheduler's count of nodes: "0/5 nodes are available: 2 node(s) had ..."
+    assert all(r.startswith(("node(s) had ", "node(s) were not tried: ", "node(s) could ")) for r in reasons)
+
+
+def test_a_bind_that_lost_its_room_names_the_node_and_the_shortage(state: SchedulerState) -> None:
+    class Kube:
+        def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+            return gpu_pod("u9", gpumem=3000, gpucores=30)
+
+        def bind_pod(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("no room: must not bind")
+
+    state.kube = Kube()
+    state.ledger.commit("other", "a", {"GPU-0-0": ann_usage(9000), "GPU-0-1": ann_usage(9000)})
+    client = create_app(CFG, state).test_client()
+    args = {"PodName": "p", "PodNamespace": "default", "PodUID": "u9", "Node": "a"}
+    error = client.post("/bind", json=args).get_json()["Error"]
+    assert error.startswith("node a had no room now for container 'main', which needs 1 vGPU(s) of 3000 MiB")
+    assert "%" not in error
