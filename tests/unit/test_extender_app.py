@@ -246,6 +246,8 @@ def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(clie
         ({"gpumem": "1.5"}, "nvidia.com/gpumem"),
         ({"gpumem": "lots"}, "nvidia.com/gpumem"),
         ({"gpumem_percentage": 120}, "nvidia.com/gpumem-percentage"),
+        ({"gpumem": "4Gi"}, "[nvidia.com/gpumem]: nvidia.com/gpumem is in MiB: did you mean 4096?"),
+        ({"gpumem": "4294967296"}, "[nvidia.com/gpumem]: nvidia.com/gpumem is in MiB: did you mean 4096?"),
     ],
 )
 @pytest.mark.parametrize("reject_unsatisfiable", [False, True])
@@ -398,3 +400,50 @@ def test_a_bind_that_lost_its_room_names_the_node_and_the_shortage(state: Schedu
     error = client.post("/bind", json=args).get_json()["Error"]
     assert error.startswith("node a had no room now for container 'main', which needs 1 vGPU(s) of 3000 MiB")
     assert "%" not in error
+
+
+def selective_pod(**annotations: str) -> dict[str, Any]:
+    pod = gpu_pod(gpumem=1000)
+    pod["metadata"]["annotations"] = annotations
+    return pod
+
+
+@pytest.mark.parametrize("reject_unsatisfiable", [False, True])
+def test_the_validating_webhook_names_a_selection_that_matches_no_card_of_the_cluster(
+    state: SchedulerState, reject_unsatisfiable: bool
+) -> None:
+    """Admitted with a warning by default (a card of that model may join), denied with the opt-in."""
+    client = create_app(SchedulerConfig(reject_unsatisfiable=reject_unsatisfiable), state).test_client()
+
+    def answer(**annotations: str) -> dict[str, Any]:
+        body = client.post("/webhook/validate", json=review(selective_pod(**annotations))).get_json()
+        resp: dict[str, Any] = body["response"]
+        return resp
+
+    for annos, words in (
+        (
+            {"nvidia.com/use-gputype": "A100"},
+            "metadata.annotations[nvidia.com/use-gputype]: 'A100' matches no card of this cluster "
+            "(its models: 'NVIDIA H200')",
+        ),
+        (
+            {"nvidia.com/use-gpuuuid": "GPU-nope"},
+            "metadata.annotations[nvidia.com/use-gpuuuid]: names no card of this cluster (4 cards known, "
+            "of models 'NVIDIA H200')",
+        ),
+        ({"nvidia.com/nouse-gputype": "h200"}, "together rule out every card of this cluster (4 cards"),
+    ):
+        resp = answer(**annos)
+        if reject_unsatisfiable:
+            assert not resp["allowed"] and words in resp["status"]["message"]
+            assert "rejectUnsatisfiable" in resp["status"]["message"]
+        else:
+            assert resp["allowed"] and "status" not in resp
+            (warning,) = resp["warnings"]
+            assert words in warning and warning.endswith("the pod waits Pending until one joins")
+    for fits in ({"nvidia.com/use-gputype": "a100,H200"}, {"nvidia.com/use-gpuuuid": "GPU-1-1"}, {}):
+        resp = answer(**fits)
+        assert resp["allowed"] and "warnings" not in resp
+    state.replace_nodes([])  # no card known yet: nothing to compare with
+    resp = answer(**{"nvidia.com/use-gputype": "A100"})
+    assert resp["allowed"] and "warnings" not in resp

@@ -200,7 +200,7 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
     def validate(raw: bytes) -> tuple[int, Any]:
         try:
             largest = st.largest_card() if config.reject_unsatisfiable else None
-            return 200, webhook.validate(_body(raw), config, largest)
+            return 200, webhook.validate(_body(raw), config, largest, st.known_cards)
         except webhook.ReviewError as err:
             raise BadRequest(str(err)) from err
 

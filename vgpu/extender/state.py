@@ -703,6 +703,11 @@ class SchedulerState:
         cards = max(len(inv.devices) for inv in invs)
         return mem, cards
 
+    def known_cards(self) -> list[ann.Device]:
+        """Every card of the nodes with an inventory (the webhook's selection check)."""
+        with self.lock:
+            return [d for e in self.nodes.values() if e.inventory is not None for d in e.inventory.devices]
+
     def snapshot(
         self, changed_since: Mapping[str, tuple[int, int]] | None = None
     ) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]]:
