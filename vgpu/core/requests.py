@@ -202,24 +202,23 @@ class Selection:
         """
         upper = model.upper()
         if self.use_types and not any(t.upper() in upper for t in self.use_types):
-            return f"of model {model!r}, not in {ann.USE_GPUTYPE_ANNOTATION} {_listed(self.use_types)}"
+            return f"of model {model!r}, not in {self._listed[0]}"
         if any(t.upper() in upper for t in self.nouse_types):
-            return (
-                f"of model {model!r}, excluded by {ann.NOUSE_GPUTYPE_ANNOTATION} {_listed(self.nouse_types)}"
-            )
+            return f"of model {model!r}, excluded by {self._listed[1]}"
         if self.use_uuids and uuid not in self.use_uuids:
-            return f"not in {ann.USE_GPUUUID_ANNOTATION} {_listed(self.use_uuids)}"
+            return f"not in {self._listed[2]}"
         if uuid in self.nouse_uuids:
             return f"excluded by {ann.NOUSE_GPUUUID_ANNOTATION}"
         return None
 
-    @property
-    def by_uuid(self) -> bool:
-        return bool(self.use_uuids or self.nouse_uuids)
-
-
-def _listed(values: tuple[str, ...]) -> str:
-    return _shown(",".join(values))
+    @cached_property
+    def _listed(self) -> tuple[str, str, str]:
+        """Each annotation with its value, as the reasons name it (worked out once per pod)."""
+        return (
+            f"{ann.USE_GPUTYPE_ANNOTATION} {_shown(','.join(self.use_types))}",
+            f"{ann.NOUSE_GPUTYPE_ANNOTATION} {_shown(','.join(self.nouse_types))}",
+            f"{ann.USE_GPUUUID_ANNOTATION} {_shown(','.join(self.use_uuids))}",
+        )
 
 
 @dataclass(frozen=True)
