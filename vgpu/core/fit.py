@@ -63,10 +63,7 @@ def for_nodes(predicate: str) -> str:
     return "node(s) " + predicate
 
 
-# The reasons a card can never take a vGPU of a container, whatever else the node holds (besides
-# the selection's, which name the annotation): the rest are for lack of room now.
 UNHEALTHY = "unhealthy"
-_PERMANENT_PREFIXES = (UNHEALTHY, "smaller than asked", "fewer cores than asked")
 
 
 @dataclass
