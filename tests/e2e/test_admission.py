@@ -101,6 +101,37 @@ def test_a_pod_larger_than_every_card_is_admitted_and_waits_with_the_shortage_na
         sandbox.kubectl("delete", "pod", name, "-n", "default", "--wait=false", check=False)
 
 
+def test_gpumem_with_a_memory_unit_is_denied_saying_the_mib_meant_and_a_plain_number_admitted(
+    sandbox: Sandbox,
+) -> None:
+    """The API server writes a plain 3000 as "3k" before the webhook sees it: that stays admitted."""
+
+    def create(gpumem: str, annotations: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        pod = big_pod("adm-units", "default")
+        pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = gpumem
+        pod["metadata"]["annotations"] = annotations or {}
+        return sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+
+    denied = create("4Gi")
+    assert denied.returncode != 0
+    assert (
+        "pod: spec.containers[0].resources.limits[nvidia.com/gpumem]: nvidia.com/gpumem is in MiB: "
+        "did you mean 4096?" in denied.stderr
+    )
+    assert "did you mean 3815?" in create("4G").stderr
+    assert "did you mean 4096?" in create("4294967296").stderr  # bytes, past 1 TiB per vGPU
+    for plain in ("3000", "4096", "3k"):
+        admitted = create(plain)
+        assert admitted.returncode == 0, (plain, admitted.stderr)
+    # a selection no card of the cluster matches is admitted (a card may join) with a warning
+    warned = create("1000", {"nvidia.com/use-gputype": "NoSuchModel"})
+    assert warned.returncode == 0, warned.stderr
+    assert (
+        "Warning: metadata.annotations[nvidia.com/use-gputype]: 'NoSuchModel' matches no card"
+        in warned.stderr
+    )
+
+
 def render_chart(sandbox: Sandbox, namespace: str, *values: str) -> list[dict[str, Any]]:
     result = subprocess.run(
         [str(sandbox.bin("helm")), "template", "vgpu", str(CHART), "-n", namespace, *values],
@@ -200,6 +231,11 @@ def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
             fits["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = "1000"
             ok = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(fits), check=False)
             assert ok.returncode == 0, ok.stderr
+            # and a selection that no card of the cluster matches is denied there, naming it
+            fits["metadata"]["annotations"] = {"nvidia.com/use-gputype": "NoSuchModel"}
+            no = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(fits), check=False)
+            assert no.returncode != 0
+            assert "metadata.annotations[nvidia.com/use-gputype]: 'NoSuchModel' matches no card" in no.stderr
     finally:
         sandbox.kubectl("delete", "validatingwebhookconfiguration", hook_name, check=False)
         sandbox.kubectl("delete", "lease", "--all", "-n", STRICT_NS, check=False)

@@ -384,6 +384,57 @@ def test_a_pod_that_cannot_fit_stays_pending_with_the_shortage_in_its_reason(
     wait_bound(sandbox, group, "waits", timeout=90)
 
 
+def failed_scheduling(sandbox: Sandbox, name: str) -> list[str]:
+    """The messages of the pod's FailedScheduling events, as ``kubectl describe pod`` shows them."""
+    out = sandbox.kubectl(
+        "get", "events", "-n", NAMESPACE, "--field-selector", f"involvedObject.name={name}", "-o", "json"
+    )
+    return [
+        e.get("message", "") for e in json.loads(out.stdout)["items"] if e.get("reason") == "FailedScheduling"
+    ]
+
+
+def test_the_failed_scheduling_event_of_an_unschedulable_vgpu_pod_reads_right(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    """kube-scheduler passes its message to the event recorder as a printf format: a "%" in the
+    extender's reason read "30%!c(MISSING)ores" in every event. Each node's reason also follows
+    kube-scheduler's count of nodes ("3 node(s) had ..."), the most decisive one per node."""
+    group, _ = make_nodes(3, lambda n: [card(n, i) for i in range(4)])
+    apply_list(
+        sandbox,
+        [
+            pod_manifest("five", group, {"gpu": 5, "gpumem": 3000, "gpucores": 30}),
+            pod_manifest(
+                "t4", group, {"gpumem_percentage": 50, "gpucores": 30}, {"nvidia.com/use-gputype": "T4"}
+            ),
+        ],
+    )
+    expected = {
+        "five": "3 node(s) had too few cards for container 'main', which needs 5 vGPU(s) of 3000 MiB "
+        "and 30 percent of the cores each, one per card: the node has only 4 card(s)",
+        "t4": "3 node(s) had no card that can ever take container 'main', which needs 1 vGPU(s) of "
+        "50 percent of a card's memory and 30 percent of the cores: 4 card(s) of model "
+        "'NVIDIA A100-SXM4-80GB', not in nvidia.com/use-gputype 'T4'",
+    }
+
+    def condition(name: str) -> str:
+        p = pods(sandbox, group)[name]
+        conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+        return str(conds[0].get("message", "")) if conds and conds[0]["status"] == "False" else ""
+
+    for name, reason in expected.items():
+        # the event is recorded asynchronously, after the condition: wait for the two to meet
+        wait_for(
+            lambda: reason in condition(name) and condition(name) in failed_scheduling(sandbox, name),  # noqa: B023
+            60,
+            f"a FailedScheduling event of {name} reading as its PodScheduled condition",
+        )
+        events = failed_scheduling(sandbox, name)
+        assert not [m for m in events if "%" in m or "(MISSING)" in m], events
+        assert not bound(pods(sandbox, group)[name])
+
+
 @pytest.mark.parametrize("policy", ["binpack", "spread"])
 def test_node_and_gpu_policies_place_as_they_promise(
     sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]], policy: str

@@ -246,6 +246,8 @@ def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(clie
         ({"gpumem": "1.5"}, "nvidia.com/gpumem"),
         ({"gpumem": "lots"}, "nvidia.com/gpumem"),
         ({"gpumem_percentage": 120}, "nvidia.com/gpumem-percentage"),
+        ({"gpumem": "4Gi"}, "[nvidia.com/gpumem]: nvidia.com/gpumem is in MiB: did you mean 4096?"),
+        ({"gpumem": "4294967296"}, "[nvidia.com/gpumem]: nvidia.com/gpumem is in MiB: did you mean 4096?"),
     ],
 )
 @pytest.mark.parametrize("reject_unsatisfiable", [False, True])
@@ -350,3 +352,98 @@ def test_a_body_over_the_limit_is_refused_with_413_naming_the_limit(state: Sched
     got: list[str] = []
     out = b"".join(create_app(CFG, state).wsgi_app(environ, lambda status, headers, *_: got.append(status)))
     assert got[0].startswith("413") and str(MAX_BODY) in json.loads(out)["Error"]
+
+
+def test_no_reason_the_extender_answers_holds_a_percent_sign(
+    state: SchedulerState, client: FlaskClient
+) -> None:
+    """kube-scheduler's event recorder reads its message as a printf format: a "%" in a reason
+    became "%!c(MISSING)" in every FailedScheduling event. Our own reasons hold none; a "%" that a
+    user's value or an inventory brings in is answered as the full-width sign."""
+    state.ledger.commit("other", "a", {"GPU-0-0": ann_usage(9000), "GPU-0-1": ann_usage(9000)})
+    state.apply_lease(lease("b", 60))
+    bodies = [
+        client.post("/filter", json={"Pod": pod, "NodeNames": ["a", "b", "bad", "plain", "ghost"]}).get_json()
+        for pod in (
+            gpu_pod(gpumem=3000, gpucores=30),
+            gpu_pod(gpumem_percentage=50, gpucores=100),
+            gpu_pod(gpu=3, gpumem=1),
+            gpu_pod(gpumem_percentage="50%"),  # admission bypassed: the user's value is quoted
+            {
+                **gpu_pod(gpumem=1),
+                "metadata": {"uid": "u", "annotations": {"nvidia.com/use-gputype": "A100%"}},
+            },
+        )
+    ]
+    reasons = [
+        r for b in bodies for part in ("FailedNodes", "FailedAndUnresolvableNodes") for r in b[part].values()
+    ]
+    assert len(reasons) == 5 * 5
+    assert not [r for r in reasons if "%" in r]
+    assert any("'50\uff05'" in r for r in reasons) and any("'A100\uff05'" in r for r in reasons)
+    # each reads right after kube-scheduler's count of nodes: "0/5 nodes are available: 2 node(s) had ..."
+    assert all(r.startswith(("node(s) had ", "node(s) were not tried: ", "node(s) could ")) for r in reasons)
+
+
+def test_a_bind_that_lost_its_room_names_the_node_and_the_shortage(state: SchedulerState) -> None:
+    class Kube:
+        def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+            return gpu_pod("u9", gpumem=3000, gpucores=30)
+
+        def bind_pod(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("no room: must not bind")
+
+    state.kube = Kube()
+    state.ledger.commit("other", "a", {"GPU-0-0": ann_usage(9000), "GPU-0-1": ann_usage(9000)})
+    client = create_app(CFG, state).test_client()
+    args = {"PodName": "p", "PodNamespace": "default", "PodUID": "u9", "Node": "a"}
+    error = client.post("/bind", json=args).get_json()["Error"]
+    assert error.startswith("node a had no room now for container 'main', which needs 1 vGPU(s) of 3000 MiB")
+    assert "%" not in error
+
+
+def selective_pod(**annotations: str) -> dict[str, Any]:
+    pod = gpu_pod(gpumem=1000)
+    pod["metadata"]["annotations"] = annotations
+    return pod
+
+
+@pytest.mark.parametrize("reject_unsatisfiable", [False, True])
+def test_the_validating_webhook_names_a_selection_that_matches_no_card_of_the_cluster(
+    state: SchedulerState, reject_unsatisfiable: bool
+) -> None:
+    """Admitted with a warning by default (a card of that model may join), denied with the opt-in."""
+    client = create_app(SchedulerConfig(reject_unsatisfiable=reject_unsatisfiable), state).test_client()
+
+    def answer(**annotations: str) -> dict[str, Any]:
+        body = client.post("/webhook/validate", json=review(selective_pod(**annotations))).get_json()
+        resp: dict[str, Any] = body["response"]
+        return resp
+
+    for annos, words in (
+        (
+            {"nvidia.com/use-gputype": "A100"},
+            "metadata.annotations[nvidia.com/use-gputype]: 'A100' matches no card of this cluster "
+            "(its models: 'NVIDIA H200')",
+        ),
+        (
+            {"nvidia.com/use-gpuuuid": "GPU-nope"},
+            "metadata.annotations[nvidia.com/use-gpuuuid]: names no card of this cluster (4 cards known, "
+            "of models 'NVIDIA H200')",
+        ),
+        ({"nvidia.com/nouse-gputype": "h200"}, "together rule out every card of this cluster (4 cards"),
+    ):
+        resp = answer(**annos)
+        if reject_unsatisfiable:
+            assert not resp["allowed"] and words in resp["status"]["message"]
+            assert "rejectUnsatisfiable" in resp["status"]["message"]
+        else:
+            assert resp["allowed"] and "status" not in resp
+            (warning,) = resp["warnings"]
+            assert words in warning and warning.endswith("the pod waits Pending until one joins")
+    for fits in ({"nvidia.com/use-gputype": "a100,H200"}, {"nvidia.com/use-gpuuuid": "GPU-1-1"}, {}):
+        resp = answer(**fits)
+        assert resp["allowed"] and "warnings" not in resp
+    state.replace_nodes([])  # no card known yet: nothing to compare with
+    resp = answer(**{"nvidia.com/use-gputype": "A100"})
+    assert resp["allowed"] and "warnings" not in resp

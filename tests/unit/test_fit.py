@@ -171,7 +171,7 @@ def test_a_card_smaller_than_the_request_is_named_as_such_not_as_full() -> None:
     assert "1 card(s) smaller than asked (16000 MiB)" in r.reason
     scaled = fit_node("n", node(card(0, cores=50)), {}, pod(ctr(gpumem=100, gpucores=80)))
     assert isinstance(scaled, Rejection) and scaled.unresolvable
-    assert "1 card(s) fewer cores than asked (50%)" in scaled.reason
+    assert "1 card(s) fewer cores than asked (50 percent)" in scaled.reason
 
 
 def test_a_pod_without_vgpu_fits_any_node_with_an_empty_allocation() -> None:
@@ -204,3 +204,96 @@ def test_an_init_container_avoids_the_card_a_running_sidecar_already_fills() -> 
     p = pod(ctr("app", gpumem=1000), init=(side, ctr("warm", gpumem=8000)))
     result = plan(fit_node("n", inv, {}, p, gpu_policy="binpack"))
     assert uuids(result, "warm") != uuids(result, "side")
+
+
+def test_a_node_with_fewer_cards_than_asked_says_so_whatever_its_cards_hold() -> None:
+    """The most decisive reason wins: no amount of waiting gives a 4-card node a fifth card."""
+    inv = node(card(0), card(1), card(2), card(3))
+    five = pod(ctr(gpu=5, gpumem=3000, gpucores=30))
+    for usage in ({}, {"GPU-0": Usage(9000, 0, 1, 0), "GPU-1": Usage(9000, 0, 1, 0)}):
+        r = fit_node("n", inv, usage, five)
+        assert isinstance(r, Rejection) and r.unresolvable
+        assert r.reason == (
+            "had too few cards for container 'main', which needs 5 vGPU(s) of 3000 MiB and 30 percent "
+            "of the cores each, one per card: the node has only 4 card(s)"
+        )
+    # among several containers too, the one that can never fit is named, not the others' shortage
+    two = pod(ctr("small", gpumem=1000), ctr("wide", gpu=5, gpumem=1))
+    r = fit_node("n", inv, {u.uuid: Usage(10000, 0, 1, 0) for u in inv.devices}, two)
+    assert isinstance(r, Rejection) and r.unresolvable and "container 'wide'" in r.reason
+
+
+def test_cards_that_can_never_take_a_vgpu_outrank_cards_that_are_full_now() -> None:
+    inv = node(card(0), card(1, mem=40000), card(2, healthy=False))
+    busy = {"GPU-1": Usage(39000, 0, 1, 0)}
+    r = fit_node("n", inv, busy, pod(ctr(gpu=2, gpumem=20000)))
+    assert isinstance(r, Rejection) and r.unresolvable
+    assert r.reason.startswith("had only 1 card(s) that can ever take container 'main'")
+    assert "1 card(s) smaller than asked (10000 MiB), 1 card(s) unhealthy" in r.reason
+    assert "insufficient" not in r.reason
+    # once enough cards could take it, the shortage now is the reason, with every card's cause
+    r = fit_node(
+        "n", node(card(0), card(1, mem=40000), card(2, mem=40000)), busy, pod(ctr(gpu=2, gpumem=20000))
+    )
+    assert isinstance(r, Rejection) and not r.unresolvable
+    assert r.reason.startswith("had no room now for container 'main'")
+    assert (
+        "1 card(s) fit; 1 card(s) insufficient memory, 1 card(s) smaller than asked (10000 MiB)" in r.reason
+    )
+
+
+def test_a_reason_reads_right_after_kube_schedulers_node_count() -> None:
+    """kube-scheduler writes "0/3 nodes are available: 3 <reason>."; each reason starts "node(s)"."""
+    from vgpu.core.fit import for_nodes
+
+    full = fit_node("n", node(card(0)), {"GPU-0": Usage(9000, 0, 1, 0)}, pod(ctr(gpumem=3000)))
+    assert isinstance(full, Rejection)
+    assert f"3 {for_nodes(full.reason)}".startswith("3 node(s) had no room now for container 'main', which")
+
+
+def test_a_selection_that_rules_out_every_card_names_the_annotation_and_what_the_node_has() -> None:
+    inv = node(card(0, model="Tesla T4"), card(1, model="Tesla T4"), card(2))
+    r = fit_node("n", inv, {}, pod(ctr(gpumem=1), nvidia_com__use_gputype="A100"))
+    assert isinstance(r, Rejection) and r.unresolvable
+    assert "2 card(s) of model 'Tesla T4', not in nvidia.com/use-gputype 'A100'" in r.reason
+    assert "1 card(s) of model 'NVIDIA H200', not in nvidia.com/use-gputype 'A100'" in r.reason
+    r = fit_node("n", inv, {}, pod(ctr(gpumem=1), nvidia_com__use_gpuuuid="GPU-9"))
+    assert isinstance(r, Rejection) and r.unresolvable
+    assert (
+        "3 card(s) not in nvidia.com/use-gpuuuid 'GPU-9' (the node's cards: GPU-0, GPU-1, GPU-2)" in r.reason
+    )
+    r = fit_node("n", inv, {}, pod(ctr(gpumem=1), nvidia_com__nouse_gputype="T4,H200"))
+    assert isinstance(r, Rejection) and "excluded by nvidia.com/nouse-gputype 'T4,H200'" in r.reason
+    many = node(*(card(i) for i in range(10)))
+    r = fit_node(
+        "n", many, {}, pod(ctr(gpumem=1), nvidia_com__nouse_gpuuuid=",".join(f"GPU-{i}" for i in range(10)))
+    )
+    assert isinstance(r, Rejection) and "excluded by nvidia.com/nouse-gpuuuid" in r.reason
+    assert "GPU-7 and 2 more)" in r.reason
+
+
+def test_no_reason_holds_a_percent_sign_which_kube_schedulers_event_would_garble() -> None:
+    """kube-scheduler uses its message as a printf format: "30% cores" became "30%!c(MISSING)ores"."""
+    inv = node(card(0, cores=50), card(1, model="Tesla T4"), card(2, healthy=False), card(3, split=1))
+    busy = {"GPU-0": Usage(9000, 40, 1, 0), "GPU-3": Usage(10, 0, 1, 0)}
+    pods = [
+        pod(ctr(gpumem=3000, gpucores=30)),
+        pod(ctr(gpumem_percentage=50, gpucores=30)),
+        pod(ctr(gpumem_percentage=100, gpucores=100)),
+        pod(ctr(gpu=2, gpumem_percentage=30, gpucores=80)),
+        pod(ctr(gpu=5, gpumem=1)),
+        pod(ctr(gpumem=20000)),
+        pod(ctr(gpumem=1), nvidia_com__use_gputype="A100"),
+        pod(ctr(gpumem=1), nvidia_com__use_gpuuuid="GPU-9"),
+        pod(ctr("a", gpu=2, gpumem=6000), ctr("b", gpu=2, gpumem=6000)),
+        pod(ctr("app", gpumem_percentage=60), init=(ctr("setup", gpumem_percentage=90, gpucores=60),)),
+    ]
+    reasons = []
+    for p in pods:
+        for usage in ({}, busy):
+            for budget in (20_000, 1):
+                r = fit_node("n", inv, usage, p, budget=budget)
+                if isinstance(r, Rejection):
+                    reasons.append(r.reason)
+    assert len(reasons) > 20
+    assert not [r for r in reasons if "%" in r]

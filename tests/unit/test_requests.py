@@ -121,3 +121,100 @@ def test_init_containers_run_in_their_own_phases_and_sidecars_stay_for_the_app_p
     req = parse_pod(pod(ctr("app", gpu=1), ctr("cpu-only", gpu=0), init=init), CFG)
     names = [[c.name for c in phase] for phase in req.phases()]
     assert names == [["setup"], ["side", "warm"], ["side", "app"]]
+
+
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [
+        ("4Gi", 4096),
+        ("1Gi", 1024),  # what the API server writes for 1024Mi
+        ("4000Mi", 4000),
+        ("512Ki", 1),
+        ("1Ti", 1048576),
+        ("4G", 3815),  # 4,000,000,000 bytes, rounded up
+        ("16000M", 15259),
+        ("2T", 1907349),
+    ],
+)
+def test_gpumem_written_with_a_memory_suffix_is_refused_with_the_mib_meant(written: str, meant: int) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr(gpumem=written)), CFG)
+    assert info.value.field == "spec.containers[0].resources.limits[nvidia.com/gpumem]"
+    assert info.value.message.startswith(
+        f"nvidia.com/gpumem is in MiB: did you mean {meant}? ({written!r} reads as"
+    )
+
+
+@pytest.mark.parametrize(("written", "meant"), [(4294967296, 4096), ("4294967296", 4096), ("1048577", 2)])
+def test_gpumem_past_one_tib_per_vgpu_is_refused_as_bytes_meant_as_mib(written: Any, meant: int) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr(gpumem=written)), CFG)
+    assert info.value.message.startswith(f"nvidia.com/gpumem is in MiB: did you mean {meant}?")
+    assert "at most 1048576 MiB (1 TiB) per vGPU" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("written", "mib"), [("3k", 3000), ("1048576", 1048576), (143771, 143771), ("1e3", 1000)]
+)
+def test_gpumem_as_the_api_server_writes_a_plain_number_is_accepted(written: Any, mib: int) -> None:
+    """The API server writes a plain 3000 as "3k": a decimal "k" is no unit mistake."""
+    (c,) = parse_pod(pod(ctr(gpumem=written)), CFG).containers
+    assert c.memory_mib == mib
+
+
+@pytest.mark.parametrize(
+    ("hami", "ours"),
+    [
+        ("hami.io/node-scheduler-policy", "node_policy"),
+        ("hami.io/gpu-scheduler-policy", "gpu_policy"),
+    ],
+)
+def test_hamis_policy_annotations_mean_ours(hami: str, ours: str) -> None:
+    for value in ("binpack", "spread", " spread "):
+        req = parse_pod(pod(ctr(gpu=1), annotations={hami: value}), CFG)
+        assert getattr(req, ours) == value.strip()
+    ours_key = "vgpu.openaios.io/" + ours.replace("_", "-")
+    agreed = parse_pod(pod(ctr(gpu=1), annotations={hami: "spread", ours_key: "spread"}), CFG)
+    assert getattr(agreed, ours) == "spread"
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr(gpu=1), annotations={hami: "spread", ours_key: "binpack"}), CFG)
+    assert info.value.field == f"metadata.annotations[{hami}]" and ours_key in info.value.message
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr(gpu=1), annotations={hami: "topology-aware"}), CFG)
+    assert info.value.field == f"metadata.annotations[{hami}]" and "binpack, spread" in info.value.message
+
+
+def test_hamis_topology_aware_gpu_policy_is_refused_saying_what_placement_does_instead() -> None:
+    for value in ("topology-aware", "numa", "mutex", "binpack,numa"):
+        with pytest.raises(RequestError) as info:
+            parse_pod(pod(ctr(gpu=1), annotations={"hami.io/gpu-scheduler-policy": value}), CFG)
+        assert "NVLink-joined cards first" in info.value.message
+
+
+def test_hamis_vgpu_mode_is_accepted_for_hami_core_and_refused_for_mig_or_mps() -> None:
+    for ok in ("hami-core", "hami-core,mig"):
+        parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": ok}), CFG)
+    for bad in ("mig", "mps", ""):
+        with pytest.raises(RequestError) as info:
+            parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": bad}), CFG)
+        assert info.value.field == "metadata.annotations[nvidia.com/vgpu-mode]"
+        assert "MIG and MPS are not offered" in info.value.message
+
+
+def test_hamis_numa_bind_is_refused_when_true_and_ignored_otherwise_as_hami_does() -> None:
+    for ignored in ("false", "0", "no", ""):
+        parse_pod(pod(ctr(gpu=2), annotations={"nvidia.com/numa-bind": ignored}), CFG)
+    for true in ("true", "1", "TRUE", "t"):
+        with pytest.raises(RequestError) as info:
+            parse_pod(pod(ctr(gpu=2), annotations={"nvidia.com/numa-bind": true}), CFG)
+        assert info.value.field == "metadata.annotations[nvidia.com/numa-bind]"
+
+
+def test_a_selection_reason_names_the_annotation_and_its_value() -> None:
+    annos = {"nvidia.com/use-gputype": "A100,H100", "nvidia.com/nouse-gpuuuid": "GPU-1"}
+    sel = parse_pod(pod(ctr(gpu=1), annotations=annos), CFG).selection
+    assert (
+        sel.why_not("GPU-9", "Tesla T4") == "of model 'Tesla T4', not in nvidia.com/use-gputype 'A100,H100'"
+    )
+    assert sel.why_not("GPU-1", "NVIDIA A100") == "excluded by nvidia.com/nouse-gpuuuid"
+    assert "%" not in (sel.why_not("GPU-9", "Tesla T4") or "")

@@ -59,6 +59,12 @@ USE_GPUUUID_ANNOTATION = "nvidia.com/use-gpuuuid"
 NOUSE_GPUUUID_ANNOTATION = "nvidia.com/nouse-gpuuuid"
 NODE_POLICY_ANNOTATION = PREFIX + "node-policy"
 GPU_POLICY_ANNOTATION = PREFIX + "gpu-policy"
+# HAMi's spellings, read where the meaning is ours (see vgpu.core.requests.parse_pod): the four
+# selection annotations above are HAMi's names already.
+HAMI_NODE_POLICY_ANNOTATION = "hami.io/node-scheduler-policy"
+HAMI_GPU_POLICY_ANNOTATION = "hami.io/gpu-scheduler-policy"
+HAMI_VGPU_MODE_ANNOTATION = "nvidia.com/vgpu-mode"  # "hami-core" is the only mode offered here
+HAMI_NUMA_BIND_ANNOTATION = "nvidia.com/numa-bind"  # "true" (a hard rule) is refused: not offered
 
 # contract 2: liveness Lease of a node's device plugin
 LEASE_PREFIX = "vgpu-"

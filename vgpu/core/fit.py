@@ -39,11 +39,31 @@ class Plan:
 
 @dataclass(frozen=True)
 class Rejection:
-    """Why a node cannot hold a pod; ``unresolvable`` when it could not even if it were empty."""
+    """Why a node cannot hold a pod; ``unresolvable`` when it could not even if it were empty.
+
+    ``reason`` is a predicate with the node left out ("had no room now for container 'main', ..."):
+    :func:`for_nodes` makes it kube-scheduler's per-node reason, which kube-scheduler prints after
+    the count of nodes that gave it ("0/3 nodes are available: 3 node(s) had no room now for ...");
+    a message about one node puts the node first ("node a had no room now for ...").
+
+    No reason holds a ``%``: kube-scheduler passes its message to a printf-style event recorder as
+    the format, where ``30%`` followed by a letter becomes ``30%!c(MISSING)``.
+    """
 
     node: str
     reason: str
     unresolvable: bool = False
+
+
+def for_nodes(predicate: str) -> str:
+    """A reason as kube-scheduler shows it, after how many nodes gave it: ``node(s) had ...``.
+
+    kube-scheduler's own reasons read the same way ("3 node(s) didn't match Pod's node affinity").
+    """
+    return "node(s) " + predicate
+
+
+UNHEALTHY = "unhealthy"
 
 
 @dataclass
@@ -54,25 +74,26 @@ class _Search:
     binpack: bool
     budget: int
     steps: int = 0
-    failure: str | None = None
+    failure: str | None = None  # the search gave up (budget)
     failure_depth: int = -1
+    shortfall: tuple[ContainerRequest, int, Counter[str]] | None = None  # at the deepest step
     chosen: dict[int, tuple[Device, ...]] = field(default_factory=dict)
 
     # -- one card -------------------------------------------------------------------------------
     def why_not(self, card: Device, fp: Usage, cur: Usage, add: Usage) -> str | None:
         if not card.healthy:
-            return "unhealthy"
+            return UNHEALTHY
         sel = self.selection.why_not(card.uuid, card.model)
         if sel is not None:
-            return "not selected"
+            return sel
         other = self.usage.get(card.uuid, ZERO)
         new_cur = cur + add
         new_fp = fp.max(new_cur)
         # the pod alone is more than the card, empty or not: no waiting helps on this card
         if new_fp.memory_mib > card.memory_mib:
-            return f"smaller than asked ({card.memory_mib} MiB)"
+            return _smaller(card)
         if new_fp.cores > card.cores:
-            return f"fewer cores than asked ({card.cores}%)"
+            return _fewer_cores(card)
         if other.exclusive > 0 or (new_fp.exclusive > 0 and other.count > 0):
             return "held exclusively"
         if new_cur.exclusive > 0 and new_cur.count > 1:
@@ -97,7 +118,9 @@ class _Search:
             return True
         self.steps += 1
         if self.steps > self.budget:
-            self.failure = self.failure or "placement search gave up (pod too complex); simplify the request"
+            self.failure = (
+                self.failure or "gave up the placement search (the pod is too complex): simplify the request"
+            )
             return False
         step = steps[i]
         if step.container is None:  # a phase ends: its usage folds into the footprint
@@ -140,7 +163,7 @@ class _Search:
                 reasons[why] += 1
         if len(eligible) < c.count and depth >= self.failure_depth:
             self.failure_depth = depth
-            self.failure = _describe(c, len(eligible), reasons)
+            self.shortfall = (c, len(eligible), reasons)
         eligible.sort(key=lambda x: (-x[0] if self.binpack else x[0], x[1].index))
         if c.count == 1:
             return [(card,) for _, card in eligible]
@@ -184,13 +207,86 @@ def _topology(cards: Sequence[Device], pairs: Mapping[tuple[str, str], tuple[int
     return (-nvlink, -numa)
 
 
-def _describe(c: ContainerRequest, eligible: int, reasons: Counter[str]) -> str:
-    mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_percent}% of memory"
-    want = f"container {c.name!r} needs {c.count} vGPU(s) of {mem}, {c.cores}% cores each"
-    if not reasons:
-        return f"{want}: the node has only {eligible} card(s)"
-    parts = ", ".join(f"{n} card(s) {why}" for why, n in sorted(reasons.items(), key=lambda x: (-x[1], x[0])))
-    return f"{want}: {eligible} card(s) fit; {parts}"
+def _smaller(card: Device) -> str:
+    return f"smaller than asked ({card.memory_mib} MiB)"
+
+
+def _fewer_cores(card: Device) -> str:
+    return f"fewer cores than asked ({card.cores} percent)"
+
+
+def _wanted(c: ContainerRequest) -> str:
+    """What one container asks, to follow a verb: "container 'main', which needs ..."."""
+    if c.memory_mib is not None:
+        mem = f"{c.memory_mib} MiB"
+    else:
+        mem = f"{c.memory_percent} percent of a card's memory"
+    cores = f" and {c.cores} percent of the cores" if c.cores else ""
+    each = " each, one per card" if c.count > 1 else ""
+    return f"container {c.name!r}, which needs {c.count} vGPU(s) of {mem}{cores}{each}"
+
+
+_UUIDS_SHOWN = 8
+
+
+def _cards_by_reason(reasons: Counter[str], cards: Sequence[Device]) -> str:
+    """``4 card(s) insufficient memory, 1 card(s) unhealthy``, most first; where the selection by
+    UUID ruled cards out, the node's UUIDs after it (its models are in the reasons already)."""
+    text = ", ".join(f"{n} card(s) {why}" for why, n in sorted(reasons.items(), key=lambda x: (-x[1], x[0])))
+    if any("gpuuuid" in why for why in reasons):
+        shown = ", ".join(card.uuid for card in cards[:_UUIDS_SHOWN])
+        more = f" and {len(cards) - _UUIDS_SHOWN} more" if len(cards) > _UUIDS_SHOWN else ""
+        text += f" (the node's cards: {shown}{more})"
+    return text
+
+
+def _never(card: Device, c: ContainerRequest, selection: Selection) -> str | None:
+    """Why ``card`` could never take one vGPU of ``c``, were it empty; None when it could."""
+    if not card.healthy:
+        return UNHEALTHY
+    sel = selection.why_not(card.uuid, card.model)
+    if sel is not None:
+        return sel
+    if c.memory_on(card.memory_mib) > card.memory_mib:
+        return _smaller(card)
+    if c.cores > card.cores:
+        return _fewer_cores(card)
+    return None
+
+
+def _static_shortfall(cards: Sequence[Device], pod: PodRequest) -> str | None:
+    """The most decisive reason the node could never hold the pod, looking at one container at a
+    time, or None: more vGPUs than the node has cards, else than it has cards able to take one."""
+    for c in pod.containers:
+        if c.count == 0:
+            continue
+        if c.count > len(cards):
+            return f"had too few cards for {_wanted(c)}: the node has only {len(cards)} card(s)"
+        reasons: Counter[str] = Counter()
+        for card in cards:
+            why = _never(card, c, pod.selection)
+            if why is not None:
+                reasons[why] += 1
+        usable = len(cards) - sum(reasons.values())
+        if usable < c.count:
+            verb = (
+                "had no card that can ever take"
+                if usable == 0
+                else f"had only {usable} card(s) that can ever take"
+            )
+            return f"{verb} {_wanted(c)}: {_cards_by_reason(reasons, cards)}"
+    return None
+
+
+def _search_shortfall(search: _Search, unresolvable: bool) -> str:
+    """The reason the search failed: at its deepest step, the container short of cards."""
+    if search.shortfall is None:  # the search ran out of budget before any step fell short
+        return search.failure or "had no card that fits"
+    c, eligible, reasons = search.shortfall
+    cards = f"{eligible} card(s) fit; {_cards_by_reason(reasons, search.cards)}"
+    if unresolvable:
+        return f"could never hold {_wanted(c)} together with the pod's other vGPUs: {cards}"
+    return f"had no room now for {_wanted(c)}: {cards}"
 
 
 def fit_node(
@@ -228,13 +324,16 @@ def fit_node(
             allocation = Allocation(node, (ContainerAllocation(single.name, devices),))
             return Plan(node, allocation, {d.uuid: vgpu_usage(d.memory_mib, d.cores) for d in devices})
         # not enough cards: the general search below finds the reason
+    # the most decisive reason first: a node that could never hold a container, whatever it holds
+    never = _static_shortfall(inventory.devices, pod)
+    if never is not None:
+        return Rejection(node, never, True)
     search = _Search(inventory.devices, usage, pod.selection, policy == BINPACK, budget)
     steps = _steps(pod)
     if not search.run(steps, 0, {}, {}):
-        reason = search.failure or "no card fits"
         empty = _Search(inventory.devices, {}, pod.selection, True, budget)
         unresolvable = not empty.run(steps, 0, {}, {}) and empty.steps <= budget
-        return Rejection(node, reason, unresolvable)
+        return Rejection(node, _search_shortfall(search, unresolvable), unresolvable)
     containers = []
     for k, c in enumerate(pod.containers):
         if c.count == 0:
@@ -245,7 +344,7 @@ def fit_node(
     allocation = Allocation(node, tuple(containers))
     fp = plan_footprint(allocation, pod)
     if not fit_plan_within(inventory, usage, fp):  # defensive: the search and the footprint disagree
-        return Rejection(node, "internal: plan exceeds a card; please report this", False)
+        return Rejection(node, "hit an internal error (a plan exceeds a card): please report this", False)
     return Plan(node, allocation, fp)
 
 

@@ -57,8 +57,39 @@ _SUFFIX = {
 
 # Kubernetes keeps a quantity in an int64; the longest text of one it writes is far shorter than this.
 QUANTITY_MAX = 2**63 - 1
+
+# The most MiB one vGPU may ask for (nvidia.com/gpumem): 1 TiB. The largest cards made carry 288 GB
+# (about 275,000 MiB), so this leaves room for a node's deviceMemoryScaling (oversubscription) of
+# close to 4; a value past it is a unit mistake (bytes, or a memory suffix), never a request that a
+# node could hold, and it would otherwise wait Pending for ever.
+GPUMEM_MAX_MIB = 1 << 20
+# Suffixes that make nvidia.com/gpumem a count of bytes in the writer's mind: every binary one, and
+# the decimal ones from M up. Not "k": the API server itself writes a plain 3000 as "3k".
+_MEMORY_SUFFIXES = frozenset(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "M", "G", "T", "P", "E"))
 _QUANTITY_TEXT_MAX = 64
 _EXPONENT_MAX = 100
+
+
+def gpumem_unit_mistake(raw: Any, mib: int) -> str | None:
+    """Why ``nvidia.com/gpumem`` (``raw`` as written, ``mib`` as read) is a unit mistake, or None.
+
+    Written with a memory suffix (``4Gi``) or past :data:`GPUMEM_MAX_MIB`: the message says what
+    the writer most likely meant, reading the value as bytes (``4Gi`` -> 4096 MiB).
+    """
+    text = raw.strip() if isinstance(raw, str) else ""
+    m = _QUANTITY.match(text) if text else None
+    suffixed = m is not None and m.group(3) in _MEMORY_SUFFIXES
+    if not suffixed and mib <= GPUMEM_MAX_MIB:
+        return None
+    meant = max(1, -(-mib // (1 << 20)))  # bytes -> MiB, rounded up
+    if suffixed:
+        why = f"{_shown(raw)} reads as {mib} MiB; write the MiB as a plain number"
+    else:
+        why = (
+            f"{mib} MiB is more than any card has: at most {GPUMEM_MAX_MIB} MiB (1 TiB) per vGPU; "
+            f"{mib} bytes are {meant} MiB"
+        )
+    return f"{RESOURCE_MEM} is in MiB: did you mean {meant}? ({why})"
 
 
 def _shown(value: Any) -> str:
@@ -164,17 +195,30 @@ class Selection:
     nouse_uuids: tuple[str, ...] = ()
 
     def why_not(self, uuid: str, model: str) -> str | None:
-        """None when the card is acceptable, else a short reason."""
+        """None when the card is acceptable, else a short reason naming the annotation.
+
+        The reason does not name the card's UUID, so that cards ruled out alike count together
+        (the fit lists the node's UUIDs once).
+        """
         upper = model.upper()
         if self.use_types and not any(t.upper() in upper for t in self.use_types):
-            return f"type {model!r} not in use-gputype"
+            return f"of model {model!r}, not in {self._listed[0]}"
         if any(t.upper() in upper for t in self.nouse_types):
-            return f"type {model!r} excluded by nouse-gputype"
+            return f"of model {model!r}, excluded by {self._listed[1]}"
         if self.use_uuids and uuid not in self.use_uuids:
-            return "uuid not in use-gpuuuid"
+            return f"not in {self._listed[2]}"
         if uuid in self.nouse_uuids:
-            return "uuid excluded by nouse-gpuuuid"
+            return f"excluded by {ann.NOUSE_GPUUUID_ANNOTATION}"
         return None
+
+    @cached_property
+    def _listed(self) -> tuple[str, str, str]:
+        """Each annotation with its value, as the reasons name it (worked out once per pod)."""
+        return (
+            f"{ann.USE_GPUTYPE_ANNOTATION} {_shown(','.join(self.use_types))}",
+            f"{ann.NOUSE_GPUTYPE_ANNOTATION} {_shown(','.join(self.nouse_types))}",
+            f"{ann.USE_GPUUUID_ANNOTATION} {_shown(','.join(self.use_uuids))}",
+        )
 
 
 @dataclass(frozen=True)
@@ -268,6 +312,10 @@ def parse_container(
     for k, v in values.items():
         if v < 0:
             raise RequestError(SOURCE, fields[k], f"must not be negative, got {v}")
+    if RESOURCE_MEM in values:
+        mistake = gpumem_unit_mistake(res[RESOURCE_MEM][0], values[RESOURCE_MEM])
+        if mistake:
+            raise RequestError(SOURCE, fields[RESOURCE_MEM], mistake)
     if not values:
         return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
     if RESOURCE_MEM in values and RESOURCE_MEM_PERCENT in values:
@@ -344,13 +392,12 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
     if not isinstance(annos, dict):
         raise RequestError(SOURCE, "metadata.annotations", "must be an object")
     policies: dict[str, str | None] = {}
-    for key in (ann.NODE_POLICY_ANNOTATION, ann.GPU_POLICY_ANNOTATION):
-        value = annos.get(key)
-        if value is not None and value not in POLICIES:
-            raise RequestError(
-                SOURCE, f"metadata.annotations[{key}]", f"must be one of {', '.join(POLICIES)}, got {value!r}"
-            )
-        policies[key] = value
+    for key, hami in (
+        (ann.NODE_POLICY_ANNOTATION, ann.HAMI_NODE_POLICY_ANNOTATION),
+        (ann.GPU_POLICY_ANNOTATION, ann.HAMI_GPU_POLICY_ANNOTATION),
+    ):
+        policies[key] = _policy(annos, key, hami)
+    _hami_modes(annos)
     selection = Selection(
         use_types=_csv(annos.get(ann.USE_GPUTYPE_ANNOTATION)),
         nouse_types=_csv(annos.get(ann.NOUSE_GPUTYPE_ANNOTATION)),
@@ -363,3 +410,59 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
         node_policy=policies[ann.NODE_POLICY_ANNOTATION],
         gpu_policy=policies[ann.GPU_POLICY_ANNOTATION],
     )
+
+
+def _field_of(key: str) -> str:
+    return f"metadata.annotations[{key}]"
+
+
+def _policy(annos: Mapping[str, Any], key: str, hami: str) -> str | None:
+    """A policy annotation, ours or HAMi's spelling of it (same values; HAMi trims spaces)."""
+    value = annos.get(key)
+    if value is not None and value not in POLICIES:
+        raise RequestError(
+            SOURCE, _field_of(key), f"must be one of {', '.join(POLICIES)}, got {_shown(value)}"
+        )
+    theirs = annos.get(hami)
+    if theirs is None:
+        return value
+    if not isinstance(theirs, str) or theirs.strip() not in POLICIES:
+        hint = ""
+        if hami == ann.HAMI_GPU_POLICY_ANNOTATION:
+            hint = (
+                " (HAMi's topology-aware, numa and mutex are not offered: a container of several vGPUs"
+                " always gets NVLink-joined cards first, then cards on one NUMA node; gpucores: 100"
+                " holds a card alone)"
+            )
+        raise RequestError(
+            SOURCE, _field_of(hami), f"must be one of {', '.join(POLICIES)}, got {_shown(theirs)}{hint}"
+        )
+    if value is not None and value != theirs.strip():
+        raise RequestError(
+            SOURCE, _field_of(hami), f"is {theirs.strip()!r} but {key} is {value!r}: give one of them"
+        )
+    return theirs.strip()
+
+
+def _hami_modes(annos: Mapping[str, Any]) -> None:
+    """HAMi's ``nvidia.com/vgpu-mode`` and ``nvidia.com/numa-bind``: accepted where they ask
+    for what every card here gives, refused where they ask for what none does."""
+    mode = annos.get(ann.HAMI_VGPU_MODE_ANNOTATION)
+    # HAMi takes a card whose mode is contained in the value ("hami-core,mig" takes either)
+    if mode is not None and (not isinstance(mode, str) or "hami-core" not in mode):
+        raise RequestError(
+            SOURCE,
+            _field_of(ann.HAMI_VGPU_MODE_ANNOTATION),
+            f"must name hami-core, got {_shown(mode)}: every card here is shared the way HAMi-core "
+            "shares it; MIG and MPS are not offered",
+        )
+    bind = annos.get(ann.HAMI_NUMA_BIND_ANNOTATION)
+    # strconv.ParseBool's true spellings, as HAMi reads it; anything else means no binding there
+    if isinstance(bind, str) and bind.strip() in ("1", "t", "T", "TRUE", "true", "True"):
+        raise RequestError(
+            SOURCE,
+            _field_of(ann.HAMI_NUMA_BIND_ANNOTATION),
+            "true is not offered: a container of several vGPUs is placed on cards of one NUMA node "
+            "where the node has such a set free (after NVLink-joined cards), never held back for one; "
+            "remove the annotation",
+        )

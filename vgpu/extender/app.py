@@ -42,6 +42,22 @@ def _json(status: int, body: Any) -> Response:
     return Response(_dumps(body), status=status, mimetype="application/json")
 
 
+def _event_safe(text: str) -> str:
+    """``text`` with every ``%`` as ``％`` (U+FF05, the full-width percent sign).
+
+    kube-scheduler hands the message built from a failed filter or bind to its event recorder as
+    a printf format (``Eventf(pod, ..., msg)``): a ``%`` there turns ``30% cores`` into
+    ``30%!c(MISSING)ores``. The extender's own reasons hold none; this keeps out the ones a user's
+    value or an inventory brings in (``got '50%'``), and the full-width sign reads the same in the
+    event and in the pod's PodScheduled condition, which takes the message as it is.
+    """
+    return text.replace("%", "\uff05") if "%" in text else text
+
+
+def _safe_reasons(reasons: dict[str, str]) -> dict[str, str]:
+    return {node: _event_safe(r) for node, r in reasons.items()} if reasons else reasons
+
+
 def _field(obj: Obj, name: str) -> Any:
     """Go's encoding/json matches keys case-insensitively; so do we (exact match first)."""
     if name in obj:
@@ -129,9 +145,9 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
         out: Obj = {
             "Nodes": None,
             "NodeNames": result.nodes,
-            "FailedNodes": result.failed,
-            "FailedAndUnresolvableNodes": result.unresolvable,
-            "Error": result.error,
+            "FailedNodes": _safe_reasons(result.failed),
+            "FailedAndUnresolvableNodes": _safe_reasons(result.unresolvable),
+            "Error": _event_safe(result.error),
         }
         if items is not None:  # answered in the shape we were asked in
             keep = set(result.nodes)
@@ -171,7 +187,7 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
                 (time.perf_counter() - start) * 1000,
                 error,
             )
-        return 200, {"Error": error}
+        return 200, {"Error": _event_safe(error)}
 
     @verb("mutate", lambda e: {"Error": e})
     def mutate(raw: bytes) -> tuple[int, Any]:
@@ -184,7 +200,7 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
     def validate(raw: bytes) -> tuple[int, Any]:
         try:
             largest = st.largest_card() if config.reject_unsatisfiable else None
-            return 200, webhook.validate(_body(raw), config, largest)
+            return 200, webhook.validate(_body(raw), config, largest, st.known_cards)
         except webhook.ReviewError as err:
             raise BadRequest(str(err)) from err
 

@@ -27,6 +27,7 @@ from vgpu.core.fit import (
     Rejection,
     card_summary,
     fit_node,
+    for_nodes,
     may_fit,
     quick_fits,
     quick_utilization,
@@ -172,14 +173,14 @@ class SchedulerState:
             self._regroup.add(name)
             if raw is None:
                 self.nodes[name] = NodeEntry(
-                    error=f"no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
+                    error=f"had no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
                 )
                 return
             try:
                 inventory = ann.decode_devices(raw)
                 self.nodes[name] = NodeEntry(inventory=inventory, raw=raw, shape=_shape(inventory))
             except AnnotationError as err:
-                self.nodes[name] = NodeEntry(error=f"malformed inventory, node skipped: {err}", raw=raw)
+                self.nodes[name] = NodeEntry(error=f"had a malformed inventory, skipped: {err}", raw=raw)
                 self.inventory_errors += 1
                 log.warning("node %s: %s; skipping it until the annotation is fixed", name, err)
                 from vgpu.extender import metrics
@@ -328,19 +329,20 @@ class SchedulerState:
 
     # -- asking ----------------------------------------------------------------------------------
     def node_problem(self, name: str, now: float) -> str | None:
-        """Why ``name`` gets nothing new, or None. Caller holds the lock."""
+        """Why ``name`` gets nothing new, or None: a predicate like fit's reasons (see
+        :class:`vgpu.core.fit.Rejection`). Caller holds the lock."""
         entry = self.nodes.get(name)
         if entry is None:
-            return "node unknown to the vGPU extender (not yet seen, or deleted)"
+            return "had no record in the vGPU extender (not yet seen, or deleted)"
         if entry.inventory is None:
-            return entry.error or "no vGPU inventory"
+            return entry.error or "had no vGPU inventory"
         expiry = self.lease_expiry.get(name)
         if expiry is not None and expiry >= now:
             return None
         lease = f"{self.config.namespace}/{ann.lease_name(name)}"
         if expiry is None:
-            return f"device plugin not running: Lease {lease} not found"
-        return f"device plugin not running: Lease {lease} expired"
+            return f"had no vGPU device plugin running: Lease {lease} not found"
+        return f"had no vGPU device plugin running: Lease {lease} expired"
 
     def _check_ready(self) -> str | None:
         if not self.synced.is_set():
@@ -356,7 +358,7 @@ class SchedulerState:
         try:
             request = parse_pod(pod, self.config)
         except RequestError as err:  # an impossible pod (admission was bypassed): fits nowhere
-            return FilterResult(unresolvable=dict.fromkeys(node_names, str(err)))
+            return FilterResult(unresolvable=dict.fromkeys(node_names, for_nodes(f"were not tried: {err}")))
         uid = (pod.get("metadata") or {}).get("uid")
         if not request.wants_vgpu:
             return FilterResult(nodes=list(node_names))
@@ -424,7 +426,7 @@ class SchedulerState:
         for name in node_names:
             problem = self.node_problem(name, now)
             if problem is not None:
-                result.unresolvable[name] = problem
+                result.unresolvable[name] = for_nodes(problem)
                 continue
             entry = self.nodes[name]
             assert entry.inventory is not None
@@ -440,9 +442,9 @@ class SchedulerState:
                 util = utilization(entry.inventory, usage, outcome.footprint)
                 cache[name] = (self.ledger.node_version(name), entry.inventory, util)
             elif outcome.unresolvable:
-                result.unresolvable[name] = outcome.reason
+                result.unresolvable[name] = for_nodes(outcome.reason)
             else:
-                result.failed[name] = outcome.reason
+                result.failed[name] = for_nodes(outcome.reason)
         if len(result.nodes) > self.filter_keep:
             result.nodes = self._best(result.nodes, request, cache)
         return result
@@ -626,7 +628,7 @@ class SchedulerState:
             problem = self.node_problem(node, self.clock())
             if problem is not None:
                 self._drop_assumed(uid)
-                return f"node {node}: {problem}", "conflict"
+                return f"node {node} {problem}", "conflict"
             if uid in self.binding:
                 return f"pod {namespace}/{name} is already being bound", "conflict"
             inventory = self.nodes[node].inventory
@@ -636,7 +638,7 @@ class SchedulerState:
             )
             if isinstance(outcome, Rejection):
                 self._drop_assumed(uid)
-                return f"node {node} has no room any more: {outcome.reason}", "conflict"
+                return f"node {node} {outcome.reason}", "conflict"
             self.binding.add(uid)
             self.assumed.pop(uid, None)  # the bind's own reservation replaces filter's
             self.ledger.commit(uid, node, outcome.footprint)
@@ -700,6 +702,11 @@ class SchedulerState:
         mem = max(d.memory_mib for inv in invs for d in inv.devices)
         cards = max(len(inv.devices) for inv in invs)
         return mem, cards
+
+    def known_cards(self) -> list[ann.Device]:
+        """Every card of the nodes with an inventory (the webhook's selection check)."""
+        with self.lock:
+            return [d for e in self.nodes.values() if e.inventory is not None for d in e.inventory.devices]
 
     def snapshot(
         self, changed_since: Mapping[str, tuple[int, int]] | None = None

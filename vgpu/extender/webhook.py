@@ -14,6 +14,11 @@
   With ``reject_unsatisfiable`` (chart value ``scheduler.admission.rejectUnsatisfiable``) that
   cluster-shape check denies it too, once nodes are known.
 
+  The selection annotations are a cluster-shape question too: a pod whose ``use-gputype`` or
+  ``use-gpuuuid`` (with their ``nouse-`` pair) accepts no card the extender knows now is admitted
+  with a warning naming the annotation and what the cluster has (``kubectl`` prints it), and
+  denied with ``reject_unsatisfiable``.
+
   ``split`` (vGPUs per card) gives no rule of its own here: the vGPUs of one container each take
   a different card, so a request never asks for more than one vGPU of a card, and the number of
   cards a container needs is a cluster-shape question like the others.
@@ -23,12 +28,13 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
-from vgpu.core.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
+from vgpu.core.requests import RESOURCE_GPU, RESOURCES, Selection, asks_for_vgpu, parse_pod
 
 Obj = dict[str, Any]
 
@@ -51,10 +57,19 @@ def _request(review: Any) -> tuple[Obj, Obj]:
     return req, obj
 
 
-def _response(review: Obj, req: Obj, allowed: bool, message: str = "", patch: list[Obj] | None = None) -> Obj:
+def _response(
+    review: Obj,
+    req: Obj,
+    allowed: bool,
+    message: str = "",
+    patch: list[Obj] | None = None,
+    warnings: list[str] | None = None,
+) -> Obj:
     resp: Obj = {"uid": req["uid"], "allowed": allowed}
     if not allowed:
         resp["status"] = {"code": 422, "reason": "Invalid", "message": message}
+    if warnings:
+        resp["warnings"] = warnings
     if patch:
         resp["patchType"] = "JSONPatch"
         resp["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
@@ -112,27 +127,74 @@ def mutate(review: Any, config: SchedulerConfig) -> Obj:
     return _response(review, req, True, patch=patch)
 
 
-def validate(review: Any, config: SchedulerConfig, largest: tuple[int, int] | None = None) -> Obj:
+def validate(
+    review: Any,
+    config: SchedulerConfig,
+    largest: tuple[int, int] | None = None,
+    cards: Callable[[], Sequence[ann.Device]] | None = None,
+) -> Obj:
     """``largest``: (most MiB on one card, most cards on one node) in the cluster, when known; it
-    is checked only with ``config.reject_unsatisfiable``."""
+    is checked only with ``config.reject_unsatisfiable``. ``cards``: every card the extender
+    knows now, asked only of a pod with selection annotations."""
     req, pod = _request(review)
     if req.get("operation") not in (None, "CREATE") or not asks_for_vgpu(pod):
         return _response(review, req, True)
     try:
-        parse_pod(pod, config)  # raises RequestError for the static rules
+        request = parse_pod(pod, config)  # raises RequestError for the static rules
     except RequestError as err:
         return _response(review, req, False, f"vGPU request can never be satisfied: {err}")
-    if config.reject_unsatisfiable:
-        problem = larger_than_cluster(pod, config, largest)
-        if problem:
-            return _response(
-                review,
-                req,
-                False,
-                f"vGPU request cannot be satisfied by any node of this cluster now: {problem} (this "
-                "cluster refuses such pods at admission: scheduler.admission.rejectUnsatisfiable)",
-            )
+    problem = larger_than_cluster(pod, config, largest) if config.reject_unsatisfiable else None
+    unselected = None
+    if problem is None and cards is not None and request.wants_vgpu:
+        unselected = selects_no_card(request.selection, cards)
+    if config.reject_unsatisfiable and (problem or unselected):
+        return _response(
+            review,
+            req,
+            False,
+            f"vGPU request cannot be satisfied by any node of this cluster now: {problem or unselected} "
+            "(this cluster refuses such pods at admission: scheduler.admission.rejectUnsatisfiable)",
+        )
+    if unselected:
+        return _response(review, req, True, warnings=[f"{unselected}; the pod waits Pending until one joins"])
     return _response(review, req, True)
+
+
+_MODELS_SHOWN = 4
+
+
+def selects_no_card(selection: Selection, cards: Callable[[], Sequence[ann.Device]]) -> str | None:
+    """Which selection annotation rules out every card the cluster has now, naming what it has.
+
+    None when the pod selects nothing, when some card passes, or when no card is known yet.
+    """
+    if not (selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids):
+        return None
+    known = cards()
+    if not known or any(selection.why_not(d.uuid, d.model) is None for d in known):
+        return None
+    models = sorted({d.model for d in known})
+    shown = ", ".join(repr(m) for m in models[:_MODELS_SHOWN])
+    if len(models) > _MODELS_SHOWN:
+        shown += f" and {len(models) - _MODELS_SHOWN} more"
+    if selection.use_types and all(
+        Selection(use_types=selection.use_types).why_not(d.uuid, d.model) for d in known
+    ):
+        value = ",".join(selection.use_types)
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return (
+            f"metadata.annotations[{ann.USE_GPUTYPE_ANNOTATION}]: {value!r} matches no card of this "
+            f"cluster (its models: {shown})"
+        )
+    if selection.use_uuids and not {d.uuid for d in known} & set(selection.use_uuids):
+        return (
+            f"metadata.annotations[{ann.USE_GPUUUID_ANNOTATION}]: names no card of this cluster "
+            f"({len(known)} cards known, of models {shown})"
+        )
+    return (
+        "metadata.annotations: nvidia.com/use-gputype, nouse-gputype, use-gpuuuid and nouse-gpuuuid "
+        f"together rule out every card of this cluster ({len(known)} cards, of models {shown})"
+    )
 
 
 def larger_than_cluster(
