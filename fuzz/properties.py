@@ -46,7 +46,7 @@ def _json(data: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/core/annotations.py: contracts 2 and 3
+# vgpu/core/annotations.py: contracts 2 and 3 (docs/contracts.md)
 
 
 def check_devices_annotation(data: bytes) -> None:
@@ -75,11 +75,11 @@ def check_allocation_annotation(data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/core/requests.py: contract 1
+# vgpu/core/requests.py: contract 1 (docs/contracts.md)
 
 
 def check_pod_request(data: bytes) -> None:
-    """parse_pod over any pod object: a request within contract 1's bounds, or RequestError.
+    """parse_pod over any pod object: a request within the bounds of contract 1, or RequestError.
 
     asks_for_vgpu runs on every pod the webhook sees, before any validation: it must not raise.
     """

@@ -1,5 +1,6 @@
 """Pods as the tests write them: what a user submits (:func:`pod`, :func:`container`) and what the
-scheduler leaves for the device plugin (:func:`bound_pod`, with contract 3's annotations).
+scheduler leaves for the device plugin (:func:`bound_pod`, with the annotations of
+contract 3 in docs/contracts.md).
 
 Every field a test does not name is left out, so the API server fills its defaults; a test whose
 point is a manifest's literal shape keeps that manifest literal.

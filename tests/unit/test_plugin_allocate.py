@@ -1,4 +1,5 @@
-"""Allocate picks the pod and container kubelet is starting and answers with contract 4.
+"""Allocate picks the pod and container kubelet is starting and answers with contract 4
+(docs/contracts.md).
 
 The pods come from an in-memory list shaped like the API server's JSON; the integration tests
 run the same code against the sandbox's real API server.
