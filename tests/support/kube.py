@@ -113,3 +113,14 @@ class FakeKube:
             if isinstance(item, KubeError):
                 raise item
             yield item
+
+
+def _satisfies_the_protocols() -> None:  # checked by mypy (pyproject's [tool.mypy] packages), never run
+    from vgpu.extender.state import KubeAPI
+    from vgpu.plugin.arrivals import PodWatchSource
+    from vgpu.plugin.daemon import NodeClient
+
+    kube = FakeKube()
+    _api: KubeAPI = kube
+    _node: NodeClient = kube  # the plugin's PodSource and NodeAPI together
+    _watch: PodWatchSource = kube

@@ -50,6 +50,7 @@ def pod(
     """A v1 Pod manifest (a dict, ready for ``json.dumps``); one plain ``main`` container when none
     is given. ``grace`` is terminationGracePeriodSeconds, ``node`` spec.nodeName."""
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    value: Any
     for key, value in (
         ("uid", uid),
         ("creationTimestamp", created),
@@ -100,10 +101,10 @@ def bound_pod(
     )
 
     def spec(c: str) -> dict[str, Any]:
-        wanted: dict[str, int | str] = {"gpu": len(devices[c])} if devices.get(c) else {}
+        limits = {"nvidia.com/gpu": str(len(devices[c]))} if devices.get(c) else {}
         if priority and c in priority:
-            wanted["priority"] = priority[c]
-        return container(c, **wanted)
+            limits["nvidia.com/priority"] = priority[c]
+        return container(c, limits=limits)
 
     init = tuple(init)
     annotations = {
