@@ -6,6 +6,10 @@ valid object, or refused the input with its declared error (``AnnotationError``,
 ``assert``, is a bug. The atheris runner (``fuzz/run_atheris.py``) fuzzes these functions and
 ``tests/unit/test_fuzz_regressions.py`` replays every input saved under
 ``fuzz/regressions/<harness>/`` through the same function, so a crash found once stays fixed.
+
+Everything the harnesses reach is imported here, at the top: fuzz/run_atheris.py instruments for
+coverage only the modules imported while it imports this one. Only ``vgpu`` and ``fuzz`` are
+imported, never the tests (they import this).
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ import atexit
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fuzz.references import gunicorn_reads
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, RequestError
@@ -30,13 +34,7 @@ from vgpu.extender.state import SchedulerState
 from vgpu.hookabi import grant as grants
 from vgpu.hookabi import region
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = SchedulerConfig()
-# Everything the harnesses reach is imported here, at the top: fuzz/run_atheris.py instruments for
-# coverage only the modules imported while it imports this one.
-if str(ROOT / "tests" / "unit") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from test_worker_parser import gunicorn_reads  # noqa: E402 - the one comparison helper, shared with that test
 
 
 def _json(data: bytes) -> Any:
@@ -48,7 +46,7 @@ def _json(data: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/core/annotations.py: contracts 2 and 3
+# vgpu/core/annotations.py: contracts 2 and 3 (docs/contracts.md)
 
 
 def check_devices_annotation(data: bytes) -> None:
@@ -77,11 +75,11 @@ def check_allocation_annotation(data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vgpu/core/requests.py: contract 1
+# vgpu/core/requests.py: contract 1 (docs/contracts.md)
 
 
 def check_pod_request(data: bytes) -> None:
-    """parse_pod over any pod object: a request within contract 1's bounds, or RequestError.
+    """parse_pod over any pod object: a request within the bounds of contract 1, or RequestError.
 
     asks_for_vgpu runs on every pod the webhook sees, before any validation: it must not raise.
     """

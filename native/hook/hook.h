@@ -35,7 +35,7 @@ HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(prin
 #define VGPU_LOG(level, ...) \
     do { if (__builtin_expect(vgpu_log_level >= (level), 0)) vgpu_log(level, __VA_ARGS__); } while (0)
 
-/* config.c: contract 4's environment */
+/* config.c: the environment of contract 4 (docs/contracts.md) */
 #define VGPU_DEFAULT_CONTEXT_RESERVE (640ULL << 20)
 struct vgpu_config {
     int enabled;                 /* any limit or a region path given */
@@ -53,7 +53,7 @@ struct vgpu_config {
 HIDDEN int vgpu_parse_size(const char *text, uint64_t *out);
 HIDDEN void vgpu_config_load(struct vgpu_config *cfg);
 
-/* region.c: the shared region of contract 5 */
+/* region.c: the shared region of contract 5 (docs/contracts.md) */
 HIDDEN int vgpu_enabled(void);               /* attaches on first use; 0 = pass everything through */
 HIDDEN int vgpu_charge(int idx, uint64_t bytes, int force); /* 0 = granted, -1 = over the limit */
 HIDDEN void vgpu_uncharge(int idx, uint64_t bytes);

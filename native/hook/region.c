@@ -1,4 +1,4 @@
-/* The shared region of contract 5: one file per container, a process-shared robust mutex,
+/* The shared region of contract 5 (docs/contracts.md): one file per container, a process-shared robust mutex,
  * per-device limits and usage, one slot per process, dead processes reaped. The layout comes
  * from region_layout.h, generated from vgpu/hookabi/region.py. */
 #define _GNU_SOURCE

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,8 @@ import yaml
 from chart_local import local_extender_flags
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.pki import CertificateAuthority
-from vgpu_sandbox.procs import stop_group
+
+from tests.support import container, pod, start, stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -40,21 +40,8 @@ STRICT_LABEL = "vgpu-admission-e2e/strict"
 
 
 def big_pod(name: str, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.invalid/cuda:none",
-                    "resources": {"limits": {"nvidia.com/gpumem": str(CARD_MIB + 20000)}},
-                }
-            ],
-        },
-    }
+    big = container("main", "registry.invalid/cuda:none", gpumem=CARD_MIB + 20000)
+    return pod(name, big, namespace=namespace, grace=0)
 
 
 def get_pod(sandbox: Sandbox, namespace: str, name: str) -> dict[str, Any]:
@@ -69,13 +56,6 @@ def scheduling_message(pod: dict[str, Any]) -> str:
     return ""
 
 
-def wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.5)
-
-
 def test_a_pod_larger_than_every_card_is_admitted_and_waits_with_the_shortage_named(sandbox: Sandbox) -> None:
     """The sandbox's own webhook and vgpu-scheduler, with the chart's default (no opt-in)."""
     name = "adm-big-" + uuid.uuid4().hex[:6]
@@ -86,8 +66,9 @@ def test_a_pod_larger_than_every_card_is_admitted_and_waits_with_the_shortage_na
         shortage = f"smaller than asked ({CARD_MIB} MiB)"
         wait_for(
             lambda: shortage in scheduling_message(get_pod(sandbox, "default", name)),
-            60,
             "a PodScheduled condition naming the card that is too small",
+            60,
+            every=0.5,
         )
         pod = get_pod(sandbox, "default", name)
         assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending"
@@ -161,13 +142,10 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
     pair = ca.issue("extender", ["127.0.0.1"])
     port, flags = local_extender_flags(command, pair.cert, pair.key)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    log = (folder / "extender.log").open("wb")
-    proc = subprocess.Popen(
+    proc = start(
         [sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+        folder / "extender.log",
+        env,
     )
     url = f"https://127.0.0.1:{port}"
     try:
@@ -179,11 +157,10 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
             except requests.RequestException:
                 return False
 
-        wait_for(ready, 90, "the strict extender's /readyz")
+        wait_for(ready, "the strict extender's /readyz", 90, every=0.5)
         yield url, base64.b64encode(ca.pem).decode()
     finally:
-        stop_group(proc)
-        log.close()
+        stop(proc)
 
 
 def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
@@ -218,7 +195,7 @@ def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
                 dry = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=pod, check=False)
                 return dry.returncode != 0
 
-            wait_for(denied, 30, "the strict webhook to be in force")
+            wait_for(denied, "the strict webhook to be in force", 30, every=0.5)
             result = sandbox.kubectl("create", "-f", "-", input=pod, check=False)
             assert result.returncode != 0
             message = result.stderr

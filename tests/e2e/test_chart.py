@@ -13,7 +13,6 @@ import ssl
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ from chart_local import local_extender_flags
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.procs import free_port
 
+from tests import support
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,11 +276,8 @@ def components_release(sandbox: Sandbox, namespace: str) -> Iterator[str]:
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vgpu-chart-"))
-    try:
+    with support.short_dir("vgpu-chart-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_each_components_service_account_is_enough_for_the_real_component_and_no_more(
@@ -373,21 +370,12 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         with _running(plugin, "the device plugin as vgpu-device-plugin", reported):
             with _running(extender, "the extender as vgpu-extender", lambda: call("/readyz")[0] == 200):
                 assert get(sandbox, "lease", "vgpu-scheduler-extender", "-n", NS)["spec"]["holderIdentity"]
-                pod = {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {"name": "vgpu-chart-test-pod", "namespace": NS},
-                    "spec": {
-                        "schedulerName": SCHEDULER,
-                        "containers": [
-                            {
-                                "name": "cuda",
-                                "image": "example.invalid/cuda:1",
-                                "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}},
-                            }
-                        ],
-                    },
-                }
+                pod = support.pod(
+                    "vgpu-chart-test-pod",
+                    support.container("cuda", "example.invalid/cuda:1", gpu=1, gpumem=1000),
+                    namespace=NS,
+                    scheduler=SCHEDULER,
+                )
                 created = json.loads(
                     sandbox.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(pod)).stdout
                 )

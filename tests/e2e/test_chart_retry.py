@@ -15,14 +15,12 @@ annotation of one card standing in for the device plugin.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,8 @@ import pytest
 import yaml
 from chart_local import local_extender_flags
 from vgpu_sandbox.cluster import Sandbox
-from vgpu_sandbox.procs import stop_group
 
+from tests.support import container, pod, running, wait_for
 from vgpu.core import annotations as ann
 from vgpu.kube.client import now_micro
 
@@ -47,25 +45,6 @@ TAINT = "vgpu.openaios.io/retry-e2e"
 CARD_MIB = 10000
 POD_MIB = 6000  # two never fit one card together
 BOUND_WITHIN_S = 15.0  # the acceptance: bound within 15 s of the room freeing
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def running(
-    argv: list[str], log: Path, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            stop_group(proc)
 
 
 class Rendered:
@@ -115,24 +94,15 @@ def node_manifest(name: str) -> dict[str, Any]:
 
 
 def pod_manifest(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "schedulerName": SCHEDULER,
-            "nodeSelector": {TAINT: "yes"},
-            "tolerations": [{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-            "terminationGracePeriodSeconds": 0,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.invalid/cuda:none",
-                    "resources": {"limits": {"nvidia.com/gpumem": str(POD_MIB)}},
-                }
-            ],
-        },
-    }
+    return pod(
+        name,
+        container("main", "registry.invalid/cuda:none", gpumem=POD_MIB),
+        namespace=NS,
+        scheduler=SCHEDULER,
+        node_selector={TAINT: "yes"},
+        tolerations=[{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+        grace=0,
+    )
 
 
 def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_kube_scheduler(
@@ -189,7 +159,7 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
             conds = sandbox.api_get(f"/api/v1/nodes/{node}").get("status", {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
-        wait_for(node_ready, 60, f"node {node} Ready")
+        wait_for(node_ready, f"node {node} Ready", 60, every=0.2)
 
         with (
             running(extender, tmp_path / "extender.log", env),
@@ -213,7 +183,7 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
                 sandbox.kubectl("create", "-f", "-", input=json.dumps(pod_manifest(name)))
 
             create("holder-0")
-            wait_for(partial(bound, "holder-0"), 90, "the first pod bound")
+            wait_for(partial(bound, "holder-0"), "the first pod bound", 90, every=0.2)
             # each round: a pod refused for lack of room, left waiting a while (so it sits in
             # kube-scheduler's unschedulable pods, its back-off over), then the room freed
             measured: list[float] = []
@@ -221,12 +191,12 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
             for i, wait_s in enumerate((2, 12, 20)):
                 waiter = f"waiter-{i}"
                 create(waiter)
-                wait_for(partial(refused, waiter), 60, f"{waiter} refused for lack of room")
+                wait_for(partial(refused, waiter), f"{waiter} refused for lack of room", 60, every=0.2)
                 time.sleep(wait_s)
                 assert not bound(waiter)
                 freed = time.monotonic()
                 sandbox.kubectl("delete", "pod", holder, "-n", NS, "--wait=false")
-                wait_for(partial(bound, waiter), 120, f"{waiter} bound")
+                wait_for(partial(bound, waiter), f"{waiter} bound", 120, every=0.2)
                 measured.append(time.monotonic() - freed)
                 holder = waiter
             print(f"seconds from the room freeing to binding: {[round(m, 1) for m in measured]}")

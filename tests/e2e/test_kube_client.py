@@ -14,6 +14,7 @@ import pytest
 import yaml
 from vgpu_sandbox.cluster import Sandbox
 
+from tests.support import container, pod
 from vgpu.core.errors import ConflictError, KubeError
 from vgpu.kube.client import Gone, Kube
 
@@ -31,13 +32,8 @@ def kube(sandbox: Sandbox) -> Iterator[Kube]:
 
 def make_pod(sandbox: Sandbox, kube: Kube) -> tuple[str, str]:
     name = f"p-{secrets.token_hex(4)}"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {"schedulerName": "nobody", "containers": [{"name": "c", "image": "x"}]},
-    }
-    sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+    manifest = pod(name, container("c", "x"), namespace=NS, scheduler="nobody")
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(manifest))
     got = kube.get_pod(NS, name)
     assert got is not None
     return name, got["metadata"]["uid"]

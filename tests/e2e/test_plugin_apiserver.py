@@ -2,19 +2,17 @@
 
 Each test gets a Node of its own (KWOK-managed, tainted so the schedulers leave it alone) with
 the plugin on a real unix socket and the kubelet stand-in as its peer. Pods are created already
-bound to it with the allocation annotation the extender would write (contract 3); the stand-in
-then admits them as kubelet does and the tests read what each container would start with.
+bound to it with the allocation annotation the extender would write (contract 3,
+docs/contracts.md); the stand-in then admits them as kubelet does and the tests read what each
+container would start with.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import shutil
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +22,11 @@ import yaml
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION, Kubelet
 
+from tests.support import bound_pod, poll, short_dir
 from vgpu.core.annotations import (
-    ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
-    Allocation,
-    ContainerAllocation,
-    DeviceAllocation,
     decode_devices,
-    encode_allocation,
     lease_name,
 )
 from vgpu.kube.client import NodeAgentClient
@@ -44,15 +38,6 @@ from vgpu.plugin.paths import HostPaths
 NAMESPACE = "kube-system"
 SPLIT = 4
 TEST_NS = "vgpu-plugin-it"
-
-
-def _wait(predicate: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def gpus_yaml(node: str, unhealthy: tuple[int, ...] = ()) -> str:
@@ -89,38 +74,16 @@ class Agent:
         init: tuple[str, ...] = (),
         annotation: str | None = None,
     ) -> None:
-        alloc = Allocation(
+        devices = {c: [(self.uuid(i), m, k) for i, m, k in devs] for c, devs in containers.items()}
+        pod = bound_pod(
+            name,
             self.name,
-            tuple(
-                ContainerAllocation(c, tuple(DeviceAllocation(self.uuid(i), m, k) for i, m, k in devs))
-                for c, devs in containers.items()
-                if devs
-            ),
+            devices,
+            init=init,
+            annotation=annotation,
+            namespace=TEST_NS,
+            tolerations=[{"key": "vgpu-test", "operator": "Exists"}],
         )
-
-        def spec(c: str) -> dict[str, Any]:
-            n = len(containers.get(c) or [])
-            limits = {"nvidia.com/gpu": str(n)} if n else {}
-            return {"name": c, "image": "cuda:fake", "resources": {"limits": limits}}
-
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": TEST_NS,
-                "annotations": {
-                    ALLOCATION_ANNOTATION: annotation if annotation is not None else encode_allocation(alloc),
-                    PHASE_ANNOTATION: "bound",
-                },
-            },
-            "spec": {
-                "nodeName": self.name,
-                "tolerations": [{"key": "vgpu-test", "operator": "Exists"}],
-                "initContainers": [spec(c) for c in init],
-                "containers": [spec(c) for c in containers if c not in init],
-            },
-        }
         self.sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
 
     def pod(self, name: str) -> dict[str, Any]:
@@ -128,7 +91,9 @@ class Agent:
 
     def admit(self, expected: int) -> None:
         """Play one kubelet round once ``expected`` pods are listed on the node."""
-        assert _wait(lambda: len(self.client.list_node_pods(self.name)) >= expected), "pods never showed up"
+        assert poll(lambda: len(self.client.list_node_pods(self.name)) >= expected, timeout=30, every=0.1), (
+            "pods never showed up"
+        )
         self.kubelet.admit_pending()
 
     def record(self, pod: str) -> dict[str, Any]:
@@ -152,11 +117,8 @@ class Agent:
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
     """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
-    try:
+    with short_dir("vgpu-dp-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +185,7 @@ def test_the_node_gets_its_inventory_lease_and_device_count(agent: Agent) -> Non
         ok = DEVICES_ANNOTATION in ann and node["status"].get("allocatable", {}).get("nvidia.com/gpu") == "16"
         return node if ok else None
 
-    node = _wait(reported)
+    node = poll(reported, timeout=30, every=0.1)
     assert node is not None
     inv = decode_devices(node["metadata"]["annotations"][DEVICES_ANNOTATION])
     assert [(d.uuid, d.memory_mib, d.split) for d in inv.devices] == [
@@ -276,7 +238,11 @@ def test_several_pods_waiting_at_once_each_get_their_own_limits(agent: Agent) ->
     wanted = {f"wait-{k}": (k % 4, 1000 + 100 * k, 5 * k) for k in range(6)}
     for name, (card, mem, cores) in wanted.items():
         agent.create_pod(name, {"main": [(card, mem, cores)]})
-    assert _wait(lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in wanted))
+    assert poll(
+        lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in wanted),
+        timeout=30,
+        every=0.1,
+    )
     uids = {name: agent.pod(name)["metadata"]["uid"] for name in wanted}
     for name, (card, mem, cores) in wanted.items():
         # GetPreferredAllocation steered kubelet to IDs on the card the scheduler chose
@@ -305,7 +271,11 @@ def test_pods_a_restarted_kubelet_cannot_order_are_refused_never_swapped(agent: 
     kubelet = agent.start_kubelet()
     assert kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
     threading.Thread(target=kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
-    assert _wait(lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in pods))
+    assert poll(
+        lambda: all(agent.record(n)["containers"] or agent.record(n)["error"] for n in pods),
+        timeout=30,
+        every=0.1,
+    )
     created = {n: agent.pod(n)["metadata"]["creationTimestamp"] for n in pods}
     served = refused = 0
     for name, (card, mem, cores) in pods.items():
@@ -351,14 +321,18 @@ def test_after_a_kubelet_restart_pods_are_allocated_again(agent: Agent) -> None:
     assert agent.daemon.server.registrations == before + 1
     threading.Thread(target=kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
     agent.create_pod("after-restart", {"main": [(3, 700, 0)]})
-    assert _wait(lambda: agent.record("after-restart")["containers"].get("main"))
+    assert poll(lambda: agent.record("after-restart")["containers"].get("main"), timeout=30, every=0.1)
     assert agent.record("after-restart")["containers"]["main"]["envs"][
         "NVIDIA_VISIBLE_DEVICES"
     ] == agent.uuid(3)
 
 
 def test_a_card_turning_unhealthy_leaves_allocatable_and_the_inventory(agent: Agent) -> None:
-    assert _wait(lambda: agent.node()["status"].get("allocatable", {}).get("nvidia.com/gpu") == "16")
+    assert poll(
+        lambda: agent.node()["status"].get("allocatable", {}).get("nvidia.com/gpu") == "16",
+        timeout=30,
+        every=0.1,
+    )
     agent.gpus.write_text(gpus_yaml(agent.name, unhealthy=(1,)))
 
     def updated() -> bool:
@@ -370,7 +344,7 @@ def test_a_card_turning_unhealthy_leaves_allocatable_and_the_inventory(agent: Ag
             and [d.healthy for d in inv.devices] == [True, False, True, True]
         )
 
-    assert _wait(updated)
+    assert poll(updated, timeout=30, every=0.1)
     agent.create_pod("on-sick-card", {"main": [(1, 100, 0)]})
     agent.admit(1)
     assert "unhealthy" in agent.record("on-sick-card")["error"]

@@ -16,6 +16,7 @@ from typing import Any
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
+from tests.support import container, pod
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
@@ -25,33 +26,11 @@ from vgpu.core.annotations import (
 )
 
 NAME = "vgpu-e2e-plugin"
-POD: dict[str, Any] = {
-    "apiVersion": "v1",
-    "kind": "Pod",
-    "metadata": {"name": NAME, "namespace": "default"},
-    "spec": {
-        "containers": [
-            {
-                "name": "small",
-                "image": "cuda:fake",
-                "resources": {
-                    "limits": {
-                        "nvidia.com/gpu": "1",
-                        "nvidia.com/gpumem": "3000",
-                        "nvidia.com/gpucores": "30",
-                    }
-                },
-            },
-            {
-                "name": "pair",
-                "image": "cuda:fake",
-                "resources": {
-                    "limits": {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "2000", "nvidia.com/priority": "0"}
-                },
-            },
-        ]
-    },
-}
+POD = pod(
+    NAME,
+    container("small", gpu=1, gpumem=3000, gpucores=30),
+    container("pair", gpu=2, gpumem=2000, priority=0),
+)
 
 
 def _pod(sandbox: Sandbox) -> dict[str, Any]:
@@ -132,17 +111,7 @@ def test_an_applied_vgpu_pod_starts_with_the_limits_the_scheduler_chose(sandbox:
 def test_a_pod_giving_only_gpumem_gets_one_vgpu_and_its_limits(sandbox: Sandbox) -> None:
     """Contract 1: a vGPU resource without nvidia.com/gpu means one vGPU, and kubelet must call Allocate."""
     name = "vgpu-e2e-memory-only"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "containers": [
-                {"name": "main", "image": "cuda:fake", "resources": {"limits": {"nvidia.com/gpumem": "1500"}}}
-            ]
-        },
-    }
-    sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod(name, container(gpumem=1500))))
     try:
         deadline = time.monotonic() + 120
         got: dict[str, Any] = {}

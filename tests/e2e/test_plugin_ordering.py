@@ -19,6 +19,7 @@ import pytest
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
+from tests.support import container, pod
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, decode_allocation
 
 NODE = "vgpu-node-1"
@@ -35,26 +36,13 @@ def _pods(round_id: str) -> list[dict[str, Any]]:
     pods = []
     for i in range(PODS):
         mem, cores, priority = _limits(i)
-        limits = {
-            "nvidia.com/gpu": "1",
-            "nvidia.com/gpumem": str(mem),
-            "nvidia.com/gpucores": str(cores),
-            "nvidia.com/priority": str(priority),
-        }
         pods.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": f"order-{round_id}-{i}",
-                    "namespace": "default",
-                    "labels": {"order": round_id},
-                },
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
-                    "containers": [{"name": "main", "image": "cuda:fake", "resources": {"limits": limits}}],
-                },
-            }
+            pod(
+                f"order-{round_id}-{i}",
+                container(gpu=1, gpumem=mem, gpucores=cores, priority=priority),
+                labels={"order": round_id},
+                node_selector={"kubernetes.io/hostname": NODE},
+            )
         )
     return pods
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from vgpu_sandbox import procs, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from playbooks import play, play_recap
+from tests.support import wait_for
 
 VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME
@@ -44,18 +45,8 @@ def _log(message: str) -> None:
     print(f"[real-node {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _wait(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (subprocess.SubprocessError, OSError, ValueError, KeyError) as err:
-            last = err
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+# what a check may raise while the node comes up: counted as not yet
+_FLAKY = (subprocess.SubprocessError, OSError, ValueError, KeyError)
 
 
 class Node:
@@ -161,7 +152,13 @@ def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_wi
     prepared: Node,
 ) -> None:
     node = prepared
-    pod = _wait("the device-plugin pod on the real node to be ready", lambda: _plugin_running(node), 180)
+    pod = wait_for(
+        lambda: _plugin_running(node),
+        "the device-plugin pod on the real node to be ready",
+        180,
+        every=1.0,
+        ignore=_FLAKY,
+    )
     images = realnode.built_images()
     status = pod["status"]["containerStatuses"][0]
     assert status["image"].endswith("vgpu/device-plugin:dev"), status
@@ -175,7 +172,7 @@ def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_wi
     def advertised() -> int:
         return int(node.get("node", NODE)["status"]["allocatable"].get("nvidia.com/gpu", "0"))
 
-    assert _wait("the node to advertise nvidia.com/gpu", advertised, 60) == SPLIT
+    assert wait_for(advertised, "the node to advertise nvidia.com/gpu", 60, every=1.0, ignore=_FLAKY) == SPLIT
     log = node.kubelet_log()
     registered = [line for line in log.splitlines() if "registration request from device plugin" in line]
     assert registered and "nvidia.com/gpu" in registered[-1], log[-3000:]
@@ -202,7 +199,9 @@ def _fields(text: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workload(prepared: Node) -> Iterator[dict[str, Any]]:
     node = prepared
-    _wait("the device-plugin pod on the real node", lambda: _plugin_running(node), 180)
+    wait_for(
+        lambda: _plugin_running(node), "the device-plugin pod on the real node", 180, every=1.0, ignore=_FLAKY
+    )
     manifest = _sample_pod(
         "cuda-3000",
         WORKLOAD,
@@ -214,7 +213,7 @@ def workload(prepared: Node) -> Iterator[dict[str, Any]]:
         out = node.kubectl("logs", "-n", "default", "cuda-3000", check=False)
         return out.stdout if "holding" in out.stdout and "held=" in out.stdout else ""
 
-    text = _wait("the workload to allocate and hold (kubectl logs)", logs, 180)
+    text = wait_for(logs, "the workload to allocate and hold (kubectl logs)", 180, every=1.0, ignore=_FLAKY)
     pod = node.get("pod", "-n", "default", "cuda-3000")
     yield {"pod": pod, "logs": text}
     node.kubectl("delete", "pod", "-n", "default", "cuda-3000", "--wait=false", check=False)
@@ -268,7 +267,7 @@ def test_a_pod_placed_by_the_extender_gets_its_limits_and_the_hook_refuses_past_
             out = node.kubectl("logs", "-n", "default", "cuda-control", check=False).stdout
             return out if "alive=1" in out else ""
 
-        control_fields = _fields(_wait("the control pod's output", done, 120))
+        control_fields = _fields(wait_for(done, "the control pod's output", 120, every=1.0, ignore=_FLAKY))
         assert int(control_fields["chunks"]) == CARD_MIB // 256, control_fields
         _log(f"control without a GPU request: chunks={control_fields['chunks']}")
     finally:
@@ -293,7 +292,13 @@ def test_vgpu_status_and_the_monitor_show_the_containers_usage(
                     return dict(share)
         return None
 
-    share = _wait("vgpu status to report the container's usage (the Lease, renewed every 10 s)", reported, 60)
+    share = wait_for(
+        reported,
+        "vgpu status to report the container's usage (the Lease, renewed every 10 s)",
+        60,
+        every=1.0,
+        ignore=_FLAKY,
+    )
     assert share["memory_mib"] == 3000 and share["cores"] == 30
     assert 1024 * 2**20 <= share["used_bytes"] <= 3000 * 2**20, share
     text = subprocess.run(
@@ -338,11 +343,15 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_ke
     def registered_again() -> bool:
         return node.kubelet_log().count("registration request from device plugin") > before
 
-    _wait("the device plugin to register with the new kubelet", registered_again, 90)
-    _wait(
-        "the node to advertise nvidia.com/gpu again",
+    wait_for(
+        registered_again, "the device plugin to register with the new kubelet", 90, every=1.0, ignore=_FLAKY
+    )
+    wait_for(
         lambda: node.get("node", NODE)["status"]["allocatable"].get("nvidia.com/gpu") == str(SPLIT),
+        "the node to advertise nvidia.com/gpu again",
         90,
+        every=1.0,
+        ignore=_FLAKY,
     )
     pod = node.get("pod", "-n", "default", "cuda-3000")
     status = pod["status"]["containerStatuses"][0]
@@ -350,7 +359,9 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_ke
     # A new process in the running container still meets the grant: 1024 MiB are held, so fewer
     # 256 MiB chunks fit under 3000 than before. (The new kubelet answers exec once it has
     # synced its pods.)
-    fields = _wait("kubectl exec through the new kubelet", lambda: _exec_alloc(node), 60, every=2)
+    fields = wait_for(
+        lambda: _exec_alloc(node), "kubectl exec through the new kubelet", 60, every=2, ignore=_FLAKY
+    )
     assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, fields
     _log(f"after the restart, kubectl exec t_alloc: chunks={fields['chunks']} refused={fields['refused']}")
 
@@ -370,7 +381,9 @@ def test_after_a_containerd_restart_the_running_container_keeps_running_and_its_
         listed.stdout
     )
 
-    fields = _wait("kubectl exec through the new containerd", lambda: _exec_alloc(node), 60, every=2)
+    fields = wait_for(
+        lambda: _exec_alloc(node), "kubectl exec through the new containerd", 60, every=2, ignore=_FLAKY
+    )
     assert int(fields["refused"]) == 2 and int(fields["chunks"]) * 256 + 1024 <= 3000, fields
     after = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]
     assert after["containerID"] == before["containerID"] and after["restartCount"] == 0, after
@@ -398,7 +411,9 @@ def test_deleting_the_pod_frees_its_room(prepared: Node, workload: dict[str, Any
             out = node.kubectl("logs", "-n", "default", "cuda-whole-card", check=False).stdout
             return out if "alive=1" in out else ""
 
-        fields = _fields(_wait("the whole-card pod to run once the room freed", ran, 120))
+        fields = _fields(
+            wait_for(ran, "the whole-card pod to run once the room freed", 120, every=1.0, ignore=_FLAKY)
+        )
         assert int(fields["refused"]) == 2 and int(fields["chunks"]) >= (CARD_MIB - 1024) // 256, fields
         _log(f"after deleting cuda-3000, the whole-card pod ran: chunks={fields['chunks']}")
     finally:

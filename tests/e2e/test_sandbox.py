@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 from vgpu_sandbox.cluster import Sandbox
 
-
-def _wait(predicate, timeout: float = 60.0, every: float = 0.5):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(every)
+from tests.support import container, pod, poll
 
 
 def test_all_simulated_gpu_nodes_are_ready_and_labelled(sandbox: Sandbox) -> None:
@@ -33,24 +25,14 @@ def test_apiserver_reports_the_pinned_kubernetes_version(sandbox: Sandbox) -> No
 
 
 def test_kube_scheduler_binds_a_pod_asking_for_one_gpu_to_a_simulated_node(sandbox: Sandbox) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "one-gpu", "namespace": "default"},
-        "spec": {
-            "containers": [
-                {"name": "main", "image": "cuda:fake", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
-            ]
-        },
-    }
-    sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(pod("one-gpu", container(gpu=1))))
     try:
 
         def running() -> dict | None:  # type: ignore[type-arg]
             got = json.loads(sandbox.kubectl("get", "pod", "one-gpu", "-o", "json").stdout)
             return got if got["status"].get("phase") == "Running" else None
 
-        got = _wait(running, timeout=90)
+        got = poll(running, timeout=90, every=0.5)
         assert got is not None, sandbox.kubectl("describe", "pod", "one-gpu").stdout
         assert got["spec"]["nodeName"].startswith("vgpu-node-")
         conditions = {c["type"]: c["status"] for c in got["status"]["conditions"]}
@@ -60,21 +42,8 @@ def test_kube_scheduler_binds_a_pod_asking_for_one_gpu_to_a_simulated_node(sandb
 
 
 def test_a_pod_asking_for_more_cpu_than_any_simulated_node_has_stays_pending(sandbox: Sandbox) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "too-much-cpu", "namespace": "default"},
-        "spec": {
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "cuda:fake",
-                    "resources": {"limits": {"nvidia.com/gpu": "1", "cpu": "1000"}},
-                }
-            ]
-        },
-    }
-    sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+    too_much = pod("too-much-cpu", container(gpu=1, limits={"cpu": "1000"}))
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(too_much))
     try:
 
         def unschedulable() -> str | None:
@@ -84,7 +53,7 @@ def test_a_pod_asking_for_more_cpu_than_any_simulated_node_has_stays_pending(san
                     return str(c.get("message", ""))
             return None
 
-        message = _wait(unschedulable, timeout=60)
+        message = poll(unschedulable, timeout=60, every=0.5)
         assert message and "cpu" in message, message
         got = json.loads(sandbox.kubectl("get", "pod", "too-much-cpu", "-o", "json").stdout)
         assert not got["spec"].get("nodeName")

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,8 @@ import pytest
 from vgpu_sandbox import procs
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.errors import SandboxError
+
+from tests import support
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +40,8 @@ def vgpu(
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A folder short enough for the nodes' unix sockets (pytest's own temp paths are too deep)."""
-    path = Path(tempfile.mkdtemp(prefix="vgpu-t-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with support.short_dir("vgpu-t-") as path:
+        yield path
 
 
 def listening_ports(state: dict) -> list[int]:  # type: ignore[type-arg]

@@ -27,8 +27,9 @@ import requests
 from vgpu_sandbox import controlplane
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.pki import CertificateAuthority
-from vgpu_sandbox.procs import free_port, stop_group
+from vgpu_sandbox.procs import free_port
 
+from tests.support import container, pod, start, stop, wait_for
 from vgpu.core import annotations as ann
 from vgpu.kube.client import now_micro
 
@@ -89,8 +90,7 @@ class OwnScheduler:
     def _spawn(
         self, argv: list[str], name: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        log = (self.folder / f"{name}.log").open("ab")
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return start(argv, self.folder / f"{name}.log", env)
 
     def start_extender(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
@@ -127,7 +127,7 @@ class OwnScheduler:
     def stop(self) -> None:
         for proc in (self.scheduler, self.extender):
             if proc is not None:
-                stop_group(proc, grace=20)
+                stop(proc, grace=20)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def make_nodes(sandbox: Sandbox, own: OwnScheduler) -> Iterator[Callable[..., tu
         apply_list(sandbox, [node_manifest(n, group, build(n)) for n in names])
         apply_list(sandbox, [lease_manifest(n) for n in names])
         # KWOK must report them Ready before kube-scheduler considers them
-        wait_for(lambda: all(ready(sandbox, n) for n in names), 60, f"nodes {names} Ready")
+        wait_for(lambda: all(ready(sandbox, n) for n in names), f"nodes {names} Ready", 60, every=0.5)
         groups.append((group, names))
         return group, names
 
@@ -226,43 +226,20 @@ def ready(sandbox: Sandbox, node: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def pod_manifest(
     name: str, group: str, limits: dict[str, Any], annotations: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NAMESPACE,
-            "labels": {GROUP: group},
-            "annotations": annotations or {},
-        },
-        "spec": {
-            "schedulerName": SCHEDULER,
-            "nodeSelector": {GROUP: group},
-            "tolerations": [{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-            "terminationGracePeriodSeconds": 0,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.invalid/cuda:none",
-                    "resources": {
-                        "limits": {"nvidia.com/" + k.replace("_", "-"): v for k, v in limits.items()}
-                    },
-                }
-            ],
-        },
-    }
+    return pod(
+        name,
+        container("main", "registry.invalid/cuda:none", **limits),
+        namespace=NAMESPACE,
+        labels={GROUP: group},
+        annotations=annotations or {},
+        scheduler=SCHEDULER,
+        node_selector={GROUP: group},
+        tolerations=[{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+        grace=0,
+    )
 
 
 def pods(sandbox: Sandbox, group: str) -> dict[str, dict[str, Any]]:
@@ -279,7 +256,9 @@ def allocation(pod: dict[str, Any]) -> ann.Allocation:
 
 
 def wait_bound(sandbox: Sandbox, group: str, name: str, timeout: float = 60) -> dict[str, Any]:
-    wait_for(lambda: bound(pods(sandbox, group).get(name, {"spec": {}})), timeout, f"pod {name} bound")
+    wait_for(
+        lambda: bound(pods(sandbox, group).get(name, {"spec": {}})), f"pod {name} bound", timeout, every=0.5
+    )
     return pods(sandbox, group)[name]
 
 
@@ -310,25 +289,15 @@ def test_a_vgpu_pod_without_a_scheduler_name_is_routed_placed_and_allocated_in_t
     sandbox: Sandbox,
 ) -> None:
     name = "sched-smoke-" + uuid.uuid4().hex[:6]
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "containers": [
-                {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "2000"}}}
-            ],
-        },
-    }
-    apply_list(sandbox, [pod])
+    smoke = pod(name, container("main", "x", gpumem=2000), grace=0)  # no schedulerName: the webhook sets it
+    apply_list(sandbox, [smoke])
     try:
 
         def get() -> dict[str, Any]:
             return json.loads(sandbox.kubectl("get", "pod", name, "-n", "default", "-o", "json").stdout)
 
         assert get()["spec"]["schedulerName"] == "vgpu-scheduler"  # the mutating webhook
-        wait_for(lambda: bool(get()["spec"].get("nodeName")), 60, "the sandbox pod bound")
+        wait_for(lambda: bool(get()["spec"].get("nodeName")), "the sandbox pod bound", 60, every=0.5)
         p = get()
         a = allocation(p)
         assert a.node == p["spec"]["nodeName"]
@@ -376,7 +345,9 @@ def test_a_pod_that_cannot_fit_stays_pending_with_the_shortage_in_its_reason(
         conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
         return conds[0].get("message", "") if conds and conds[0]["status"] == "False" else ""
 
-    wait_for(lambda: "insufficient memory" in reason(), 60, "a FailedScheduling reason naming memory")
+    wait_for(
+        lambda: "insufficient memory" in reason(), "a FailedScheduling reason naming memory", 60, every=0.5
+    )
     assert not bound(pods(sandbox, group)["waits"])
     assert "5000 MiB" in reason()
     # deleting the pod that holds the cards frees them: the waiting pod gets its place
@@ -493,7 +464,9 @@ def test_two_hundred_pods_at_once_on_twenty_nodes_overcommit_nothing(
     apply_list(
         sandbox, [pod_manifest(f"burst-{i}", group, {"gpumem": 3000, "gpucores": 10}) for i in range(200)]
     )
-    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 120, 240, "120 pods bound")
+    wait_for(
+        lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 120, "120 pods bound", 240, every=0.5
+    )
     time.sleep(5)  # let the scheduler keep trying the other 80
     now = pods(sandbox, group)
     assert sum(bound(p) for p in now.values()) == 120
@@ -508,11 +481,15 @@ def test_killing_the_extender_mid_burst_loses_and_double_books_nothing(
     cards = {c.uuid: c for n in names for c in (card(n, 0), card(n, 1))}
     # 20 cards x 3 = 60 places for 100 pods
     apply_list(sandbox, [pod_manifest(f"k-{i}", group, {"gpumem": 3000}) for i in range(100)])
-    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 15, 120, "some pods bound")
+    wait_for(
+        lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 15, "some pods bound", 120, every=0.5
+    )
     own.kill_extender()
     before = {n for n, p in pods(sandbox, group).items() if bound(p)}
     own.start_extender()
-    wait_for(lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 60, 240, "60 pods bound")
+    wait_for(
+        lambda: sum(bound(p) for p in pods(sandbox, group).values()) >= 60, "60 pods bound", 240, every=0.5
+    )
     time.sleep(5)
     after = pods(sandbox, group)
     assert sum(bound(p) for p in after.values()) == 60
@@ -538,7 +515,12 @@ def test_nodes_with_an_expired_plugin_lease_or_a_malformed_inventory_get_nothing
         conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
         return conds[0].get("message", "") if conds else ""
 
-    wait_for(lambda: "expired" in reason() and "malformed" in reason(), 60, "reasons for both skipped nodes")
+    wait_for(
+        lambda: "expired" in reason() and "malformed" in reason(),
+        "reasons for both skipped nodes",
+        60,
+        every=0.5,
+    )
     assert not bound(pods(sandbox, group)["s2"])
     metrics = requests.get(f"http://127.0.0.1:{own.metrics_port}/metrics", timeout=10).text
     assert f'vgpu_scheduler_inventory_errors_total{{node="{broken}"}} 1.0' in metrics
@@ -561,10 +543,18 @@ def test_a_second_replica_stands_by_until_the_first_gives_up_the_lease(
                 return None
 
         wait_for(
-            lambda: (r := readyz(second)) is not None and "standby" in r.text, 60, "the second on standby"
+            lambda: (r := readyz(second)) is not None and "standby" in r.text,
+            "the second on standby",
+            60,
+            every=0.5,
         )
         own.stop_extender()  # a clean stop hands the Lease over at once
-        wait_for(lambda: (r := readyz(second)) is not None and r.status_code == 200, 30, "the second serving")
+        wait_for(
+            lambda: (r := readyz(second)) is not None and r.status_code == 200,
+            "the second serving",
+            30,
+            every=0.5,
+        )
     finally:
         second.stop()
         own.start_extender()

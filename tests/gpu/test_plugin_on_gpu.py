@@ -7,24 +7,15 @@ pods are kept in memory (no API server on the GPU machine).
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from vgpu_sandbox.kubelet import Kubelet
 
-from vgpu.core.annotations import (
-    ALLOCATION_ANNOTATION,
-    PHASE_ANNOTATION,
-    Allocation,
-    ContainerAllocation,
-    DeviceAllocation,
-    encode_allocation,
-)
+from tests.support import FakeKube, bound_pod, short_dir
+from vgpu.core.annotations import PHASE_ANNOTATION
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.nvml import NvmlDiscovery
@@ -33,50 +24,19 @@ from vgpu.plugin.paths import HookInstall, HostPaths
 pytestmark = pytest.mark.gpu
 
 
-class Pods:
-    def __init__(self) -> None:
-        self.pods: list[dict[str, Any]] = []
-        self.annotations: dict[str, str] = {}
-
-    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
-        return self.pods
-
-    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        self.pods[0]["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v})
-
-    def node_annotations(self, node: str) -> dict[str, str]:
-        return self.annotations
-
-    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
-        self.annotations.update({k: v for k, v in annotations.items() if v})
-
-    def renew_lease(
-        self,
-        namespace: str,
-        name: str,
-        holder: str,
-        duration_s: int,
-        annotations: Mapping[str, str] | None = None,
-    ) -> None:
-        pass
-
-
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
     """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
-    try:
+    with short_dir("vgpu-dp-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def plugin_on_real_nvml(
     root: Path, hook: HookInstall | None = None
-) -> Iterator[tuple[Pods, Kubelet, Daemon]]:
+) -> Iterator[tuple[FakeKube, Kubelet, Daemon]]:
     """The whole plugin on real NVML under ``root``, registered with the kubelet stand-in."""
-    api = Pods()
+    api = FakeKube()
     kubelet = Kubelet("gpu-node", root, None)
     kubelet.start()
     daemon = Daemon(
@@ -98,22 +58,12 @@ def plugin_on_real_nvml(
         kubelet.stop()
 
 
-def bind_pod(api: Pods, uid: str, uuid: str, memory_mib: int, cores: int) -> None:
+def bind_pod(api: FakeKube, uid: str, uuid: str, memory_mib: int, cores: int) -> None:
     """A pod the scheduler bound to one share of card ``uuid``, as the plugin finds it at Allocate."""
-    alloc = Allocation(
-        "gpu-node", (ContainerAllocation("main", (DeviceAllocation(uuid, memory_mib, cores),)),)
-    )
     api.pods.append(
-        {
-            "metadata": {
-                "name": "p",
-                "namespace": "default",
-                "uid": uid,
-                "creationTimestamp": "2026-01-01T00:00:00Z",
-                "annotations": {ALLOCATION_ANNOTATION: encode_allocation(alloc), PHASE_ANNOTATION: "bound"},
-            },
-            "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
-        }
+        bound_pod(
+            "p", "gpu-node", {"main": [(uuid, memory_mib, cores)]}, uid=uid, created="2026-01-01T00:00:00Z"
+        )
     )
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 from vgpu_sandbox.pki import CertificateAuthority
-from vgpu_sandbox.procs import stop_group
+
+from tests.support import start, stop
 
 
 def free_port() -> int:
@@ -63,8 +64,7 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         "--metrics-listen", f"127.0.0.1:{mport}",
         "--namespace", "kube-system", "--scheduler-name", "vgpu-scheduler", "--workers", "4",
     ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start(argv, log, env)
     running = Running(
         f"https://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics", ca.cert_path, proc, log
     )
@@ -80,7 +80,7 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             pytest.fail(f"extender did not come up:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     yield running
-    stop_group(proc, grace=20)
+    stop(proc, grace=20)
 
 
 def post(ext: Running, route: str, data: bytes) -> requests.Response:

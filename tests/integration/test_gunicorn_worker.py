@@ -28,6 +28,8 @@ import pytest
 from vgpu_sandbox.pki import CertificateAuthority
 from vgpu_sandbox.procs import free_port
 
+from tests import support
+
 APP = textwrap.dedent(
     """
     import json
@@ -127,7 +129,7 @@ def start(tmp: Path, worker: str, *, tls: bool = False, threads: int = 4) -> Ser
         pair = ca.issue("server", ["127.0.0.1"])
         argv[-1:-1] = [f"--certfile={pair.cert}", f"--keyfile={pair.key}"]
         context = ssl.create_default_context(cafile=str(ca.cert_path))
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = support.start(argv, log)
     server = Server(port, proc, log, context)
     deadline = time.monotonic() + 30
     while True:
@@ -141,13 +143,7 @@ def start(tmp: Path, worker: str, *, tls: bool = False, threads: int = 4) -> Ser
 
 
 def stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
+    support.stop(server.proc, grace=15)
 
 
 def request(path: str, body: bytes = b"x") -> bytes:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from hook_harness import Built, Holder, build, env
 
+from tests.support import wait_for
 from vgpu.hookabi import region
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
@@ -77,15 +78,6 @@ def flags(path: Path) -> tuple[int, ...]:
     with region.Region(path) as r:
         snap = r.snapshot()
     return tuple(d.flags for d in snap.devices)
-
-
-def wait_for(check: object, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.01)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy(

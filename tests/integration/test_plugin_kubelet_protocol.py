@@ -7,11 +7,9 @@ the same path against a real API server.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +18,11 @@ import pytest
 import yaml
 from vgpu_sandbox.kubelet import Kubelet
 
+from tests.support import FakeKube, bound_pod, short_dir
 from vgpu.core.annotations import (
-    ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
-    Allocation,
-    ContainerAllocation,
-    DeviceAllocation,
     decode_devices,
-    encode_allocation,
 )
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
@@ -50,87 +44,18 @@ def gpus_yaml(unhealthy: tuple[int, ...] = ()) -> str:
     )
 
 
-class MemoryAPI:
-    """The API server calls the node side makes, kept in memory."""
-
-    def __init__(self) -> None:
-        self.pods: list[dict[str, Any]] = []
-        self.node_ann: dict[str, str] = {}
-        self.leases: dict[str, int] = {}
-        self.lease_annotations: dict[str, str] = {}
-
-    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
-        return list(self.pods)
-
-    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        for p in self.pods:
-            if p["metadata"]["name"] == name:
-                p["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v is not None})
-
-    def node_annotations(self, node: str) -> dict[str, str]:
-        return dict(self.node_ann)
-
-    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
-        self.node_ann.update({k: v for k, v in annotations.items() if v is not None})
-
-    def renew_lease(
-        self,
-        namespace: str,
-        name: str,
-        holder: str,
-        duration_s: int,
-        annotations: Mapping[str, str] | None = None,
-    ) -> None:
-        self.leases[name] = self.leases.get(name, 0) + 1
-        self.lease_annotations = dict(annotations or {})
-
-    def bind(self, name: str, containers: dict[str, list[tuple[str, int, int]]], created: str) -> str:
-        alloc = Allocation(
-            NODE,
-            tuple(
-                ContainerAllocation(c, tuple(DeviceAllocation(u, m, k) for u, m, k in d))
-                for c, d in containers.items()
-            ),
-        )
-        self.pods.append(
-            {
-                "metadata": {
-                    "name": name,
-                    "namespace": "default",
-                    "uid": f"uid-{name}",
-                    "creationTimestamp": created,
-                    "annotations": {
-                        ALLOCATION_ANNOTATION: encode_allocation(alloc),
-                        PHASE_ANNOTATION: "bound",
-                    },
-                },
-                "spec": {
-                    "nodeName": NODE,
-                    "containers": [
-                        {"name": c, "resources": {"limits": {"nvidia.com/gpu": str(len(d))}}}
-                        for c, d in containers.items()
-                    ],
-                },
-            }
-        )
-        return f"uid-{name}"
-
-
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
     """A short folder instead of pytest's: a unix socket path under it must stay within 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="vgpu-dp-"))
-    try:
+    with short_dir("vgpu-dp-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[Daemon, Kubelet, MemoryAPI, Path]]:
+def node(tmp_path: Path) -> Iterator[tuple[Daemon, Kubelet, FakeKube, Path]]:
     gpus = tmp_path / "gpus.yaml"
     gpus.write_text(gpus_yaml())
-    api = MemoryAPI()
+    api = FakeKube()
     kubelet = Kubelet(NODE, tmp_path, None)
     kubelet.start()
     daemon = Daemon(
@@ -179,12 +104,12 @@ def test_a_card_turning_unhealthy_is_streamed_and_published(node: Any) -> None:
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        inv = decode_devices(api.node_ann.get(DEVICES_ANNOTATION, '{"version":1,"devices":[]}'))
+        inv = decode_devices(api.node_annotations(NODE).get(DEVICES_ANNOTATION, '{"version":1,"devices":[]}'))
         if [d.healthy for d in inv.devices] == [True, True, False, True]:
             break
         time.sleep(0.05)
     assert [d.healthy for d in inv.devices] == [True, True, False, True]
-    assert api.leases["vgpu-node-a"] >= 1
+    assert len(api.lease_renewals("vgpu-node-a")) >= 1
 
 
 def test_after_a_kubelet_restart_the_plugin_registers_again(node: Any, tmp_path: Path) -> None:
@@ -225,7 +150,10 @@ def test_a_kubelet_restart_puts_every_known_pod_in_one_batch_even_if_its_socket_
 def test_allocate_over_the_socket_returns_the_scheduled_limits(node: Any) -> None:
     _, kubelet, api, _ = node
     assert kubelet.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
-    uid = api.bind("p", {"main": [("GPU-1", 4000, 25)]}, "2026-01-01T00:00:00Z")
+    uid = "uid-p"
+    api.pods.append(
+        bound_pod("p", NODE, {"main": [("GPU-1", 4000, 25)]}, uid=uid, created="2026-01-01T00:00:00Z")
+    )
     response = kubelet.allocate_container(uid, "nvidia.com/gpu", 1)
     assert response.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-1"
     assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "4000m"
@@ -285,7 +213,7 @@ def test_a_refusing_kubelet_is_retried_with_backoff_until_it_accepts(tmp_path: P
         paths,
         NodeConfig(split=SPLIT),
         FakeDiscovery(gpus),
-        MemoryAPI(),
+        FakeKube(),
         None,  # type: ignore[arg-type]
     )
     daemon.server.watch_interval_s = 0.05

@@ -1,4 +1,5 @@
-"""The annotation codecs of contracts 2 and 3: round trips, the wire shape, and errors naming the field."""
+"""The annotation codecs of contracts 2 and 3 (docs/contracts.md): round trips, the wire shape,
+and errors naming the field."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from tests.support import FakeKube
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
-from vgpu.core.errors import KubeError
 from vgpu.core.ledger import Usage
 from vgpu.extender.state import ASSUME_TTL_S, NUDGE_WINDOW_S, SchedulerState
 
@@ -310,27 +310,11 @@ def test_the_extender_worker_hands_the_gil_over_ten_times_as_often_as_cpython() 
 # -- filter's answer holds the pod's capacity until bind (as kube-scheduler assumes a pod) ----------
 
 
-class Binder:
-    """The API server's side of bind, recorded: what the state needs of it (``KubeAPI``)."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.bound: list[tuple[str, str]] = []
-
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return None
-
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str, annotations: Any = None) -> None:
-        if self.fail:
-            raise KubeError("the API server said no")
-        self.bound.append((uid, node))
-
-
 def _assuming(loads: list[int], fail: bool = False) -> tuple[SchedulerState, list[float]]:
     st = _cluster(loads, keep=1)
     now = [NOW]
     st.clock = lambda: now[0]
-    st.kube = Binder(fail)
+    st.kube = FakeKube(fail_bind=fail)  # what the state needs of the API server (``KubeAPI``)
     return st, now
 
 

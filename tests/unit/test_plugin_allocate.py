@@ -1,4 +1,5 @@
-"""Allocate picks the pod and container kubelet is starting and answers with contract 4.
+"""Allocate picks the pod and container kubelet is starting and answers with contract 4
+(docs/contracts.md).
 
 The pods come from an in-memory list shaped like the API server's JSON; the integration tests
 run the same code against the sandbox's real API server.
@@ -8,21 +9,16 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
+from tests.support import FakeKube, bound_pod
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     PHASE_ANNOTATION,
     REASON_ANNOTATION,
-    Allocation,
-    ContainerAllocation,
-    DeviceAllocation,
-    encode_allocation,
 )
 from vgpu.hookabi.grant import Grant, read_grant
 from vgpu.plugin.allocate import AllocateError, Allocator
@@ -36,20 +32,7 @@ NODE = "node-a"
 CARDS = [Card(f"GPU-{c}", i, "H200", 80000) for i, c in enumerate("abcd")]
 
 
-class Pods:
-    def __init__(self) -> None:
-        self.pods: list[dict[str, Any]] = []
-        self.patches: list[tuple[str, Mapping[str, str | None]]] = []
-
-    def list_node_pods(self, node: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods if p["spec"].get("nodeName") == node]
-
-    def patch_pod_annotations(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        self.patches.append((name, dict(annotations)))
-        for p in self.pods:
-            if p["metadata"]["name"] == name:
-                p["metadata"]["annotations"].update({k: v for k, v in annotations.items() if v is not None})
-
+class Pods(FakeKube):
     def add(
         self,
         name: str,
@@ -60,40 +43,17 @@ class Pods:
         priority: dict[str, str] | None = None,
     ) -> str:
         uid = f"uid-{name}"
-        alloc = Allocation(
-            node=NODE,
-            containers=tuple(
-                ContainerAllocation(c, tuple(DeviceAllocation(u, m, k) for u, m, k in devs))
-                for c, devs in containers.items()
-            ),
-        )
-
-        def spec_of(c: str) -> dict[str, Any]:
-            limits = {"nvidia.com/gpu": str(len(containers.get(c, [])))} if containers.get(c) else {}
-            if priority and c in priority:
-                limits["nvidia.com/priority"] = priority[c]
-            return {"name": c, "resources": {"limits": limits}}
-
         self.pods.append(
-            {
-                "metadata": {
-                    "name": name,
-                    "namespace": "default",
-                    "uid": uid,
-                    "creationTimestamp": created,
-                    "annotations": {
-                        ALLOCATION_ANNOTATION: annotation
-                        if annotation is not None
-                        else encode_allocation(alloc),
-                        PHASE_ANNOTATION: "bound",
-                    },
-                },
-                "spec": {
-                    "nodeName": NODE,
-                    "initContainers": [spec_of(c) for c in init],
-                    "containers": [spec_of(c) for c in containers if c not in init],
-                },
-            }
+            bound_pod(
+                name,
+                NODE,
+                containers,
+                init=init,
+                annotation=annotation,
+                priority=priority,
+                uid=uid,
+                created=created,
+            )
         )
         return uid
 

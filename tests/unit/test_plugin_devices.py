@@ -1,4 +1,5 @@
-"""Cards become kubelet device IDs and the inventory of contract 2; preferred allocations spread cards."""
+"""Cards become kubelet device IDs and the inventory of contract 2 (docs/contracts.md); preferred
+allocations spread cards."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import FakeKube
 from vgpu.hookabi import region
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.plugin.config import NodeConfig
@@ -367,22 +368,10 @@ def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
     from vgpu.core.annotations import USAGE_ANNOTATION
     from vgpu.plugin.report import NodeReporter
 
-    calls: list[dict[str, str] | None] = []
-
-    class API:
-        def node_annotations(self, node: str) -> dict[str, str]:
-            return {}
-
-        def patch_node_annotations(self, node: str, annotations: Any) -> None:
-            pass
-
-        def renew_lease(
-            self, namespace: str, name: str, holder: str, duration_s: int, annotations: Any = None
-        ) -> None:
-            calls.append(annotations)
-
+    api = FakeKube()
     state = DeviceState(Cards().cards(), NodeConfig())
-    NodeReporter("n1", "ns", state, API(), usage=lambda: {"uid_c": {"GPU-a": 42}}).renew()
-    NodeReporter("n1", "ns", state, API()).renew()
+    NodeReporter("n1", "ns", state, api, usage=lambda: {"uid_c": {"GPU-a": 42}}).renew()
+    NodeReporter("n1", "ns", state, api).renew()
+    calls = [annotations for _, _, annotations in api.renewals]
     assert calls[0] is not None and _json.loads(calls[0][USAGE_ANNOTATION]) == {"uid_c": {"GPU-a": 42}}
     assert calls[1] is None

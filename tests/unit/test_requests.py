@@ -1,4 +1,5 @@
-"""Request parsing (contract 1): defaults, API-server quantities, errors naming the field."""
+"""Request parsing (contract 1, docs/contracts.md): defaults, API-server quantities, errors
+naming the field."""
 
 from __future__ import annotations
 

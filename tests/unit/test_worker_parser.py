@@ -9,38 +9,12 @@ both outcomes are exercised.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from gunicorn.config import Config
-from gunicorn.http.parser import RequestParser
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
+from fuzz.references import gunicorn_reads
 from vgpu.extender.worker import FAST_BODY_MAX, HEAD_MAX, parse_head
-
-CFG = Config()
-
-
-def gunicorn_reads(head: bytes, body_size: int) -> dict[str, Any] | None:
-    """What gunicorn's parser makes of the head (None: it refuses it)."""
-    parser = RequestParser(CFG, iter([head + b"\r\n\r\n" + b"b" * body_size]), ("127.0.0.1", 1))
-    try:
-        req = next(parser)
-    except Exception:  # noqa: BLE001 - any refusal counts
-        return None
-    environ: dict[str, str] = {}
-    for name, value in req.headers:
-        if name == "CONTENT-LENGTH":
-            environ["CONTENT_LENGTH"] = value
-        elif name == "CONTENT-TYPE":
-            environ["CONTENT_TYPE"] = value
-        else:
-            key = "HTTP_" + name.replace("-", "_")
-            environ[key] = f"{environ[key]},{value}" if key in environ else value
-    length = int(environ.get("CONTENT_LENGTH", "0"))
-    return {"method": req.method, "target": req.uri, "environ": environ, "length": length}
-
 
 NAMES = st.sampled_from(
     [b"Host", b"Content-Type", b"content-type", b"X-Trace", b"x-trace", b"Accept", b"User-Agent",

@@ -1,7 +1,8 @@
 """``vgpu status``: per node and card, which container got what.
 
-Read from the API server only: the nodes' inventory annotations (contract 2), the device
-plugins' Leases, and the pods' allocation and phase annotations (contract 3). In the sandbox,
+Read from the API server only: the nodes' inventory annotations and the device plugins' Leases
+(contract 2), and the pods' allocation and phase annotations (contract 3; both in
+docs/contracts.md). In the sandbox,
 the kubelet stand-in also records the env each container was started with; it is shown too.
 """
 

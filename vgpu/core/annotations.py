@@ -1,4 +1,4 @@
-"""Codecs of the annotations that carry state between the parts (contracts 2 and 3 of DESIGN.md).
+"""Codecs of the annotations that carry state between the parts (contracts 2 and 3, docs/contracts.md).
 
 Two versioned JSON documents, each with one ``encode_*`` and one ``decode_*`` function:
 
@@ -32,11 +32,11 @@ from vgpu.core.errors import AnnotationError
 
 PREFIX = "vgpu.openaios.io/"
 
-# contract 2: node inventory
+# contract 2 (docs/contracts.md): node inventory
 DEVICES_ANNOTATION = PREFIX + "devices"
 DEVICES_VERSION = 1
 
-# contract 3: placement
+# contract 3 (docs/contracts.md): placement
 ALLOCATION_ANNOTATION = PREFIX + "allocation"
 ALLOCATION_VERSION = 1
 PHASE_ANNOTATION = PREFIX + "phase"
@@ -52,7 +52,7 @@ ROOM_FREED_ANNOTATION = PREFIX + "room-freed"
 # {"<pod-uid>_<container>": {"<gpu uuid>": bytes}} (vgpu status shows it).
 USAGE_ANNOTATION = PREFIX + "usage"
 
-# contract 1: what a user may write on a pod
+# contract 1 (docs/contracts.md): what a user may write on a pod
 USE_GPUTYPE_ANNOTATION = "nvidia.com/use-gputype"
 NOUSE_GPUTYPE_ANNOTATION = "nvidia.com/nouse-gputype"
 USE_GPUUUID_ANNOTATION = "nvidia.com/use-gpuuuid"
@@ -66,7 +66,7 @@ HAMI_GPU_POLICY_ANNOTATION = "hami.io/gpu-scheduler-policy"
 HAMI_VGPU_MODE_ANNOTATION = "nvidia.com/vgpu-mode"  # "hami-core" is the only mode offered here
 HAMI_NUMA_BIND_ANNOTATION = "nvidia.com/numa-bind"  # "true" (a hard rule) is refused: not offered
 
-# contract 2: liveness Lease of a node's device plugin
+# contract 2 (docs/contracts.md): liveness Lease of a node's device plugin
 LEASE_PREFIX = "vgpu-"
 
 
@@ -76,7 +76,7 @@ def lease_name(node: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# contract 2: node inventory
+# contract 2 (docs/contracts.md): node inventory
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
 
 
 # ---------------------------------------------------------------------------------------------
-# contract 3: placement
+# contract 3 (docs/contracts.md): placement
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ class FieldError(VgpuError):
 
 
 class AnnotationError(FieldError):
-    """An annotation of contracts 2 or 3 that is not valid JSON of the expected shape and version."""
+    """An annotation of contracts 2 or 3 (docs/contracts.md) that is not valid JSON of the
+    expected shape and version."""
 
 
 class RequestError(FieldError):

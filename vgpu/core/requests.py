@@ -1,4 +1,4 @@
-"""What a pod asks for (contract 1): parse a pod spec into per-container vGPU requests.
+"""What a pod asks for (contract 1, docs/contracts.md): parse a pod spec into per-container vGPU requests.
 
 Input is the pod as the API server serialises it (a ``dict`` with camelCase keys). Values are
 Kubernetes quantities: the API server rewrites ``nvidia.com/gpumem: 1000`` as ``"1k"``, so a

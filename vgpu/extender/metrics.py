@@ -1,4 +1,4 @@
-"""Scheduler-side metrics (contract 6): names start with ``vgpu_``, base units.
+"""Scheduler-side metrics (contract 6, docs/contracts.md): names start with ``vgpu_``, base units.
 
 Under gunicorn these live in Prometheus multiprocess mode: the CLI sets ``PROMETHEUS_MULTIPROC_DIR``
 before this module is first imported, the worker writes, and the master serves the aggregate on

@@ -1,4 +1,5 @@
-"""The admission webhook (AdmissionReview v1) for pods, free of HTTP.
+"""The admission webhook (AdmissionReview v1) for pods, free of HTTP; it speaks contract 1
+(docs/contracts.md), what a user writes on a pod.
 
 * mutate: a pod that asks for vGPU resources and names no scheduler (or ``default-scheduler``)
   is routed to ours by a JSONPatch on ``/spec/schedulerName``; a container that gives

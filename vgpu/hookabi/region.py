@@ -1,4 +1,4 @@
-"""The hook's shared region (contract 5): its one layout definition, a reader and a writer.
+"""The hook's shared region (contract 5, docs/contracts.md): its one layout definition, a reader and a writer.
 
 One file per container, mapped by every CUDA process in it (through ``libvgpu.so``) and read
 by the node monitor from the host. The layout is declared once, here, in ``HEADER`` and

@@ -1,4 +1,5 @@
-"""Allocate: from kubelet's device IDs to the pod and container they serve, and contract 4's answer.
+"""Allocate: from kubelet's device IDs to the pod and container they serve, and the answer of
+contract 4 (docs/contracts.md).
 
 kubelet's GetPreferredAllocation and Allocate name only device IDs, never the pod. kubelet
 admits pods one at a time, in the order they arrived on the node (bind order), and allocates

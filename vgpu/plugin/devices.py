@@ -1,7 +1,7 @@
 """The node's cards as kubelet and the scheduler see them, with health that changes over time.
 
 Each card is advertised to kubelet as ``split`` device IDs ``<uuid>::<n>``; the inventory of
-contract 2 carries the card with the node's memory and core scaling applied.
+contract 2 (docs/contracts.md) carries the card with the node's memory and core scaling applied.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The node monitor: ``/metrics`` with per-card totals and per-container usage and limits.
 
 Per card, from discovery (NVML): memory total and used, utilization, health. Per container,
-from the hook's region files (contract 5) under ``<root>/var/lib/vgpu/containers/<pod-uid>_<container>/``:
+from the hook's region files (contract 5, docs/contracts.md) under
+``<root>/var/lib/vgpu/containers/<pod-uid>_<container>/``:
 memory used, limit, budget and spilled per device, SM limit, GPU busy and throttled time,
 priority, whether the arbiter (``vgpu.plugin.monitor.arbiter``, a thread of the same monitor) tells it
 to yield, live processes, and the share of wall time its work kept the card busy over the last
