@@ -1,4 +1,4 @@
-"""The hook's files call each other one way only: native/hook/calls.py lists the calls and fails on a cycle."""
+"""The hook's files call each other one way only: native/hook/calls.py lists calls, fails on a cycle."""
 
 from __future__ import annotations
 
