@@ -1,6 +1,6 @@
 /* The shared region of contract 5: one file per container, a process-shared robust mutex,
  * per-device limits and usage, one slot per process, dead processes reaped. The layout comes
- * from region_layout.h, generated from vgpu/hookabi/region.py. */
+ * from region_layout.h, generated from vgpu/hookabi/layout.py. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>

@@ -44,7 +44,7 @@ from vgpu.core.annotations import (
 )
 from vgpu.core.errors import AnnotationError, KubeError
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.hookabi.region import GRANT_PATH_IN_CONTAINER
+from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig

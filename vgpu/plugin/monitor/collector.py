@@ -11,7 +11,8 @@ scrapes; no series before two samples a second apart). Pod names come from the A
 still identifies the pod.
 
 ``resize_container`` is the monitor's way to change a running container's limits (live
-resize); ``vgpu limits set`` goes through the same ``vgpu.hookabi.grant.apply_limits``.
+resize); ``vgpu limits set`` goes through the same ``vgpu.hookabi.resize.apply_limits``. Its errors
+name the value at fault in plain words (``LimitError.field``), not a command's flag.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
 from vgpu.core.errors import KubeError
-from vgpu.hookabi.grant import GrantError, apply_limits, as_granted, read_grant
-from vgpu.hookabi.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
+from vgpu.hookabi.grant import GrantError, as_granted, read_grant
+from vgpu.hookabi.layout import FLAG_YIELD
+from vgpu.hookabi.region import Region, RegionError, Snapshot
+from vgpu.hookabi.resize import LimitChange, apply_limits
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.monitor.arbiter import Arbiter, BadRegions
