@@ -241,10 +241,13 @@ class NodeCollector(Collector):
         """Every family of ``METRICS`` (the arbiter's only with an arbiter), filled row by row."""
         metrics = [m for m in METRICS if m.scope is not ARBITER or self.arbiter is not None]
         families = {m.name: m.family() for m in metrics}
+        by_scope: dict[Scope, list[Metric]] = {}
+        for metric in metrics:
+            by_scope.setdefault(metric.scope, []).append(metric)
 
         def add(scope: Scope, labels: list[str], row: Any) -> None:
-            for metric in metrics:
-                value = metric.read(row) if metric.scope is scope else None
+            for metric in by_scope.get(scope, ()):
+                value = metric.read(row)
                 if value is not None:
                     families[metric.name].add_metric(labels, value)
 
