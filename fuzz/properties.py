@@ -32,7 +32,7 @@ from vgpu.extender import worker
 from vgpu.extender.app import _dumps, create_app
 from vgpu.extender.state import SchedulerState
 from vgpu.hookabi import grant as grants
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 
 CONFIG = SchedulerConfig()
 
@@ -198,7 +198,7 @@ def check_region_file(data: bytes) -> None:
         return
     body = data[1:]
     if data[0] % 2:
-        body = body[: region.REGION_SIZE].ljust(region.REGION_SIZE, b"\0")
+        body = body[: layout.REGION_SIZE].ljust(layout.REGION_SIZE, b"\0")
     if _region_dir is None:
         _region_dir = tempfile.mkdtemp(prefix="vgpu-fuzz-region-")
         atexit.register(shutil.rmtree, _region_dir, True)  # (fuzz/run.sh also cleans its TMPDIR)
@@ -211,9 +211,9 @@ def check_region_file(data: bytes) -> None:
                 snap = r.snapshot(attempts=1)
         except region.RegionError:
             continue
-        assert len(snap.devices) == header.num_devices <= region.MAX_DEVICES
+        assert len(snap.devices) == header.num_devices <= layout.MAX_DEVICES
         assert all(len(p.used_bytes) == len(snap.devices) for p in snap.processes)
-        assert len(snap.processes) <= region.MAX_PROCS
+        assert len(snap.processes) <= layout.MAX_PROCS
         for d in snap.devices:
             assert d.uuid == header.uuid(d.index)
 
@@ -229,15 +229,15 @@ def check_grant_file(data: bytes) -> None:
         return
     body = bytearray(data[1:])
     if data[0] % 2 and len(body) >= grants.GRANT_SIZE:
-        checksum = region.fnv1a64(bytes(body[region.GRANT_PAYLOAD : grants.GRANT_SIZE]))
-        body[region.GRANT_LAYOUT.offsets["checksum"] : region.GRANT_LAYOUT.offsets["checksum"] + 8] = (
+        checksum = layout.fnv1a64(bytes(body[layout.GRANT_PAYLOAD : grants.GRANT_SIZE]))
+        body[layout.GRANT_LAYOUT.offsets["checksum"] : layout.GRANT_LAYOUT.offsets["checksum"] + 8] = (
             checksum.to_bytes(8, "little")
         )
     try:
         got = grants.decode(bytes(body))
     except grants.GrantError:
         return
-    assert 1 <= len(got.uuids) <= region.MAX_DEVICES
+    assert 1 <= len(got.uuids) <= layout.MAX_DEVICES
     assert grants.decode(grants.encode(got, got.seq)) == got
 
 

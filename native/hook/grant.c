@@ -87,12 +87,13 @@ int vgpu_grant_state(void) {
             } else {
                 __atomic_store_n(&G.bad, 0, __ATOMIC_RELEASE);
                 __atomic_store_n(&G.verified_seq, seq, __ATOMIC_RELEASE);
-                vgpu_region_mirror(0); /* a live resize: the region's copy follows, nothing to report */
             }
         }
     }
     return __atomic_load_n(&G.bad, __ATOMIC_ACQUIRE) ? -1 : 1;
 }
+
+uint64_t vgpu_grant_seq(void) { return __atomic_load_n(&G.verified_seq, __ATOMIC_ACQUIRE); }
 
 const struct vgpu_grant *vgpu_grant(void) { return G.g; }
 

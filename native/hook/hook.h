@@ -74,11 +74,13 @@ HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was giv
 /* grant.c: the limits granted to the container, read-only to it (vgpu/hookabi/grant.py) */
 HIDDEN int vgpu_grant_load(struct vgpu_config *cfg); /* 1: a grant governs cfg; 0: none; -1: damaged, cfg refuses */
 HIDDEN int vgpu_grant_state(void);                   /* 1: valid, 0: no grant, -1: damaged: refuse allocations */
+HIDDEN uint64_t vgpu_grant_seq(void);                /* the even seq whose checksum last held: a new one is a live resize */
 HIDDEN const struct vgpu_grant *vgpu_grant(void);    /* the read-only map, NULL without a grant */
 HIDDEN const char *vgpu_grant_path(void);
 HIDDEN uint64_t vgpu_fnv1a64(const void *data, size_t len);
-/* region.c: put the grant's words back into the region's copy; report = log what differed */
-HIDDEN void vgpu_region_mirror(int report);
+/* grant.c calls nothing in region.c: region.c reads the grant and keeps its own copy following it */
+
+/* region.c: the limits as they hold now, the grant's where one governs */
 HIDDEN uint32_t vgpu_sm_limit(int idx);
 HIDDEN uint32_t vgpu_priority(void);
 HIDDEN uint32_t vgpu_sm_policy(void);

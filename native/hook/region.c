@@ -1,6 +1,6 @@
 /* The shared region of contract 5 (docs/contracts.md): one file per container, a process-shared robust mutex,
  * per-device limits and usage, one slot per process, dead processes reaped. The layout comes
- * from region_layout.h, generated from vgpu/hookabi/region.py. */
+ * from region_layout.h, generated from vgpu/hookabi/layout.py. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -27,6 +27,7 @@ static struct {
     uint64_t context_reserve;
     int oversubscribe;
     const char *path; /* the region file, for messages */
+    uint64_t mirrored_seq; /* the grant's seq the region's copy last followed */
 } R = {.slot = -1};
 
 static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
@@ -241,23 +242,39 @@ static void *map_file(const struct vgpu_config *cfg) {
     return map;
 }
 
+static void mirror_grant(int report);
+
+/* vgpu_grant_state(), and the region's copy brought to a live resize of the grant the first time
+ * one is seen (nothing to report: the host changed the grant). grant.c calls nothing here: the
+ * dependency goes one way, region.c -> grant.c. */
+static int grant_state(void) {
+    int state = vgpu_grant_state();
+    if (state > 0) {
+        uint64_t seq = vgpu_grant_seq();
+        if (__atomic_load_n(&R.mirrored_seq, __ATOMIC_RELAXED) != seq &&
+            __atomic_exchange_n(&R.mirrored_seq, seq, __ATOMIC_RELAXED) != seq)
+            mirror_grant(0);
+    }
+    return state;
+}
+
 /* The limit words as they hold now: the grant's where one governs (a damaged grant refuses every
  * allocation: a limit of 1 byte), else the region's own (a process run by hand). */
 static uint64_t limit_word(int idx) {
-    int granted = vgpu_grant_state();
+    int granted = grant_state();
     if (granted < 0) return 1;
     if (granted > 0) return __atomic_load_n(&vgpu_grant()->limit[idx], __ATOMIC_RELAXED);
     return __atomic_load_n(&R.h->limit[idx], __ATOMIC_RELAXED);
 }
 
 static uint64_t budget_word(int idx) {
-    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->budget[idx], __ATOMIC_RELAXED);
+    if (grant_state() > 0) return __atomic_load_n(&vgpu_grant()->budget[idx], __ATOMIC_RELAXED);
     return __atomic_load_n(&R.h->budget[idx], __ATOMIC_RELAXED);
 }
 
 /* The region's limit words are a mirror of the grant, kept for the tools that read the region.
  * The container can write them; a difference is put back, and logged where it was not ours. */
-void vgpu_region_mirror(int report) {
+static void mirror_grant(int report) {
     const struct vgpu_grant *g = vgpu_grant();
     struct vgpu_region_header *h = R.h;
     if (!g || !h || __atomic_load_n(&g->seq, __ATOMIC_ACQUIRE) & 1) return;
@@ -292,17 +309,17 @@ void vgpu_region_mirror(int report) {
 }
 
 uint32_t vgpu_sm_limit(int idx) {
-    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_limit[idx], __ATOMIC_RELAXED);
+    if (grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_limit[idx], __ATOMIC_RELAXED);
     return __atomic_load_n(&R.h->sm_limit[idx], __ATOMIC_RELAXED);
 }
 
 uint32_t vgpu_priority(void) {
-    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->priority, __ATOMIC_RELAXED);
+    if (grant_state() > 0) return __atomic_load_n(&vgpu_grant()->priority, __ATOMIC_RELAXED);
     return __atomic_load_n(&R.h->priority, __ATOMIC_RELAXED);
 }
 
 uint32_t vgpu_sm_policy(void) {
-    if (vgpu_grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_policy, __ATOMIC_RELAXED);
+    if (grant_state() > 0) return __atomic_load_n(&vgpu_grant()->sm_policy, __ATOMIC_RELAXED);
     return __atomic_load_n(&R.h->sm_policy, __ATOMIC_RELAXED);
 }
 
@@ -346,7 +363,8 @@ static void attach(void) {
     R.path = cfg.region_path && map != NULL ? cfg.region_path : "(private)";
     for (int i = 0; i < VGPU_MAX_DEVICES; i++) /* a UUID string found in the file ends inside its field */
         R.h->uuid[i][VGPU_UUID_BYTES - 1] = '\0';
-    vgpu_region_mirror(1); /* a region found with other limits than the grant's was changed on disk */
+    R.mirrored_seq = vgpu_grant_seq();
+    mirror_grant(1); /* a region found with other limits than the grant's was changed on disk */
     R.slots = (struct vgpu_region_slot *)((char *)map + sizeof(struct vgpu_region_header));
     pthread_atfork(NULL, NULL, child_after_fork);
     R.enabled = 1;
@@ -366,7 +384,7 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
     int k = my_slot_locked();
     /* limit and budget are live-resizable: read on every call, never cached */
     uint64_t limit = limit_word(idx);
-    vgpu_region_mirror(1);
+    mirror_grant(1);
     if (!force && limit) {
         int over = bytes > limit || R.h->used[idx] > limit - bytes;
         if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;

@@ -17,13 +17,13 @@ import yaml
 from hook_harness import Built, Holder, build, env
 
 from tests.support import wait_for
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
 # the stub's device N has a UUID made of bytes 0x10+N
 UUID0 = "GPU-10101010-1010-1010-1010-101010101010"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
-Y, A, G = region.FLAG_YIELD, region.FLAG_ALONE, region.FLAG_GUARD
+Y, A, G = layout.FLAG_YIELD, layout.FLAG_ALONE, layout.FLAG_GUARD
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def containers(built: Built, tmp_path: Path) -> Iterator[dict[str, Path]]:
 def launched(path: Path, index: int) -> None:
     """Stamp a launch the way the hook's limiter does: last_launch_ns, CLOCK_MONOTONIC."""
     with region.Region(path, writable=True) as r:
-        r._u64[region.HEADER_LAYOUT.offsets["last_launch_ns"] // 8 + index] = time.monotonic_ns()
+        r._u64[layout.HEADER_LAYOUT.offsets["last_launch_ns"] // 8 + index] = time.monotonic_ns()
 
 
 def flags(path: Path) -> tuple[int, ...]:
@@ -116,7 +116,7 @@ def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy
         all_alone = (A | G,), (A | G, A), (A,)
         wait_for(lambda: (flags(hi), flags(lo), flags(peer)) == all_alone, "all alone")
         with region.Region(lo) as r:
-            assert time.monotonic_ns() - r.word("arbiter_ns") < region.ARBITER_STALE_NS
+            assert time.monotonic_ns() - r.word("arbiter_ns") < layout.ARBITER_STALE_NS
 
         launched(hi, 0)  # the high-priority container is busy on card 0
         wait_for(lambda: flags(lo)[0] == Y | G, "lo to yield on card 0")
@@ -217,7 +217,7 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
         cuts = 0
         try:
             while time.monotonic() < stop and monitor.poll() is None:
-                for size in (0, region.REGION_SIZE // 2, region.HEADER_LAYOUT.size // 2):
+                for size in (0, layout.REGION_SIZE // 2, layout.HEADER_LAYOUT.size // 2):
                     os.ftruncate(fd, size)
                     time.sleep(0.0005)  # long enough for a pass of the 1 ms arbiter to land in it
                     os.pwrite(fd, whole, 0)  # whole again, the same bytes

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, Holder, build, env, parse, run
 
-from vgpu.hookabi.grant import Grant, apply_limits, encode, read_grant, write_grant
-from vgpu.hookabi.region import GRANT_LAYOUT, GRANT_PAYLOAD, HEADER_LAYOUT, Region
+from vgpu.hookabi.grant import Grant, encode, read_grant, write_grant
+from vgpu.hookabi.layout import GRANT_LAYOUT, GRANT_PAYLOAD, HEADER_LAYOUT
+from vgpu.hookabi.region import Region
+from vgpu.hookabi.resize import apply_limits
 
 MIB = 1 << 20
 OUT_OF_MEMORY = 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hook_harness import Built, Holder, build, env, run
 
-from vgpu.hookabi import region
+from vgpu.hookabi import layout
 from vgpu.hookabi.region import Region
 
 MIB = 1 << 20
@@ -27,19 +27,19 @@ def shared(built: Built, path: Path, limit: str = "1g") -> dict[str, str]:
 def test_c_and_python_lay_the_region_out_identically(built: Built) -> None:
     out = subprocess.run([built.prog("t_layout")], capture_output=True, text=True, check=True).stdout
     c = dict(line.rsplit(" ", 1) for line in out.splitlines())
-    for name, offset in region.HEADER_LAYOUT.offsets.items():
+    for name, offset in layout.HEADER_LAYOUT.offsets.items():
         assert int(c[f"header.{name}"]) == offset, name
-    for name, offset in region.SLOT_LAYOUT.offsets.items():
+    for name, offset in layout.SLOT_LAYOUT.offsets.items():
         assert int(c[f"slot.{name}"]) == offset, name
-    assert int(c["header_size"]) == region.HEADER_LAYOUT.size
-    assert int(c["slot_size"]) == region.SLOT_LAYOUT.size
-    assert int(c["region_size"]) == region.REGION_SIZE
-    assert int(c["magic"]) == region.MAGIC and int(c["version"]) == region.LAYOUT_VERSION
-    for name, offset in region.GRANT_LAYOUT.offsets.items():
+    assert int(c["header_size"]) == layout.HEADER_LAYOUT.size
+    assert int(c["slot_size"]) == layout.SLOT_LAYOUT.size
+    assert int(c["region_size"]) == layout.REGION_SIZE
+    assert int(c["magic"]) == layout.MAGIC and int(c["version"]) == layout.LAYOUT_VERSION
+    for name, offset in layout.GRANT_LAYOUT.offsets.items():
         assert int(c[f"grant.{name}"]) == offset, name
-    assert int(c["grant_size"]) == region.GRANT_LAYOUT.size
-    assert (int(c["grant_magic"]), int(c["grant_version"])) == (region.GRANT_MAGIC, region.GRANT_VERSION)
-    assert int(c["grant_payload"]) == region.GRANT_PAYLOAD
+    assert int(c["grant_size"]) == layout.GRANT_LAYOUT.size
+    assert (int(c["grant_magic"]), int(c["grant_version"])) == (layout.GRANT_MAGIC, layout.GRANT_VERSION)
+    assert int(c["grant_payload"]) == layout.GRANT_PAYLOAD
 
 
 def test_the_python_reader_sees_what_the_hook_wrote(built: Built, tmp_path: Path) -> None:
@@ -127,12 +127,12 @@ def _write(path: Path, data: bytes) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"\xab" * region.REGION_SIZE, "is not a vgpu region"),
+        (b"\xab" * layout.REGION_SIZE, "is not a vgpu region"),
         (b"\0" * 64, "holds 64 bytes"),
         (
-            region.MAGIC.to_bytes(8, "little")
+            layout.MAGIC.to_bytes(8, "little")
             + (99).to_bytes(4, "little")
-            + b"\0" * (region.REGION_SIZE - 12),
+            + b"\0" * (layout.REGION_SIZE - 12),
             "layout version 99",
         ),
     ],

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from vgpu.hookabi.grant import (
     Grant,
     GrantError,
-    apply_limits,
     as_granted,
     decode,
     encode,
@@ -21,7 +20,9 @@ from vgpu.hookabi.grant import (
     update_grant,
     write_grant,
 )
-from vgpu.hookabi.region import GRANT_LAYOUT, GRANT_PAYLOAD, LimitError, Region, fnv1a64, format_region
+from vgpu.hookabi.layout import GRANT_LAYOUT, GRANT_PAYLOAD, fnv1a64
+from vgpu.hookabi.region import Region, format_region
+from vgpu.hookabi.resize import LimitError, apply_limits, validate_limits
 
 GIB = 1 << 30
 
@@ -154,7 +155,7 @@ def test_live_resize_of_a_granted_container_works_before_its_first_cuda_process(
     apply_limits(region, 0, memory_bytes=512 << 20)
     assert read_grant(grant).limits == (512 << 20,)
     assert not region.exists()
-    with pytest.raises(LimitError, match="--device: 3 is out of range"):
+    with pytest.raises(LimitError, match="device: 3 is out of range"):
         apply_limits(region, 3, memory_bytes=GIB)
 
 
@@ -165,6 +166,39 @@ def test_a_refused_resize_writes_neither_file(tmp_path: Path) -> None:
         with pytest.raises(LimitError):
             apply_limits(region, 0, **kwargs)  # type: ignore[arg-type]
     assert (region.read_bytes(), grant.read_bytes()) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "reason"),
+    [
+        ({}, "limits", "nothing to change"),
+        ({"memory_bytes": -1}, "memory limit", "-1 bytes is negative"),
+        ({"budget_bytes": -1}, "budget", "-1 bytes is negative"),
+        ({"sm_percent": 101}, "SM limit", "101 is not a percent"),
+        ({"memory_bytes": GIB, "device": 2}, "device", "2 is out of range: the container has devices 0..1"),
+    ],
+)
+def test_validation_names_the_field_in_plain_words_never_a_flag(
+    kwargs: dict[str, int], field: str, reason: str
+) -> None:
+    device = kwargs.pop("device", 0)
+    with pytest.raises(LimitError) as refused:
+        validate_limits(device, devices=2, **kwargs)  # type: ignore[arg-type]
+    assert refused.value.field == field and refused.value.reason.startswith(reason)
+    assert str(refused.value).startswith(f"{field}: {reason}") and "--" not in str(refused.value)
+
+
+def test_validation_returns_the_change_and_what_to_know_without_touching_a_file() -> None:
+    change = validate_limits(
+        1, devices=2, memory_bytes=GIB, sm_percent=40, used_bytes=2 * GIB, budget_now=3 * GIB
+    )
+    assert (change.device, change.memory_bytes, change.sm_percent, change.budget_bytes) == (1, GIB, 40, None)
+    assert change.notes == (
+        "device 1: the new limit 1024 MiB is below the 2048 MiB in use; nothing is taken back, new "
+        "allocations are refused until usage falls under it",
+        "device 1: the budget 3072 MiB is above the limit: nothing will spill",
+    )
+    assert validate_limits(0, devices=1, budget_bytes=0, budget_now=3 * GIB).notes == ()
 
 
 def test_the_snapshot_shows_the_granted_limits_and_where_the_region_differs(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vgpu.commands.cli import main
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, read_grant, write_grant
 from vgpu.plugin.paths import REGION_FILE_NAME
 
@@ -24,7 +24,7 @@ def folder(tmp_path: Path) -> Path:
     path = folder / REGION_FILE_NAME
     region.format_region(path, ["GPU-a", "GPU-b"], limits=[3000 * MIB, 0], sm_limits=[30, 0], priority=0)
     data = bytearray(path.read_bytes())
-    struct.pack_into("=Q", data, region.HEADER_LAYOUT.offsets["used"], 1000 * MIB)
+    struct.pack_into("=Q", data, layout.HEADER_LAYOUT.offsets["used"], 1000 * MIB)
     path.write_bytes(bytes(data))
     return folder
 
@@ -94,10 +94,10 @@ def test_a_missing_or_foreign_region_exits_2_with_the_fix(
 ) -> None:
     assert main(["limits", "set", "--container-dir", str(tmp_path), "--device", "0", "--cores", "5"]) == 2
     assert "cannot open region file" in capsys.readouterr().err
-    (tmp_path / REGION_FILE_NAME).write_bytes(b"x" * region.REGION_SIZE)
+    (tmp_path / REGION_FILE_NAME).write_bytes(b"x" * layout.REGION_SIZE)
     assert main(["limits", "show", "--container-dir", str(tmp_path)]) == 2
     assert "not a vgpu region" in capsys.readouterr().err
-    assert (tmp_path / REGION_FILE_NAME).read_bytes() == b"x" * region.REGION_SIZE
+    assert (tmp_path / REGION_FILE_NAME).read_bytes() == b"x" * layout.REGION_SIZE
     assert main(["limits", "show"]) == 2
     assert "--container-dir" in capsys.readouterr().err
 
@@ -107,12 +107,12 @@ def test_show_has_budget_spill_compute_time_priority_policy_and_flags(
 ) -> None:
     path = folder / REGION_FILE_NAME
     data = bytearray(path.read_bytes())
-    h = region.HEADER_LAYOUT.offsets
+    h = layout.HEADER_LAYOUT.offsets
     struct.pack_into("=Q", data, h["budget"], 2000 * MIB)
     struct.pack_into("=Q", data, h["spilled"], 100 * MIB)
     struct.pack_into("=Q", data, h["busy_ns"], 2_500_000_000)
     struct.pack_into("=Q", data, h["throttled_ns"], 1_000_000_000)
-    struct.pack_into("=I", data, h["flags"] + 4, region.FLAG_YIELD)
+    struct.pack_into("=I", data, h["flags"] + 4, layout.FLAG_YIELD)
     struct.pack_into("=I", data, h["sm_policy"], 1)
     path.write_bytes(bytes(data))
     assert main(["limits", "show", "--container-dir", str(folder)]) == 0
@@ -133,7 +133,7 @@ def test_a_limit_is_changed_by_one_store_of_its_own_word(folder: Path) -> None:
     with region.Region(path, writable=True) as r:
         r.set_limit(1, 0x0102030405060708)
     after = path.read_bytes()
-    at = region.HEADER_LAYOUT.offsets["limit"] + 8
+    at = layout.HEADER_LAYOUT.offsets["limit"] + 8
     changed = [i for i in range(len(before)) if before[i] != after[i]]
     assert changed and min(changed) >= at and max(changed) < at + 8
     assert struct.unpack_from("=Q", after, at)[0] == 0x0102030405060708

@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vgpu.core.errors import ConfigError
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, grant_path, write_grant
 from vgpu.plugin.monitor.arbiter import Activity, Arbiter, add_arguments, decide, settings
 from vgpu.plugin.paths import REGION_FILE_NAME
 
-Y, A, G = region.FLAG_YIELD, region.FLAG_ALONE, region.FLAG_GUARD
+Y, A, G = layout.FLAG_YIELD, layout.FLAG_ALONE, layout.FLAG_GUARD
 MS = 1_000_000
 
 
@@ -99,7 +99,7 @@ def container(root: Path, name: str, uuids: list[str], priority: int) -> Path:
 def poke(path: Path, field: str, index: int, value: int) -> None:
     """What the hook does on a launch: one word of the mapped file."""
     with region.Region(path, writable=True) as r:
-        at = region.HEADER_LAYOUT.offsets[field] // 8 + index
+        at = layout.HEADER_LAYOUT.offsets[field] // 8 + index
         r._u64[at] = value
 
 
@@ -205,12 +205,12 @@ def test_bad_files_are_skipped_logged_once_and_counted(
 ) -> None:
     good = container(tmp_path, "uid-1_ok", ["GPU-a"], 1)
     (tmp_path / "uid-2_junk").mkdir()
-    (tmp_path / "uid-2_junk" / REGION_FILE_NAME).write_bytes(b"x" * region.REGION_SIZE)
+    (tmp_path / "uid-2_junk" / REGION_FILE_NAME).write_bytes(b"x" * layout.REGION_SIZE)
     (tmp_path / "uid-3_short").mkdir()
     (tmp_path / "uid-3_short" / REGION_FILE_NAME).write_bytes(b"\0" * 64)
     old = container(tmp_path, "uid-4_old", ["GPU-a"], 1)
     data = bytearray(old.read_bytes())
-    struct.pack_into("=I", data, region.HEADER_LAYOUT.offsets["version"], 1)
+    struct.pack_into("=I", data, layout.HEADER_LAYOUT.offsets["version"], 1)
     old.write_bytes(bytes(data))
     arbiter = Arbiter(tmp_path, clock=Clock())
     with caplog.at_level(logging.WARNING):
@@ -273,7 +273,7 @@ def test_the_thread_keeps_the_flags_fresh(tmp_path: Path) -> None:
         while arbiter.stats.passes < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert arbiter.stats.passes >= 3
-        assert time.monotonic_ns() - word(path, "arbiter_ns") < region.ARBITER_STALE_NS
+        assert time.monotonic_ns() - word(path, "arbiter_ns") < layout.ARBITER_STALE_NS
     finally:
         arbiter.stop()
 

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import FakeKube
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
@@ -44,23 +44,23 @@ class Cards:
 
 def write_region(path: Path, devices: list[tuple[str, int, int]], procs: list[tuple[int, list[int]]]) -> None:
     """A region file as the hook lays it out (offsets from vgpu.hookabi.region), then limits set."""
-    h, s = region.HEADER_LAYOUT.offsets, region.SLOT_LAYOUT.offsets
-    buf = bytearray(region.REGION_SIZE)
-    struct.pack_into("<Q", buf, h["magic"], region.MAGIC)
+    h, s = layout.HEADER_LAYOUT.offsets, layout.SLOT_LAYOUT.offsets
+    buf = bytearray(layout.REGION_SIZE)
+    struct.pack_into("<Q", buf, h["magic"], layout.MAGIC)
     for name, value in (
-        ("version", region.LAYOUT_VERSION),
-        ("header_size", region.HEADER_LAYOUT.size),
-        ("slot_size", region.SLOT_LAYOUT.size),
-        ("max_devices", region.MAX_DEVICES),
-        ("max_procs", region.MAX_PROCS),
+        ("version", layout.LAYOUT_VERSION),
+        ("header_size", layout.HEADER_LAYOUT.size),
+        ("slot_size", layout.SLOT_LAYOUT.size),
+        ("max_devices", layout.MAX_DEVICES),
+        ("max_procs", layout.MAX_PROCS),
         ("num_devices", len(devices)),
     ):
         struct.pack_into("<I", buf, h[name], value)
     for i, (uuid, _, _) in enumerate(devices):
         raw = uuid.encode()
-        buf[h["uuid"] + i * region.UUID_BYTES : h["uuid"] + i * region.UUID_BYTES + len(raw)] = raw
+        buf[h["uuid"] + i * layout.UUID_BYTES : h["uuid"] + i * layout.UUID_BYTES + len(raw)] = raw
     for k, (pid, used) in enumerate(procs):
-        base = region.HEADER_LAYOUT.size + k * region.SLOT_LAYOUT.size
+        base = layout.HEADER_LAYOUT.size + k * layout.SLOT_LAYOUT.size
         struct.pack_into("<iI", buf, base + s["pid"], pid, 1)
         for i, u in enumerate(used):
             struct.pack_into("<Q", buf, base + s["used"] + 8 * i, u)
@@ -129,7 +129,7 @@ def test_container_usage_and_limits_come_from_the_region_files(tmp_path: Path) -
 def test_a_file_that_is_not_a_region_is_skipped_not_fatal(tmp_path: Path) -> None:
     bad = HostPaths(tmp_path).container_dir("uid-2", "c") / REGION_FILE_NAME
     bad.parent.mkdir(parents=True)
-    bad.write_bytes(b"\0" * region.REGION_SIZE)
+    bad.write_bytes(b"\0" * layout.REGION_SIZE)
     got = scrape(tmp_path)
     assert not any(dict(labels).get("pod_uid") == "uid-2" for _, labels in got)
     assert any(name == "vgpu_card_healthy" for name, _ in got)
@@ -138,14 +138,14 @@ def test_a_file_that_is_not_a_region_is_skipped_not_fatal(tmp_path: Path) -> Non
 def test_spill_budget_compute_time_priority_and_yield_are_reported(tmp_path: Path) -> None:
     path = HostPaths(tmp_path).container_dir("uid-1", "train") / REGION_FILE_NAME
     write_region(path, [("GPU-a", 3000 * MIB, 30)], [(101, [100 * MIB]), (102, [50 * MIB])])
-    h, s = region.HEADER_LAYOUT.offsets, region.SLOT_LAYOUT.offsets
+    h, s = layout.HEADER_LAYOUT.offsets, layout.SLOT_LAYOUT.offsets
     data = bytearray(path.read_bytes())
     for name, value in (("budget", 2000 * MIB), ("spilled", 40 * MIB), ("busy_ns", 1_500_000_000)):
         struct.pack_into("=Q", data, h[name], value)
     struct.pack_into("=Q", data, h["throttled_ns"], 250_000_000)
-    struct.pack_into("=I", data, h["flags"], region.FLAG_YIELD | region.FLAG_ALONE)
+    struct.pack_into("=I", data, h["flags"], layout.FLAG_YIELD | layout.FLAG_ALONE)
     struct.pack_into("=I", data, h["priority"], 1)
-    struct.pack_into("=Q", data, region.HEADER_LAYOUT.size + s["spilled"], 40 * MIB)  # process 101's share
+    struct.pack_into("=Q", data, layout.HEADER_LAYOUT.size + s["spilled"], 40 * MIB)  # process 101's share
     path.write_bytes(bytes(data))
     got = scrape(tmp_path, [{"metadata": {"uid": "uid-1", "namespace": "ml", "name": "job"}}])
     c = {"container": "train", "namespace": "ml", "node": "n1", "pod": "job", "pod_uid": "uid-1"}
@@ -193,7 +193,7 @@ def test_the_collector_never_maps_a_region_and_skips_one_cut_short(
 
     def pread(fd: int, size: int, offset: int) -> bytes:  # the file shrinks after the open
         data = real_pread(fd, size, offset)
-        return data[: region.REGION_SIZE // 2] if os.readlink(f"/proc/self/fd/{fd}") == str(cut) else data
+        return data[: layout.REGION_SIZE // 2] if os.readlink(f"/proc/self/fd/{fd}") == str(cut) else data
 
     def no_map(*args: object, **kwargs: object) -> None:
         raise AssertionError("the collector mapped a region")
@@ -249,7 +249,7 @@ S = 1_000_000_000
 def set_busy(path: Path, index: int, busy_ns: int) -> None:
     """What the hook's limiter does as intervals complete: one word of the file grows."""
     with path.open("r+b") as f:
-        f.seek(region.HEADER_LAYOUT.offsets["busy_ns"] + 8 * index)
+        f.seek(layout.HEADER_LAYOUT.offsets["busy_ns"] + 8 * index)
         f.write(struct.pack("=Q", busy_ns))
 
 
@@ -375,3 +375,25 @@ def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
     calls = [annotations for _, _, annotations in api.renewals]
     assert calls[0] is not None and _json.loads(calls[0][USAGE_ANNOTATION]) == {"uid_c": {"GPU-a": 42}}
     assert calls[1] is None
+
+
+def test_the_monitors_resize_refuses_in_plain_words_naming_no_command_flag(tmp_path: Path) -> None:
+    from vgpu.hookabi.resize import LimitError
+    from vgpu.plugin.monitor.collector import resize_container
+
+    paths = HostPaths(tmp_path)
+    path = paths.container_dir("pod-1", "main") / REGION_FILE_NAME
+    write_region(path, [("GPU-a", 1 << 30, 0)], [])
+    before = path.read_bytes()
+    for kwargs, said in (
+        ({"device": 1, "memory_bytes": 1 << 30}, "device: 1 is out of range"),
+        ({"device": 0, "sm_percent": 150}, "SM limit: 150 is not a percent"),
+        ({"device": 0}, "limits: nothing to change"),
+    ):
+        with pytest.raises(LimitError, match=said) as refused:
+            resize_container(paths, "pod-1", "main", **kwargs)  # type: ignore[arg-type]
+        assert "--" not in str(refused.value)
+    assert path.read_bytes() == before
+    assert resize_container(paths, "pod-1", "main", 0, memory_bytes=512 << 20).notes == ()
+    with region.Region(path) as r:
+        assert r.word("limit", 0) == 512 << 20

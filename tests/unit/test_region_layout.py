@@ -1,4 +1,4 @@
-"""The region layout has one definition (vgpu/hookabi/region.py); the C header is generated from it."""
+"""The region layout has one definition (vgpu/hookabi/layout.py); the C header is generated from it."""
 
 from __future__ import annotations
 
@@ -6,25 +6,25 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "hook" / "region_layout.h"
 
 
 def test_the_committed_c_header_is_generated_from_the_python_layout() -> None:
-    assert HEADER.read_text() == region.c_header(), (
-        "run: python -m vgpu.hookabi.region --c-header > native/hook/region_layout.h"
+    assert HEADER.read_text() == layout.c_header(), (
+        "run: python -m vgpu.hookabi.layout --c-header > native/hook/region_layout.h"
     )
 
 
 def test_offsets_follow_c_alignment_rules() -> None:
-    off = region.HEADER_LAYOUT.offsets
+    off = layout.HEADER_LAYOUT.offsets
     assert off["magic"] == 0
     assert off["seq"] % 8 == 0
     assert off["lock"] % 64 == 0
     assert off["limit"] % 8 == 0 and off["used"] % 8 == 0
-    assert region.HEADER_LAYOUT.size % 64 == 0
-    assert region.REGION_SIZE == region.HEADER_LAYOUT.size + region.MAX_PROCS * region.SLOT_LAYOUT.size
+    assert layout.HEADER_LAYOUT.size % 64 == 0
+    assert layout.REGION_SIZE == layout.HEADER_LAYOUT.size + layout.MAX_PROCS * layout.SLOT_LAYOUT.size
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_a_bad_size_is_refused_with_the_fix(text: str) -> None:
 
 def test_a_file_that_is_not_a_region_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     bogus = tmp_path / "region"
-    bogus.write_bytes(b"x" * region.REGION_SIZE)
+    bogus.write_bytes(b"x" * layout.REGION_SIZE)
     with pytest.raises(region.RegionError, match="not a vgpu region"):
         region.Region(bogus)
 

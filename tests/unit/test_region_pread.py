@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.hookabi import region
+from vgpu.hookabi import layout, region
 
-H = region.HEADER_LAYOUT.offsets
+H = layout.HEADER_LAYOUT.offsets
 
 
 @pytest.fixture
@@ -41,13 +41,13 @@ def test_it_reads_what_the_map_reads_and_maps_nothing(path: Path) -> None:
     assert expected.devices[0].sm_limit == 50
 
 
-@pytest.mark.parametrize("size", [0, 100, region.HEADER_LAYOUT.size // 2, region.REGION_SIZE // 2])
+@pytest.mark.parametrize("size", [0, 100, layout.HEADER_LAYOUT.size // 2, layout.REGION_SIZE // 2])
 def test_a_file_cut_short_after_it_was_opened_is_an_error_not_a_signal(path: Path, size: int) -> None:
     with region.Region(path, writable=True, mapped=False) as r:
         os.truncate(path, size)
         with pytest.raises(region.RegionError, match="cut short"):
             r.snapshot()
-        if size < region.HEADER_LAYOUT.size:
+        if size < layout.HEADER_LAYOUT.size:
             with pytest.raises(region.RegionError, match="cut short"):
                 r.read_header()
             with pytest.raises(region.RegionError, match="cut short"):
@@ -86,16 +86,16 @@ def test_a_seq_held_odd_too_long_gives_up_and_an_odd_seq_that_ends_is_waited_for
 
 def test_the_arbiter_words_are_written_with_pwrite_and_limits_are_refused(path: Path) -> None:
     with region.Region(path, writable=True, mapped=False) as r:
-        r.set_flags(1, region.FLAG_YIELD)
+        r.set_flags(1, layout.FLAG_YIELD)
         r.set_arbiter_ns(0x0102030405060708)
         for setter in (r.set_limit, r.set_sm_limit, r.set_budget):
             with pytest.raises(region.RegionError, match="only through the map"):
                 setter(0, 1)
     with region.Region(path) as mapped:
-        assert mapped.word("flags", 1) == region.FLAG_YIELD and mapped.word("flags", 0) == 0
+        assert mapped.word("flags", 1) == layout.FLAG_YIELD and mapped.word("flags", 0) == 0
         assert mapped.word("arbiter_ns") == 0x0102030405060708
         assert mapped.word("limit") == 1 << 30
-    assert os.path.getsize(path) == region.REGION_SIZE
+    assert os.path.getsize(path) == layout.REGION_SIZE
 
 
 def test_a_read_only_reader_cannot_write(path: Path) -> None:

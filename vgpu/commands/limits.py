@@ -4,7 +4,7 @@
     vgpu limits set  --container-dir DIR --device 0 [--memory MIB] [--cores PCT] [--budget MIB]
 
 The limits live in the container's grant (``/var/lib/vgpu/grants/<folder>.limits``, written by the
-device plugin, read-only inside the container); the region file ``vgpu.hookabi.region`` inside the
+device plugin, read-only inside the container); the region file ``vgpu.region`` inside the
 container's folder holds usage and a copy of the limits. Naming the region file itself
 (``vgpu limits set REGION ...``, the older form) works too, as does ``--sm`` for ``--cores``.
 Sizes: a plain number is MiB (``--memory 4096``); with a suffix it is that unit (``512k``,
@@ -25,19 +25,30 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from vgpu.hookabi.grant import apply_limits, as_granted, grant_beside, read_grant
-from vgpu.hookabi.region import (
-    FLAG_ALONE,
-    FLAG_GUARD,
-    FLAG_YIELD,
-    LimitError,
-    Region,
-    RegionError,
-    Snapshot,
-)
+from vgpu.hookabi import resize
+from vgpu.hookabi.grant import as_granted, grant_beside, read_grant
+from vgpu.hookabi.layout import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD
+from vgpu.hookabi.region import Region, RegionError, Snapshot
+from vgpu.hookabi.resize import LimitError, apply_limits
 from vgpu.plugin.paths import REGION_FILE_NAME
 
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+# the flag of each value apply_limits names in its errors
+FLAGS = {
+    resize.DEVICE: "--device",
+    resize.MEMORY: "--memory",
+    resize.SM: "--cores",
+    resize.BUDGET: "--budget",
+    resize.ANY: "--memory/--cores/--budget",
+}
+
+
+class FlagError(ValueError):
+    """Bad input to ``vgpu limits``: the message starts with the flag at fault."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
 
 
 def _where(sub: argparse.ArgumentParser) -> None:
@@ -76,20 +87,20 @@ def parse_mib(text: str, flag: str) -> int:
     scale = _UNITS.get(value[-1:])
     digits = value[:-1] if scale else value
     if value.startswith("-") and digits[1:].isdigit():
-        raise LimitError(flag, f"{text!r} is negative; give a size >= 0 (0 = no limit)")
+        raise FlagError(flag, f"{text!r} is negative; give a size >= 0 (0 = no limit)")
     if not digits.isdigit():
-        raise LimitError(flag, f"{text!r} is not a size; give MiB (4096) or a number with b, k, m or g (4g)")
+        raise FlagError(flag, f"{text!r} is not a size; give MiB (4096) or a number with b, k, m or g (4g)")
     return int(digits) * (scale or 1 << 20)
 
 
 def _region_path(args: argparse.Namespace) -> Path:
     if args.region and args.container_dir:
-        raise LimitError("--container-dir", "give either --container-dir or a region file, not both")
+        raise FlagError("--container-dir", "give either --container-dir or a region file, not both")
     if args.container_dir is not None:
         return Path(args.container_dir) / REGION_FILE_NAME
     if args.region:
         return Path(args.region)
-    raise LimitError(
+    raise FlagError(
         "--container-dir",
         "name the container: --container-dir /var/lib/vgpu/containers/<pod-uid>_<container>",
     )
@@ -176,8 +187,12 @@ def run(args: argparse.Namespace) -> int:
         for note in change.notes:
             print(f"vgpu limits set: {note}")
         return 0
-    except LimitError as err:
+    except FlagError as err:
         print(f"vgpu limits {args.limits_command}: {err}", file=sys.stderr)
+        return 2
+    except LimitError as err:
+        flag = FLAGS.get(err.field, err.field)
+        print(f"vgpu limits {args.limits_command}: {flag}: {err.reason}", file=sys.stderr)
         return 2
     except RegionError as err:
         print(

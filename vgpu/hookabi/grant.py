@@ -9,15 +9,16 @@ card UUIDs and the region's path), in a file the device plugin writes on the hos
 process's environment says, reads every limit from it, and keeps the region's limit words as a
 mirror: a region whose words differ from the grant is logged and put back, and the grant holds.
 
-Layout: ``vgpu.hookabi.region.GRANT`` (one definition; the C struct ``vgpu_grant`` is generated from it).
+Layout: ``vgpu.hookabi.layout.GRANT`` (one definition; the C struct ``vgpu_grant`` is generated from it).
 A ``checksum`` (FNV-1a 64 over every byte from ``num_devices`` on) tells a whole grant from a
 damaged one; the hook refuses every allocation under a damaged grant rather than guess.
 
-Writers (the device plugin at Allocate; ``vgpu limits set`` and the node monitor for live
-resize) change a grant in place, never by renaming a new file over it: the container's bind
-mount holds the inode, so a renamed file would never reach it. A change bumps ``seq`` to odd,
-stores each changed word with one aligned store through the map (the hook reads single words
-without a lock, as it did from the region), stores the new checksum, and bumps ``seq`` to even.
+Writers (the device plugin at Allocate; live resize, ``vgpu.hookabi.resize.apply_limits``, from
+``vgpu limits set`` and the node monitor) change a grant in place, never by renaming a new file
+over it: the container's bind mount holds the inode, so a renamed file would never reach it. A
+change bumps ``seq`` to odd, stores each changed word with one aligned store through the map
+(the hook reads single words without a lock, as it did from the region), stores the new
+checksum, and bumps ``seq`` to even.
 Writers serialise on ``flock``. The file is root's, mode 0644: the container's processes may
 read it through their read-only mount, nobody but root may write it.
 """
@@ -35,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vgpu.hookabi.region import (
-    _CTYPES,
+from vgpu.hookabi.layout import (
+    CTYPES,
     GRANT,
     GRANT_LAYOUT,
     GRANT_MAGIC,
@@ -45,14 +46,9 @@ from vgpu.hookabi.region import (
     MAX_DEVICES,
     PATH_BYTES,
     UUID_BYTES,
-    DeviceState,
-    LimitChange,
-    LimitError,
-    Region,
-    RegionError,
-    Snapshot,
     fnv1a64,
 )
+from vgpu.hookabi.region import DeviceState, RegionError, Snapshot
 
 GRANT_SUFFIX = ".limits"
 # What one CUDA context costs on the card, charged once per process and device (the hook's
@@ -125,7 +121,7 @@ def grant_of_container_dir(container_dir: Path) -> Path:
 
 
 def _pack(buf: bytearray | memoryview, name: str, value: int, index: int = 0) -> None:
-    code, size = _CTYPES[_TYPES[name]]
+    code, size = CTYPES[_TYPES[name]]
     struct.pack_into("<" + code, buf, _G[name] + index * size, value)
 
 
@@ -157,7 +153,7 @@ def encode(grant: Grant, seq: int = 0) -> bytes:
 
 
 def _word(data: bytes, name: str, index: int = 0) -> int:
-    code, size = _CTYPES[_TYPES[name]]
+    code, size = CTYPES[_TYPES[name]]
     value: int = struct.unpack_from("<" + code, data, _G[name] + index * size)[0]
     return value
 
@@ -294,7 +290,7 @@ def _change(path: Path, change: Callable[[Grant], Grant]) -> Grant:
                 for f in GRANT:
                     if f.name in _FRAME:
                         continue
-                    size = _CTYPES[f.ctype][1]
+                    size = CTYPES[f.ctype][1]
                     start, total = _G[f.name], size * f.count * f.count2
                     if f.ctype == "char":  # read once, at attach: bytes suffice
                         if m[start : start + total] != image[start : start + total]:
@@ -303,7 +299,7 @@ def _change(path: Path, change: Callable[[Grant], Grant]) -> Grant:
                     view = u64 if size == 8 else u32
                     for at in range(start, start + total, size):
                         if m[at : at + size] != image[at : at + size]:
-                            view[at // size] = struct.unpack_from("<" + _CTYPES[f.ctype][0], image, at)[0]
+                            view[at // size] = struct.unpack_from("<" + CTYPES[f.ctype][0], image, at)[0]
                 u64[_G["checksum"] // 8] = _word(image, "checksum")
                 u64[_G["seq"] // 8] = seq + 1
             finally:
@@ -331,89 +327,10 @@ def mismatches(
     return out
 
 
-def _mib(value: int) -> str:
-    return f"{value / (1 << 20):.0f} MiB"
-
-
 def grant_beside(region_path: str | os.PathLike[str]) -> Path | None:
     """The grant of the container whose region file this is, where the plugin wrote one."""
     path = grant_of_container_dir(Path(region_path).parent)
     return path if path.exists() else None
-
-
-def apply_limits(
-    path: str | os.PathLike[str],
-    device: int,
-    *,
-    memory_bytes: int | None = None,
-    sm_percent: int | None = None,
-    budget_bytes: int | None = None,
-    grant: str | os.PathLike[str] | None = None,
-) -> LimitChange:
-    """Live resize: the one code path that changes a running container's limits.
-
-    ``path`` is the container's region file; ``grant`` its grant (by default the plugin's, found
-    beside the container's folder). Where there is a grant, it is what changes, and the region's
-    copy follows when the region exists (no CUDA process may have started yet); without one (a
-    process run by hand) the region's words are the limits. Everything is checked before
-    anything is written, so a refused change leaves both files as they were. The hook reads the
-    words on every call: a new memory limit or budget holds from the next allocation, a new SM
-    limit from the next launch. Memory already taken is never taken back: a limit below usage
-    refuses new allocations until usage falls under it.
-    """
-    if memory_bytes is None and sm_percent is None and budget_bytes is None:
-        raise LimitError("--memory/--cores/--budget", "nothing to change; give at least one of them")
-    if memory_bytes is not None and memory_bytes < 0:
-        raise LimitError("--memory", f"{memory_bytes} is negative; give MiB >= 0 (0 = no limit)")
-    if budget_bytes is not None and budget_bytes < 0:
-        raise LimitError(
-            "--budget", f"{budget_bytes} is negative; give MiB >= 0 (0 = the card's free memory)"
-        )
-    if sm_percent is not None and not 0 <= sm_percent <= 100:
-        raise LimitError("--cores", f"{sm_percent} is not a percent; give 0..100 (0 = no cap)")
-    grant_file = Path(grant) if grant is not None else grant_beside(path)
-    granted = read_grant(grant_file) if grant_file is not None else None
-    region: Region | None = None
-    try:
-        if granted is None or Path(path).exists():
-            region = Region(path, writable=True)
-        count = len(granted.uuids) if granted is not None else region.num_devices if region else 0
-        if not 0 <= device < count:
-            have = f"devices 0..{count - 1}" if count else "no devices"
-            raise LimitError(
-                "--device", f"{device} is out of range: the container has {have}; give one of those"
-            )
-        notes: list[str] = []
-        used = region.word("used", device) if region is not None else 0
-        if memory_bytes:
-            if memory_bytes < used:
-                notes.append(
-                    f"device {device}: the new limit {_mib(memory_bytes)} is below the {_mib(used)} in use; "
-                    "nothing is taken back, new allocations are refused until usage falls under it"
-                )
-            if budget_bytes is not None:
-                budget = budget_bytes
-            elif granted is not None:
-                budget = granted.value("budget", device)
-            else:
-                budget = region.word("budget", device) if region is not None else 0
-            if budget and budget > memory_bytes:
-                notes.append(
-                    f"device {device}: the budget {_mib(budget)} is above the limit: nothing will spill"
-                )
-        if grant_file is not None:
-            update_grant(grant_file, device, limit=memory_bytes, sm_limit=sm_percent, budget=budget_bytes)
-        if region is not None:  # the region's copy (the limits themselves where there is no grant)
-            if memory_bytes is not None:
-                region.set_limit(device, memory_bytes)
-            if budget_bytes is not None:
-                region.set_budget(device, budget_bytes)
-            if sm_percent is not None:
-                region.set_sm_limit(device, sm_percent)
-        return LimitChange(device, tuple(notes))
-    finally:
-        if region is not None:
-            region.close()
 
 
 def as_granted(snapshot: Snapshot, grant: Grant) -> tuple[Snapshot, list[str]]:

@@ -1,5 +1,5 @@
-"""Allocate: from kubelet's device IDs to the pod and container they serve, and the answer of
-contract 4 (docs/contracts.md).
+"""Allocate: from kubelet's device IDs to the pod and container they serve (the answer of contract 4,
+docs/contracts.md: answer.py).
 
 kubelet's GetPreferredAllocation and Allocate name only device IDs, never the pod. kubelet
 admits pods one at a time, in the order they arrived on the node (bind order), and allocates
@@ -21,13 +21,10 @@ patch) happen outside it, so pods never wait on each other's I/O.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -44,13 +41,12 @@ from vgpu.core.annotations import (
     decode_allocation,
 )
 from vgpu.core.errors import AnnotationError, KubeError
-from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.hookabi.region import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin.answer import PodFailure, container_response
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
-from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
+from vgpu.plugin.paths import HookInstall, HostPaths
 
 log = logging.getLogger(__name__)
 
@@ -365,75 +361,10 @@ class Allocator:
     # -- the answer -------------------------------------------------------------------------
 
     def _response(self, w: _Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
-        for d in container.devices:
-            card = self.state.card(d.uuid)
-            if card is None:
-                raise _PodFailure(f"card {d.uuid} of container {container.name} is not on node {self.node}")
-            if not card.healthy:
-                raise _PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
-        inside = self.paths.container_dir_inside(w.uid, container.name)
-        host_dir = self.paths.container_dir(w.uid, container.name)
-        host_dir.mkdir(parents=True, exist_ok=True)
-        # The container's processes, whatever their user, create the region in their folder, so the
-        # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
-        self.paths.containers_dir.chmod(0o700)
-        host_dir.chmod(0o777)
         priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
-        envs = {
-            "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
-            "CUDA_TASK_PRIORITY": priority,
-        }
-        scaling = Fraction(repr(self.config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
-        spill = self.config.oversubscribe and scaling > 1
-        for i, d in enumerate(container.devices):
-            envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
-            envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
-            if spill:
-                # The card's share of the (scaled-up) grant stays on the card; the rest spills.
-                envs[f"CUDA_DEVICE_MEMORY_BUDGET_{i}"] = f"{math.floor(d.memory_mib / scaling)}m"
-        if self.config.oversubscribe:
-            envs["CUDA_OVERSUBSCRIBE"] = "true"
-        envs["CUDA_SM_POLICY"] = self.config.sm_policy
-        # The limits themselves go where the container can only read them: the hook takes them
-        # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
-        grant = Grant(
-            uuids=tuple(d.uuid for d in container.devices),
-            limits=tuple(d.memory_mib << 20 for d in container.devices),
-            sm_limits=tuple(min(d.cores, 100) for d in container.devices),
-            budgets=tuple(
-                math.floor(d.memory_mib / scaling) << 20 if spill else 0 for d in container.devices
-            ),
-            priority=int(priority),
-            sm_policy=1 if self.config.sm_policy == "elastic" else 0,
-            oversubscribe=self.config.oversubscribe,
-            region_path=f"{inside}/{REGION_FILE_NAME}",
+        return container_response(
+            self.state, self.config, self.paths, self.hook, self.node, w.uid, container, priority
         )
-        record = self._write_grant(host_dir.name, grant)
-        mounts = [
-            api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False),
-            api_pb2.Mount(container_path=GRANT_PATH_IN_CONTAINER, host_path=str(record), read_only=True),
-        ]
-        if self.hook is not None:
-            mounts += [
-                api_pb2.Mount(
-                    container_path=CONTAINER_HOOK_PATH, host_path=str(self.hook.library), read_only=True
-                ),
-                api_pb2.Mount(
-                    container_path="/etc/ld.so.preload", host_path=str(self.hook.preload), read_only=True
-                ),
-            ]
-        return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
-
-    def _write_grant(self, folder_name: str, grant: Grant) -> Path:
-        """The container's grant on the host, in a folder only root reaches (the arbiter, the
-        monitor and ``vgpu limits`` read it there); the file itself is 0644 for the read-only mount."""
-        grants = self.paths.grants_dir
-        grants.mkdir(parents=True, exist_ok=True)
-        grants.chmod(0o700)
-        record = self.paths.grant(folder_name)
-        write_grant(record, grant)
-        return record
 
     def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:
         try:
@@ -478,7 +409,7 @@ class Allocator:
             ) from None
         try:
             response = self._response(w, container)
-        except _PodFailure as err:
+        except PodFailure as err:
             self._forget(w.uid)
             self._mark(w, PHASE_FAILED, str(err))
             raise AllocateError(
@@ -509,7 +440,3 @@ class _NoPod(Exception):
         self.waiting = waiting
         self.malformed = malformed
         super().__init__(f"{waiting} waiting")
-
-
-class _PodFailure(Exception):
-    """The pod cannot be served on this node; it is marked failed with this reason."""

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-import sys
-import threading
 from pathlib import Path
 
-from vgpu.core.errors import ConfigError, KubeError
-from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
-from vgpu.plugin.paths import HookInstall, HostPaths, install_hook
-
-log = logging.getLogger("vgpu.plugin")
+from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
+from vgpu.plugin.monitor.collector import parse_listen
+from vgpu.plugin.node import NodeSettings, build_plugin, serve
 
 DEFAULT_HOOK = "/usr/local/vgpu/libvgpu.so"
 
@@ -42,47 +36,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 
-def open_discovery(args: argparse.Namespace) -> Discovery:
-    if args.fake_nvml is not None:
-        from vgpu.plugin.fake_nvml import FakeDiscovery
-
-        try:
-            return FakeDiscovery(args.fake_nvml)
-        except OSError as err:
-            raise ConfigError("--fake-nvml", "", f"cannot read {args.fake_nvml} ({err.strerror})") from err
-    from vgpu.plugin.nvml import NvmlDiscovery
-
-    return NvmlDiscovery(args.root)
-
-
-def hook_install(args: argparse.Namespace, paths: HostPaths) -> HookInstall | None:
-    if args.hook_library.is_file():
-        return install_hook(args.hook_library, paths)
-    if args.fake_nvml is not None:
-        log.warning(
-            "no hook library at %s: containers get their limits in the environment but nothing enforces them "
-            "(fine for the sandbox; pass --hook-library on a real node)",
-            args.hook_library,
-        )
-        return None
-    raise ConfigError("--hook-library", "", f"{args.hook_library} does not exist; install libvgpu.so there")
+def settings(args: argparse.Namespace) -> NodeSettings:
+    """The flags as the node's settings; ``ConfigError`` naming the flag at fault."""
+    return NodeSettings(
+        node=args.node,
+        root=args.root,
+        config=args.config,
+        fake_nvml=args.fake_nvml,
+        kubeconfig=args.kubeconfig,
+        namespace=args.namespace,
+        listen=parse_listen(args.monitor_listen, "--monitor-listen"),
+        arbiter=arbiter_settings(args),
+        hook_library=args.hook_library,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from vgpu.plugin.daemon import Daemon
-
-    try:
-        daemon = Daemon.from_args(args)
-        daemon.start()
-    except (ConfigError, KubeError) as err:
-        print(f"vgpu device-plugin: {err}", file=sys.stderr)
-        return 2
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    daemon.stop()
-    return 0
+    return serve("device-plugin", lambda: build_plugin(settings(args)), args.log_level)

@@ -1,30 +1,25 @@
-"""The parts of one node's plugin wired together: discovery, health, server, reporter, monitor."""
+"""The parts of one node's plugin wired together: discovery, health, server, reporter, monitor.
+
+Built from settings by ``vgpu.plugin.node.build_plugin``; tests build it from parts.
+"""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
-from wsgiref.simple_server import WSGIServer
 
 from vgpu.core.errors import KubeError
 from vgpu.plugin.allocate import Allocator, PodSource
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
-from vgpu.plugin.config import NodeConfig, load_node_config
-from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
-from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
-from vgpu.plugin.monitor.collector import (
-    NodeCollector,
-    make_registry,
-    parse_listen,
-    region_usage,
-    serve_metrics,
-)
+from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
+from vgpu.plugin.monitor.collector import region_usage
+from vgpu.plugin.monitor.service import NodeMonitor
 from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
@@ -65,45 +60,24 @@ class Daemon:
         self.reporter = NodeReporter(
             self.node, self.namespace, self.state, self.client, usage=lambda: region_usage(containers_dir)
         )
-        self.arbiter_thread = (
-            Arbiter(
-                self.paths.containers_dir,
-                interval_s=self.arbiter[0],
-                window_s=self.arbiter[1],
-                grants_dir=self.paths.grants_dir,
-            )
-            if self.arbiter is not None
-            else None
-        )
-        self.collector = NodeCollector(
+        self.monitor = NodeMonitor(
             self.node,
             self.state,
             self.discovery,
             self.paths,
             list_pods=self.client.list_node_pods,
-            arbiter=self.arbiter_thread,
+            listen=self.monitor_listen,
+            arbiter=self.arbiter,
         )
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self._http: WSGIServer | None = None
-        self.monitor_port: int | None = None
         self.sweep_s = 60.0
         self.sweep_min_age_s = 300.0
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Daemon:
-        """Validate every setting first: a bad one stops the plugin before anything starts."""
-        from vgpu.kube.client import NodeAgentClient
-        from vgpu.plugin.cli import hook_install, open_discovery
-
-        config = load_node_config(args.config, args.node)
-        listen = parse_listen(args.monitor_listen, "--monitor-listen")
-        arbiter = arbiter_settings(args)
-        paths = HostPaths(args.root)
-        discovery = open_discovery(args)
-        hook = hook_install(args, paths)
-        client = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None)
-        return cls(args.node, args.namespace, paths, config, discovery, client, hook, listen, arbiter)
+    @property
+    def monitor_port(self) -> int | None:
+        """The port ``/metrics`` is served on once started (None: not served)."""
+        return self.monitor.port
 
     def start(self) -> None:
         self.paths.containers_dir.mkdir(parents=True, exist_ok=True)
@@ -111,27 +85,12 @@ class Daemon:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
         self.server.start()
-        self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
+        self._health = threading.Thread(
+            target=watch_health, args=(self.discovery, self.state, self._stop), name="dp-health", daemon=True
+        )
         self._health.start()
         threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
-        if self.arbiter_thread is not None:
-            self.arbiter_thread.start()
-        if self.monitor_listen is not None:
-            host, port = self.monitor_listen
-            self._http = serve_metrics(host, port, make_registry(self.collector))
-            self.monitor_port = self._http.server_port
-            log.info("node monitor on http://%s:%d/metrics", host, self.monitor_port)
-
-    def _watch_health(self) -> None:
-        while not self._stop.is_set():
-            for event in self.discovery.wait_health_events(1.0):
-                if self.state.set_health(event.uuid, event.healthy):
-                    log.warning(
-                        "card %s is now %s: %s",
-                        event.uuid,
-                        "healthy" if event.healthy else "unhealthy",
-                        event.reason,
-                    )
+        self.monitor.start()
 
     def _sweep(self) -> None:
         """Every ``sweep_s``, remove the region folders of pods that left the node."""
@@ -146,14 +105,11 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._http is not None:
-            self._http.shutdown()
+        self.monitor.stop()
         self.server.stop()
         if self.arrival_watch is not None:
             self.arrival_watch.stop()
         self.reporter.stop()
-        if self.arbiter_thread is not None:
-            self.arbiter_thread.stop()
         if self._health is not None:
             self._health.join(5)
         self.discovery.close()

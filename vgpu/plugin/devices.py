@@ -6,13 +6,16 @@ contract 2 (docs/contracts.md) carries the card with the node's memory and core 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 
 from vgpu.core.annotations import Device, NodeInventory
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.discovery import Card
+from vgpu.plugin.discovery import Card, Discovery
+
+log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -140,3 +143,16 @@ class DeviceState:
                 for c in self.cards()
             )
         )
+
+
+def watch_health(discovery: Discovery, state: DeviceState, stop: threading.Event) -> None:
+    """Until ``stop`` is set, apply discovery's health events to ``state`` (a thread's body)."""
+    while not stop.is_set():
+        for event in discovery.wait_health_events(1.0):
+            if state.set_health(event.uuid, event.healthy):
+                log.warning(
+                    "card %s is now %s: %s",
+                    event.uuid,
+                    "healthy" if event.healthy else "unhealthy",
+                    event.reason,
+                )

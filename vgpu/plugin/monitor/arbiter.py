@@ -53,7 +53,8 @@ from pathlib import Path
 
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import GrantError, grant_path, read_grant
-from vgpu.hookabi.region import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD, Header, Region, RegionError
+from vgpu.hookabi.layout import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD
+from vgpu.hookabi.region import Header, Region, RegionError
 from vgpu.plugin.monitor.timeshare import TimeShare
 from vgpu.plugin.paths import REGION_FILE_NAME, priority_record
 

@@ -8,15 +8,13 @@ elsewhere. Run only one arbiter per node: two would write the same words, harmle
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-import sys
-import threading
 from pathlib import Path
 
-from vgpu.core.errors import ConfigError, KubeError
 from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
+from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
+from vgpu.plugin.monitor.collector import parse_listen
+from vgpu.plugin.node import NodeSettings, build_monitor, serve
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -33,57 +31,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+def settings(args: argparse.Namespace) -> NodeSettings:
+    """The flags as the node's settings; ``ConfigError`` naming the flag at fault."""
+    return NodeSettings(
+        node=args.node,
+        root=args.root,
+        config=args.config,
+        fake_nvml=args.fake_nvml,
+        kubeconfig=args.kubeconfig,
+        kube=not args.no_kube,
+        listen=parse_listen(args.listen, "--listen"),
+        arbiter=arbiter_settings(args),
     )
-    from vgpu.plugin.cli import open_discovery
-    from vgpu.plugin.config import load_node_config
-    from vgpu.plugin.devices import DeviceState
-    from vgpu.plugin.monitor.arbiter import Arbiter
-    from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
-    from vgpu.plugin.monitor.collector import NodeCollector, make_registry, parse_listen, serve_metrics
-    from vgpu.plugin.paths import HostPaths
 
-    try:
-        config = load_node_config(args.config, args.node)
-        host, port = parse_listen(args.listen, "--listen")
-        arbitration = arbiter_settings(args)
-        discovery = open_discovery(args)
-        list_pods = None
-        if not args.no_kube:
-            from vgpu.kube.client import NodeAgentClient
 
-            list_pods = NodeAgentClient(str(args.kubeconfig) if args.kubeconfig else None).list_node_pods
-    except (ConfigError, KubeError) as err:
-        print(f"vgpu monitor: {err}", file=sys.stderr)
-        return 2
-    state = DeviceState(discovery.cards(), config)
-    paths = HostPaths(args.root)
-    arbiter = None
-    if arbitration is not None:
-        arbiter = Arbiter(
-            paths.containers_dir,
-            interval_s=arbitration[0],
-            window_s=arbitration[1],
-            grants_dir=paths.grants_dir,
-        )
-        arbiter.start()
-    collector = NodeCollector(args.node, state, discovery, paths, list_pods=list_pods, arbiter=arbiter)
-
-    def health() -> None:
-        while True:
-            for event in discovery.wait_health_events(1.0):
-                state.set_health(event.uuid, event.healthy)
-
-    threading.Thread(target=health, daemon=True).start()
-    server = serve_metrics(host, port, make_registry(collector))
-    logging.getLogger("vgpu.monitor").info("node monitor on http://%s:%d/metrics", host, server.server_port)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.shutdown()
-    if arbiter is not None:
-        arbiter.stop()
-    return 0
+def run(args: argparse.Namespace) -> int:
+    return serve("monitor", lambda: build_monitor(settings(args)), args.log_level)

@@ -12,7 +12,8 @@ scrapes; no series before two samples a second apart). Pod names come from the A
 still identifies the pod.
 
 ``resize_container`` is the monitor's way to change a running container's limits (live
-resize); ``vgpu limits set`` goes through the same ``vgpu.hookabi.grant.apply_limits``.
+resize); ``vgpu limits set`` goes through the same ``vgpu.hookabi.resize.apply_limits``. Its errors
+name the value at fault in plain words (``LimitError.field``), not a command's flag.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -31,10 +33,13 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
 from vgpu.core.errors import KubeError
-from vgpu.hookabi.grant import GrantError, apply_limits, as_granted, read_grant
-from vgpu.hookabi.region import FLAG_YIELD, LimitChange, Region, RegionError, Snapshot
+from vgpu.hookabi.grant import GrantError, as_granted, read_grant
+from vgpu.hookabi.layout import FLAG_YIELD
+from vgpu.hookabi.region import DeviceState as RegionDevice
+from vgpu.hookabi.region import ProcessUsage, Region, RegionError, Snapshot
+from vgpu.hookabi.resize import LimitChange, apply_limits
 from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.discovery import Card, CardUsage, Discovery
 from vgpu.plugin.monitor.arbiter import Arbiter, BadRegions
 from vgpu.plugin.monitor.timeshare import TimeShare
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
@@ -43,6 +48,138 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 PodLister = Callable[[str], list[dict[str, Any]]]
+
+
+class CardRow(NamedTuple):
+    card: Card
+    usage: CardUsage | None  # None: discovery cannot tell now
+    split: int
+
+
+class ContainerRow(NamedTuple):
+    snap: Snapshot
+    differ: bool | None  # the region's copy differs from the grant; None: no grant
+
+
+class DeviceRow(NamedTuple):
+    dev: RegionDevice
+    busy_ratio: float | None  # None: no two samples a second apart yet
+
+
+class ProcessRow(NamedTuple):
+    proc: ProcessUsage
+    device: int  # the device's index in the container
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one sample of a family stands for, and its labels."""
+
+    name: str
+    labels: tuple[str, ...]
+
+
+CARD = Scope("card", ("node", "uuid", "index", "model"))  # row: CardRow
+CONTAINER = Scope("container", ("node", "namespace", "pod", "pod_uid", "container"))  # ContainerRow
+DEVICE = Scope("device", ("node", "uuid", "namespace", "pod", "pod_uid", "container"))  # DeviceRow
+PROCESS = Scope("process", (*DEVICE.labels, "pid"))  # ProcessRow
+NODE = Scope("node", ("node",))  # BadRegions
+ARBITER = Scope("arbiter", ("node",))  # ArbiterStats; the families exist only with an arbiter
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exported family, and how to read a sample's value from a row of its scope (None: no sample)."""
+
+    name: str
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily]
+    scope: Scope
+    help: str
+    read: Callable[[Any], float | None]
+
+    def family(self) -> GaugeMetricFamily | CounterMetricFamily:
+        return self.kind(self.name, self.help, labels=list(self.scope.labels))
+
+
+GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+
+
+def _usage(read: Callable[[CardUsage], float]) -> Callable[[CardRow], float | None]:
+    return lambda row: None if row.usage is None else read(row.usage)
+
+
+def _spilled(row: ProcessRow) -> float | None:
+    spilled = row.proc.spilled_bytes
+    return float(spilled[row.device]) if row.device < len(spilled) else None
+
+
+# Every family /metrics serves, in the order it serves them (a table: kept out of the formatter).
+# fmt: off
+METRICS: tuple[Metric, ...] = (
+    Metric("vgpu_card_memory_total_bytes", GAUGE, CARD, "Device memory of the card",
+           _usage(lambda u: float(u.memory_total_mib * MIB))),
+    Metric("vgpu_card_memory_used_bytes", GAUGE, CARD, "Device memory in use on the card",
+           _usage(lambda u: float(u.memory_used_mib * MIB))),
+    Metric("vgpu_card_utilization_ratio", GAUGE, CARD, "Compute utilization of the card",
+           _usage(lambda u: u.utilization_percent / 100.0)),
+    Metric("vgpu_card_healthy", GAUGE, CARD, "1 when the card is healthy",
+           lambda r: 1.0 if r.card.healthy else 0.0),
+    Metric("vgpu_card_split", GAUGE, CARD, "Most vGPUs the card may carry",
+           lambda r: float(r.split)),
+    Metric("vgpu_container_memory_used_bytes", GAUGE, DEVICE, "Device memory a container's processes hold",
+           lambda r: float(r.dev.used_bytes)),
+    Metric("vgpu_container_memory_limit_bytes", GAUGE, DEVICE,
+           "Device memory limit of a container (0 = none)",
+           lambda r: float(r.dev.limit_bytes)),
+    Metric("vgpu_container_sm_limit_ratio", GAUGE, DEVICE,
+           "Share of the card's SMs a container may use (0 = no cap)",
+           lambda r: r.dev.sm_limit / 100.0),
+    Metric("vgpu_container_memory_budget_bytes", GAUGE, DEVICE,
+           "Device memory a container may hold on the card before it spills to host memory "
+           "(0 = the card's free memory)",
+           lambda r: float(r.dev.budget_bytes)),
+    Metric("vgpu_container_memory_spilled_bytes", GAUGE, DEVICE,
+           "Of the container's memory, bytes served from mapped host memory",
+           lambda r: float(r.dev.spilled_bytes)),
+    Metric("vgpu_container_sm_busy_seconds", COUNTER, DEVICE,
+           "GPU time the container's work took on the card",
+           lambda r: r.dev.busy_ns / 1e9),
+    Metric("vgpu_container_sm_busy_ratio", GAUGE, DEVICE,
+           "Share of wall time the container's work kept the card busy, over the last 10 s "
+           "(the hook's busy_ns; it measures only launches under a compute limit or a priority flag)",
+           lambda r: r.busy_ratio),
+    Metric("vgpu_container_sm_throttled_seconds", COUNTER, DEVICE,
+           "Time the container's launches waited (SM cap or a higher-priority neighbour)",
+           lambda r: r.dev.throttled_ns / 1e9),
+    Metric("vgpu_container_yielding", GAUGE, DEVICE,
+           "1 while the monitor tells the container to hold launches for a priority-0 neighbour on the card",
+           lambda r: 1.0 if r.dev.flags & FLAG_YIELD else 0.0),
+    Metric("vgpu_container_processes", GAUGE, CONTAINER, "CUDA processes of the container",
+           lambda r: float(len(r.snap.processes))),
+    Metric("vgpu_container_priority", GAUGE, CONTAINER, "The container's task priority: 0 high, 1 normal",
+           lambda r: float(r.snap.priority)),
+    Metric("vgpu_container_region_limits_differ", GAUGE, CONTAINER,
+           "1 while the limits copied into the container's region differ from its grant (the container "
+           "wrote them; the hook puts them back and holds to the grant)",
+           lambda r: None if r.differ is None else float(r.differ)),
+    Metric("vgpu_process_memory_spilled_bytes", GAUGE, PROCESS,
+           "Bytes one process of the container holds in mapped host memory",
+           _spilled),
+    Metric("vgpu_monitor_bad_regions", COUNTER, NODE,
+           "Region files skipped as unreadable (not a region, another layout version, cut short), "
+           "once per file and reason",
+           lambda bad: float(bad.total)),
+    Metric("vgpu_arbiter_passes", COUNTER, ARBITER, "Passes of the monitor's arbiter",
+           lambda stats: float(stats.passes)),
+    Metric("vgpu_arbiter_regions", GAUGE, ARBITER, "Region files the arbiter keeps open",
+           lambda stats: float(stats.regions)),
+    Metric("vgpu_arbiter_pass_seconds", GAUGE, ARBITER, "How long the arbiter's latest pass took",
+           lambda stats: stats.last_pass_s),
+    Metric("vgpu_arbiter_flag_writes", COUNTER, ARBITER,
+           "Flag words the arbiter changed (yield or alone set or cleared)",
+           lambda stats: float(stats.flag_writes)),
+)
+# fmt: on
 
 
 class NodeCollector(Collector):
@@ -102,93 +239,23 @@ class NodeCollector(Collector):
         return iter(())  # collected fresh on every scrape
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        card_labels = ["node", "uuid", "index", "model"]
-        total = GaugeMetricFamily(
-            "vgpu_card_memory_total_bytes", "Device memory of the card", labels=card_labels
-        )
-        used = GaugeMetricFamily(
-            "vgpu_card_memory_used_bytes", "Device memory in use on the card", labels=card_labels
-        )
-        util = GaugeMetricFamily(
-            "vgpu_card_utilization_ratio", "Compute utilization of the card", labels=card_labels
-        )
-        healthy = GaugeMetricFamily("vgpu_card_healthy", "1 when the card is healthy", labels=card_labels)
-        vgpus = GaugeMetricFamily("vgpu_card_split", "Most vGPUs the card may carry", labels=card_labels)
-        for card in self.state.cards():
-            labels = [self.node, card.uuid, str(card.index), card.model]
-            healthy.add_metric(labels, 1.0 if card.healthy else 0.0)
-            vgpus.add_metric(labels, float(self.state.config.split))
-            u = self.discovery.usage(card.uuid)
-            if u is not None:
-                total.add_metric(labels, float(u.memory_total_mib * MIB))
-                used.add_metric(labels, float(u.memory_used_mib * MIB))
-                util.add_metric(labels, u.utilization_percent / 100.0)
-        yield from (total, used, util, healthy, vgpus)
+        """Every family of ``METRICS`` (the arbiter's only with an arbiter), filled row by row."""
+        metrics = [m for m in METRICS if m.scope is not ARBITER or self.arbiter is not None]
+        families = {m.name: m.family() for m in metrics}
+        by_scope: dict[Scope, list[Metric]] = {}
+        for metric in metrics:
+            by_scope.setdefault(metric.scope, []).append(metric)
 
-        c_labels = ["node", "uuid", "namespace", "pod", "pod_uid", "container"]
-        c_used = GaugeMetricFamily(
-            "vgpu_container_memory_used_bytes", "Device memory a container's processes hold", labels=c_labels
-        )
-        c_limit = GaugeMetricFamily(
-            "vgpu_container_memory_limit_bytes",
-            "Device memory limit of a container (0 = none)",
-            labels=c_labels,
-        )
-        c_sm = GaugeMetricFamily(
-            "vgpu_container_sm_limit_ratio",
-            "Share of the card's SMs a container may use (0 = no cap)",
-            labels=c_labels,
-        )
-        c_budget = GaugeMetricFamily(
-            "vgpu_container_memory_budget_bytes",
-            "Device memory a container may hold on the card before it spills to host memory "
-            "(0 = the card's free memory)",
-            labels=c_labels,
-        )
-        c_spilled = GaugeMetricFamily(
-            "vgpu_container_memory_spilled_bytes",
-            "Of the container's memory, bytes served from mapped host memory",
-            labels=c_labels,
-        )
-        c_busy = CounterMetricFamily(
-            "vgpu_container_sm_busy_seconds",
-            "GPU time the container's work took on the card",
-            labels=c_labels,
-        )
-        c_busy_ratio = GaugeMetricFamily(
-            "vgpu_container_sm_busy_ratio",
-            "Share of wall time the container's work kept the card busy, over the last 10 s "
-            "(the hook's busy_ns; it measures only launches under a compute limit or a priority flag)",
-            labels=c_labels,
-        )
-        c_throttled = CounterMetricFamily(
-            "vgpu_container_sm_throttled_seconds",
-            "Time the container's launches waited (SM cap or a higher-priority neighbour)",
-            labels=c_labels,
-        )
-        c_yield = GaugeMetricFamily(
-            "vgpu_container_yielding",
-            "1 while the monitor tells the container to hold launches for a priority-0 neighbour on the card",
-            labels=c_labels,
-        )
-        p_labels = ["node", "namespace", "pod", "pod_uid", "container"]
-        c_procs = GaugeMetricFamily(
-            "vgpu_container_processes", "CUDA processes of the container", labels=p_labels
-        )
-        c_prio = GaugeMetricFamily(
-            "vgpu_container_priority", "The container's task priority: 0 high, 1 normal", labels=p_labels
-        )
-        c_differs = GaugeMetricFamily(
-            "vgpu_container_region_limits_differ",
-            "1 while the limits copied into the container's region differ from its grant (the container "
-            "wrote them; the hook puts them back and holds to the grant)",
-            labels=p_labels,
-        )
-        p_spilled = GaugeMetricFamily(
-            "vgpu_process_memory_spilled_bytes",
-            "Bytes one process of the container holds in mapped host memory",
-            labels=[*c_labels, "pid"],
-        )
+        def add(scope: Scope, labels: list[str], row: Any) -> None:
+            for metric in by_scope.get(scope, ()):
+                value = metric.read(row)
+                if value is not None:
+                    families[metric.name].add_metric(labels, value)
+
+        split = self.state.config.split
+        for card in self.state.cards():
+            usage = self.discovery.usage(card.uuid)
+            add(CARD, [self.node, card.uuid, str(card.index), card.model], CardRow(card, usage, split))
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
         sampled: list[tuple[str, int, str]] = []
         for folder in self._region_dirs():
@@ -202,47 +269,33 @@ class NodeCollector(Collector):
             except RegionError as err:
                 self.bad.report(folder / REGION_FILE_NAME, err)
                 continue
-            per_container = [self.node, namespace, pod, pod_uid, container]
-            snap = self._as_granted(folder, snap, per_container, c_differs)
-            c_procs.add_metric(per_container, float(len(snap.processes)))
-            c_prio.add_metric(per_container, float(snap.priority))
+            snap, differ = self._as_granted(folder, snap)
+            add(CONTAINER, [self.node, namespace, pod, pod_uid, container], ContainerRow(snap, differ))
             for dev in snap.devices:
                 labels = [self.node, dev.uuid, namespace, pod, pod_uid, container]
-                c_used.add_metric(labels, float(dev.used_bytes))
-                c_limit.add_metric(labels, float(dev.limit_bytes))
-                c_sm.add_metric(labels, dev.sm_limit / 100.0)
-                c_budget.add_metric(labels, float(dev.budget_bytes))
-                c_spilled.add_metric(labels, float(dev.spilled_bytes))
-                c_busy.add_metric(labels, dev.busy_ns / 1e9)
                 share_key = (folder.name, dev.index, dev.uuid)
                 sampled.append(share_key)
                 self.timeshare.record(share_key, read_at, dev.busy_ns)
-                share = self.timeshare.ratio(share_key)
-                if share is not None:
-                    c_busy_ratio.add_metric(labels, share)
-                c_throttled.add_metric(labels, dev.throttled_ns / 1e9)
-                c_yield.add_metric(labels, 1.0 if dev.flags & FLAG_YIELD else 0.0)
+                add(DEVICE, labels, DeviceRow(dev, self.timeshare.ratio(share_key)))
                 for proc in snap.processes:
-                    if dev.index < len(proc.spilled_bytes):
-                        p_spilled.add_metric([*labels, str(proc.pid)], float(proc.spilled_bytes[dev.index]))
+                    add(PROCESS, [*labels, str(proc.pid)], ProcessRow(proc, dev.index))
         self.timeshare.keep_only(sampled)  # containers whose region is gone (or unreadable now)
-        yield from (c_used, c_limit, c_sm, c_budget, c_spilled, c_busy, c_busy_ratio, c_throttled, c_yield)
-        yield from (c_procs, c_prio, c_differs, p_spilled)
-        yield from self._own_metrics()
+        add(NODE, [self.node], self.bad)
+        if self.arbiter is not None:
+            add(ARBITER, [self.node], self.arbiter.stats)
+        yield from families.values()
 
-    def _as_granted(
-        self, folder: Path, snap: Snapshot, per_container: list[str], differs: GaugeMetricFamily
-    ) -> Snapshot:
-        """The limits the container was granted (its region holds only a copy it can write)."""
+    def _as_granted(self, folder: Path, snap: Snapshot) -> tuple[Snapshot, bool | None]:
+        """The limits the container was granted (its region holds only a copy it can write), and
+        whether the region's copy differs from them (None: no grant to compare with)."""
         record = self.paths.grant(folder.name)
         try:
             grant = read_grant(record)
         except GrantError as err:
             if record.exists():
                 self.bad.report(record, err)
-            return snap
+            return snap, None
         snap, differ = as_granted(snap, grant)
-        differs.add_metric(per_container, 1.0 if differ else 0.0)
         said = "; ".join(differ)
         if differ and self._differ_told.get(folder.name) != said:
             log.warning(
@@ -253,39 +306,7 @@ class NodeCollector(Collector):
                 record,
             )
         self._differ_told[folder.name] = said
-        return snap
-
-    def _own_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        bad = CounterMetricFamily(
-            "vgpu_monitor_bad_regions",
-            "Region files skipped as unreadable (not a region, another layout version, cut short), "
-            "once per file and reason",
-            labels=["node"],
-        )
-        bad.add_metric([self.node], float(self.bad.total))
-        yield bad
-        if self.arbiter is None:
-            return
-        stats = self.arbiter.stats
-        passes = CounterMetricFamily(
-            "vgpu_arbiter_passes", "Passes of the monitor's arbiter", labels=["node"]
-        )
-        passes.add_metric([self.node], float(stats.passes))
-        regions = GaugeMetricFamily(
-            "vgpu_arbiter_regions", "Region files the arbiter keeps open", labels=["node"]
-        )
-        regions.add_metric([self.node], float(stats.regions))
-        took = GaugeMetricFamily(
-            "vgpu_arbiter_pass_seconds", "How long the arbiter's latest pass took", labels=["node"]
-        )
-        took.add_metric([self.node], stats.last_pass_s)
-        writes = CounterMetricFamily(
-            "vgpu_arbiter_flag_writes",
-            "Flag words the arbiter changed (yield or alone set or cleared)",
-            labels=["node"],
-        )
-        writes.add_metric([self.node], float(stats.flag_writes))
-        yield from (passes, regions, took, writes)
+        return snap, bool(differ)
 
     def _region_dirs(self) -> list[Path]:
         try:

@@ -1,0 +1,103 @@
+"""Contract 4's answer to one container's Allocate: its environment, its grant and its mounts.
+
+What ``Allocator`` (vgpu/plugin/allocate.py) sends kubelet once it knows which pod and
+container the device IDs serve: the region folder on the host (open to the container's
+processes, under a parent only root reaches), the grant written where the container can only
+read it, the environment of contract 4 (docs/contracts.md; a copy the hook ignores under a grant), and the mounts
+of the folder, the grant and the hook library.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+
+from vgpu.core.annotations import ContainerAllocation
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin.api import api_pb2
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
+
+
+class PodFailure(Exception):
+    """The pod cannot be served on this node; it is marked failed with this reason."""
+
+
+def container_response(
+    state: DeviceState,
+    config: NodeConfig,
+    paths: HostPaths,
+    hook: HookInstall | None,
+    node: str,
+    pod_uid: str,
+    container: ContainerAllocation,
+    priority: str,
+) -> api_pb2.ContainerAllocateResponse:
+    """The answer for ``container`` of pod ``pod_uid`` (its grant written on the host); raises
+    ``PodFailure`` for a card that is gone or unhealthy, ``OSError`` for a host folder."""
+    for d in container.devices:
+        card = state.card(d.uuid)
+        if card is None:
+            raise PodFailure(f"card {d.uuid} of container {container.name} is not on node {node}")
+        if not card.healthy:
+            raise PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
+    inside = paths.container_dir_inside(pod_uid, container.name)
+    host_dir = paths.container_dir(pod_uid, container.name)
+    host_dir.mkdir(parents=True, exist_ok=True)
+    # The container's processes, whatever their user, create the region in their folder, so the
+    # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
+    paths.containers_dir.chmod(0o700)
+    host_dir.chmod(0o777)
+    envs = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
+        "CUDA_TASK_PRIORITY": priority,
+    }
+    scaling = Fraction(repr(config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
+    spill = config.oversubscribe and scaling > 1
+    for i, d in enumerate(container.devices):
+        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
+        envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
+        if spill:
+            # The card's share of the (scaled-up) grant stays on the card; the rest spills.
+            envs[f"CUDA_DEVICE_MEMORY_BUDGET_{i}"] = f"{math.floor(d.memory_mib / scaling)}m"
+    if config.oversubscribe:
+        envs["CUDA_OVERSUBSCRIBE"] = "true"
+    envs["CUDA_SM_POLICY"] = config.sm_policy
+    # The limits themselves go where the container can only read them: the hook takes them
+    # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
+    grant = Grant(
+        uuids=tuple(d.uuid for d in container.devices),
+        limits=tuple(d.memory_mib << 20 for d in container.devices),
+        sm_limits=tuple(min(d.cores, 100) for d in container.devices),
+        budgets=tuple(math.floor(d.memory_mib / scaling) << 20 if spill else 0 for d in container.devices),
+        priority=int(priority),
+        sm_policy=1 if config.sm_policy == "elastic" else 0,
+        oversubscribe=config.oversubscribe,
+        region_path=f"{inside}/{REGION_FILE_NAME}",
+    )
+    record = write_grant_file(paths, host_dir.name, grant)
+    mounts = [
+        api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False),
+        api_pb2.Mount(container_path=GRANT_PATH_IN_CONTAINER, host_path=str(record), read_only=True),
+    ]
+    if hook is not None:
+        mounts += [
+            api_pb2.Mount(container_path=CONTAINER_HOOK_PATH, host_path=str(hook.library), read_only=True),
+            api_pb2.Mount(container_path="/etc/ld.so.preload", host_path=str(hook.preload), read_only=True),
+        ]
+    return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+
+def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:
+    """The container's grant on the host, in a folder only root reaches (the arbiter, the
+    monitor and ``vgpu limits`` read it there); the file itself is 0644 for the read-only mount."""
+    grants = paths.grants_dir
+    grants.mkdir(parents=True, exist_ok=True)
+    grants.chmod(0o700)
+    record = paths.grant(folder_name)
+    write_grant(record, grant)
+    return record
