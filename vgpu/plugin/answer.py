@@ -1,9 +1,9 @@
-"""Contract 4's answer to one container's Allocate: its environment, its grant and its mounts.
+"""Contract 4's answer (docs/contracts.md) to one container's Allocate: environment, grant, mounts.
 
 What ``Allocator`` (vgpu/plugin/allocate.py) sends kubelet once it knows which pod and
 container the device IDs serve: the region folder on the host (open to the container's
 processes, under a parent only root reaches), the grant written where the container can only
-read it, the environment of contract 4 (docs/contracts.md; a copy the hook ignores under a grant), and the mounts
+read it, the environment of contract 4 (a copy the hook ignores under a grant), and the mounts
 of the folder, the grant and the hook library.
 """
 
