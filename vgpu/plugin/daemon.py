@@ -11,6 +11,7 @@ from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from vgpu.core.errors import KubeError
+from vgpu.core.service import Service
 from vgpu.plugin.allocate import Allocator, PodSource
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig, load_node_config
@@ -83,8 +84,9 @@ class Daemon:
             list_pods=self.client.list_node_pods,
             arbiter=self.arbiter_thread,
         )
-        self._stop = threading.Event()
-        self._health: threading.Thread | None = None
+        self._stop = threading.Event()  # ends the health and sweep loops
+        self._health = Service("dp-health", lambda _stop: self._watch_health(), self._stop)
+        self._sweeper = Service("dp-sweep", lambda _stop: self._sweep(), self._stop)
         self._http: WSGIServer | None = None
         self.monitor_port: int | None = None
         self.sweep_s = 60.0
@@ -111,9 +113,8 @@ class Daemon:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
         self.server.start()
-        self._health = threading.Thread(target=self._watch_health, name="dp-health", daemon=True)
         self._health.start()
-        threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
+        self._sweeper.start()
         if self.arbiter_thread is not None:
             self.arbiter_thread.start()
         if self.monitor_listen is not None:
@@ -154,6 +155,6 @@ class Daemon:
         self.reporter.stop()
         if self.arbiter_thread is not None:
             self.arbiter_thread.stop()
-        if self._health is not None:
-            self._health.join(5)
+        self._health.stop()  # joins it: it may be blocked in the discovery's wait, closed next
+        self._sweeper.stop(timeout_s=None)
         self.discovery.close()
