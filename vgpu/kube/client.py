@@ -7,8 +7,9 @@ Errors come out as :class:`vgpu.core.errors.KubeError` (``ConflictError`` for HT
 
 Watches and the Binding (the calls made per scheduled pod) speak HTTP/1.1 through
 :mod:`vgpu.kube.wire` instead of urllib3, so every watch event costs little more than one
-``orjson.loads`` (several pod events of a few kB each per scheduled pod); a stale resource
-version ends the watch with :class:`Gone` and the caller lists again.
+``orjson.loads``; a stale resource version ends the watch with :class:`Gone`. Beside it:
+:mod:`~vgpu.kube.replies` (answers, errors, watch events), :mod:`~vgpu.kube.informer` (the
+list-then-watch loop) and :mod:`~vgpu.kube.lease` (taking, renewing and reading Leases).
 """
 
 from __future__ import annotations
@@ -243,11 +244,6 @@ class Kube:
             accept=METADATA_ACCEPT,
         )
 
-    def watch_nodes(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
-        return self._watch(
-            "/api/v1/nodes", self.core.list_node, "watch nodes", resource_version, timeout_s, None
-        )
-
     # -- leases -------------------------------------------------------------------------------
     def list_leases(self, namespace: str) -> tuple[list[Obj], str]:
         return self._list(
@@ -409,14 +405,8 @@ class Kube:
             resp.release_conn()
 
 
-# =============================================================================================
-# Node side (device plugin and the sandbox's kubelet stand-in). Written by the device-plugin
-# engineer; everything below builds on Kube and adds only the node calls those parts need.
-# =============================================================================================
-
-
 class NodeAgentClient(Kube):
-    """The API calls of a node's device plugin and of the sandbox kubelet."""
+    """The API calls of a node's device plugin and of the sandbox kubelet, on top of :class:`Kube`."""
 
     def list_node_pods(self, node: str) -> list[Obj]:
         """Pods bound to ``node`` (every namespace)."""
