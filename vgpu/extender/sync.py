@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from vgpu.core import annotations as ann
@@ -39,18 +40,7 @@ class Syncer:
         cfg = state.config
         self._pod_selector = f"spec.schedulerName={cfg.scheduler_name}"
 
-        def informer(kind: str, list_fn: Any, watch_fn: Any, on_list: Any, on_event: Any) -> Informer:
-            return Informer(
-                kind,
-                list_fn,
-                watch_fn,
-                on_list,
-                on_event,
-                stop=self.stop,
-                on_synced=self._on_synced,
-                logger=log,
-            )
-
+        informer = partial(Informer, stop=self.stop, on_synced=self._on_synced, logger=log)
         self.informers = [
             informer("pods", self._list_pods, self._watch_pods, state.replace_pods, self._on_pod),
             informer(

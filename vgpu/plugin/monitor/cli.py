@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from vgpu.core.errors import ConfigError, KubeError
+from vgpu.core.service import Service
 from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
 
 
@@ -71,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
         arbiter.start()
     collector = NodeCollector(args.node, state, discovery, paths, list_pods=list_pods, arbiter=arbiter)
 
-    def health() -> None:
-        while True:
+    def health(stop: threading.Event) -> None:
+        while not stop.is_set():
             for event in discovery.wait_health_events(1.0):
                 state.set_health(event.uuid, event.healthy)
 
-    threading.Thread(target=health, daemon=True).start()
+    health_loop = Service("monitor-health", health).start()
     server = serve_metrics(host, port, make_registry(collector))
     logging.getLogger("vgpu.monitor").info("node monitor on http://%s:%d/metrics", host, server.server_port)
     done = threading.Event()
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.shutdown()
+    health_loop.stop()
     if arbiter is not None:
         arbiter.stop()
     return 0
