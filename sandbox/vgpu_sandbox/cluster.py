@@ -198,8 +198,7 @@ class Sandbox(Handle):
             "components": comps,
         }
         if report["running"]:
-            self._state = state
-            try:
+            try:  # through the kubeconfig: this handle's recorded state (if any) is left alone
                 listed = self.api_get("/api/v1/nodes")
                 report["nodes"] = [
                     {
@@ -214,8 +213,6 @@ class Sandbox(Handle):
                 ]
             except (KubeError, KeyError) as err:
                 report["nodes_error"] = str(err)
-            finally:
-                self._state = None
         return report
 
     def down(self) -> list[int]:

@@ -98,7 +98,7 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
     )
     ctx = ssl.create_default_context(cafile=str(sandbox.ca.cert_path))
 
-    def ready() -> bool:
+    def ready() -> bool:  # the extender's own HTTPS endpoint, not the API server: plain urllib
         with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=ctx, timeout=2) as resp:
             return bool(resp.status == 200)
 
