@@ -9,153 +9,29 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import ssl
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vgpu.commands.status import sandbox_dir
-from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs
-from vgpu_sandbox.controlplane import Layout
+from vgpu.core.errors import KubeError
+from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs, product, realnode
 from vgpu_sandbox.errors import SandboxError
+from vgpu_sandbox.runtime import IDENTITIES as IDENTITIES
+from vgpu_sandbox.runtime import Component as Component
+from vgpu_sandbox.runtime import Handle, Spec, State
+from vgpu_sandbox.runtime import default_dir as default_dir
 
-# Identities and the groups RBAC knows them by. Components get the bootstrap roles
-# made for them; only the person's kubeconfig and KWOK are cluster admins.
-IDENTITIES: dict[str, tuple[str, str]] = {
-    "admin": ("admin", "system:masters"),
-    "kube-controller-manager": ("system:kube-controller-manager", ""),
-    "kube-scheduler": ("system:kube-scheduler", ""),
-    "kwok": ("kwok", "system:masters"),
-    "vgpu": ("vgpu", "system:masters"),
-    # The real node's kubelet (vgpu sandbox up --real-node), bound to the system:node role.
-    "kubelet": ("system:node:real-node-0", "system:nodes"),
-}
-
+__all__ = ["IDENTITIES", "Component", "Sandbox", "Spec", "State", "default_dir"]
 
 KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 MAX_SOCKET_PATH = 107
 
 
-def default_dir() -> Path:
-    return sandbox_dir()
-
-
-@dataclass
-class Spec:
-    nodes: int = 3
-    gpus_per_node: int = 4
-    gpu_memory_mib: int = 81920
-    gpu_model: str = "NVIDIA A100-SXM4-80GB"
-    split: int = 10
-    apiserver_port: int = 0
-    product: bool = True
-    real_node: bool = False
-
-    def validate(self) -> None:
-        checks = [
-            (self.nodes >= 1, "--nodes must be at least 1"),
-            (self.nodes <= 2000, "--nodes must be at most 2000"),
-            (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
-            (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),
-            (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
-            (1 <= self.split <= 100, "--split must be between 1 and 100"),
-            (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SandboxError(message)
-
-
-@dataclass
-class Component:
-    name: str
-    pid: int
-    argv: list[str]
-    port: int | None = None
-
-
-@dataclass
-class State:
-    spec: Spec
-    ports: dict[str, int] = field(default_factory=dict)
-    components: list[Component] = field(default_factory=list)
-    started: float = 0.0
-    ready: bool = False
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> State:
-        raw = json.loads(text)
-        return cls(
-            spec=Spec(**raw["spec"]),
-            ports=dict(raw.get("ports", {})),
-            components=[Component(**c) for c in raw.get("components", [])],
-            started=float(raw.get("started", 0.0)),
-            ready=bool(raw.get("ready", False)),
-        )
-
-
-class Sandbox:
-    """A handle on the sandbox whose state lives in ``state_dir``."""
-
-    def __init__(self, state_dir: Path | None = None) -> None:
-        self.state_dir = (state_dir or default_dir()).resolve()
-        self.layout = Layout(self.state_dir)
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._state: State | None = None
-        self.ca: pki.CertificateAuthority | None = None
-
-    # ---- what tests and the CLI use -------------------------------------------------
-    @property
-    def kubeconfig(self) -> Path:
-        return self.layout.kubeconfig
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.layout.logs
-
-    @staticmethod
-    def bin(name: str) -> Path:
-        return binaries.find(name)
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
-    ) -> subprocess.CompletedProcess[str]:
-        argv = [str(self.bin("kubectl")), f"--kubeconfig={self.kubeconfig}", *args]
-        result = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
-        if check and result.returncode != 0:
-            raise SandboxError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
-        return result
-
-    def state(self) -> State | None:
-        try:
-            return State.from_json(self.layout.state_file.read_text())
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as err:
-            raise SandboxError(
-                f"{self.layout.state_file} is unreadable ({err}); run `vgpu sandbox down` to clean up"
-            ) from err
-
-    def running_pids(self) -> list[int]:
-        pids = set(procs.tagged_pids(self.state_dir))
-        try:
-            state = self.state()
-        except SandboxError:
-            state = None
-        if state is not None:
-            pids |= {c.pid for c in state.components if procs.alive(c.pid)}
-        return sorted(p for p in pids if procs.alive(p))
-
-    def is_running(self) -> bool:
-        return bool(self.running_pids())
+class Sandbox(Handle):
+    """The whole sandbox: ``up`` starts it into ``state_dir``, ``status`` reports, ``down`` stops it."""
 
     # ---- up ------------------------------------------------------------------------
     def up(self, spec: Spec, progress: Callable[[str], None] = lambda _: None) -> float:
@@ -173,8 +49,6 @@ class Sandbox:
         if spec.apiserver_port:
             procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
         if spec.real_node:
-            from vgpu_sandbox import realnode
-
             reason = realnode.why_not()
             if reason:
                 raise SandboxError(f"--real-node: {reason}")
@@ -183,14 +57,10 @@ class Sandbox:
         self._state = State(spec=spec, started=time.time())
         try:
             self._start_control_plane(spec, found, progress)
-            from vgpu_sandbox import product
-
             parts = product.available() if spec.product else product.Parts(False, False)
             self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
             if spec.real_node:
-                from vgpu_sandbox import realnode
-
                 realnode.start(self, spec, progress)
             self._state.ready = True
             self._save()
@@ -210,104 +80,12 @@ class Sandbox:
             )
 
     def _reset_folder(self) -> None:
+        self.forget_clients()  # a new run: new ports, new credentials
         if self.state_dir.exists():
             shutil.rmtree(self.state_dir)
         self.state_dir.mkdir(parents=True, mode=0o700)
         for folder in (self.layout.pki, self.layout.logs, self.layout.config, self.layout.nodes):
             folder.mkdir(mode=0o700)
-
-    def _save(self) -> None:
-        assert self._state is not None
-        tmp = self.layout.state_file.with_suffix(".tmp")
-        tmp.write_text(self._state.to_json())
-        tmp.replace(self.layout.state_file)
-
-    def port(self, name: str) -> int:
-        assert self._state is not None
-        if name not in self._state.ports:
-            port = procs.free_port()
-            while port in self._state.ports.values():
-                port = procs.free_port()
-            self._state.ports[name] = port
-            self._save()
-        return self._state.ports[name]
-
-    def adopt(self, state: State) -> None:
-        """Take over a running sandbox's recorded state, to start components into it."""
-        self._state = state
-
-    def launch(
-        self, name: str, argv: Sequence[str], port: int | None = None, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        """Start one component and record it before anything waits on it."""
-        assert self._state is not None
-        proc = procs.start(name, argv, state_dir=self.state_dir, log_dir=self.layout.logs, env=env)
-        self._procs[name] = proc
-        self._state.components.append(Component(name=name, pid=proc.pid, argv=list(argv), port=port))
-        self._save()
-        return proc
-
-    def wait_for(
-        self,
-        what: str,
-        ready: Callable[[], bool],
-        timeout: float,
-        component: str | Sequence[str] | None = None,
-    ) -> None:
-        """Poll ``ready`` until it holds; fail at once, with its log, if a watched component exits."""
-        watched = [component] if isinstance(component, str) else list(component or [])
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name in watched:
-                proc = self._procs.get(name)
-                if proc is not None and proc.poll() is not None:
-                    raise SandboxError(
-                        f"{name} exited with code {proc.returncode} while starting; "
-                        f"its log is {self.layout.logs / (name + '.log')}{self._log_tail(name)}"
-                    )
-            try:
-                if ready():
-                    return
-            except (OSError, SandboxError, subprocess.SubprocessError):
-                pass
-            time.sleep(0.2)
-        logs = ", ".join(str(self.layout.logs / f"{name}.log") for name in watched[:3])
-        hint = f"; see {logs}" if watched else ""
-        raise SandboxError(f"timed out after {timeout:.0f}s waiting for {what}{hint}")
-
-    def _log_tail(self, component: str, lines: int = 8) -> str:
-        try:
-            text = (self.layout.logs / f"{component}.log").read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n  " + "\n  ".join(text[-lines:]) if text else ""
-
-    def api_get(self, path: str, identity: str = "admin") -> Any:
-        """GET against the API server with an identity's token; the CA is verified."""
-        assert self._state is not None or self.state() is not None
-        state = self._state or self.state()
-        assert state is not None
-        token = self._tokens()[identity]
-        ctx = ssl.create_default_context(cafile=str(self.layout.pki / "ca.crt"))
-        req = urllib.request.Request(
-            f"https://127.0.0.1:{state.ports['apiserver']}{path}",
-            headers={"Authorization": f"Bearer {token}"},
-        )
-        with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
-            body = resp.read()
-        try:
-            return json.loads(body)
-        except ValueError:
-            return body.decode()
-
-    def _tokens(self) -> dict[str, str]:
-        tokens = {}
-        for line in (self.layout.config / "tokens.csv").read_text().splitlines():
-            token, user, *_ = line.split(",")
-            for identity, (name, _group) in IDENTITIES.items():
-                if name == user:
-                    tokens[identity] = token
-        return tokens
 
     def _start_control_plane(
         self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None]
@@ -420,8 +198,7 @@ class Sandbox:
             "components": comps,
         }
         if report["running"]:
-            self._state = state
-            try:
+            try:  # through the kubeconfig: this handle's recorded state (if any) is left alone
                 listed = self.api_get("/api/v1/nodes")
                 report["nodes"] = [
                     {
@@ -434,10 +211,8 @@ class Sandbox:
                     }
                     for n in listed.get("items", [])
                 ]
-            except (OSError, urllib.error.URLError, KeyError) as err:
+            except (KubeError, KeyError) as err:
                 report["nodes_error"] = str(err)
-            finally:
-                self._state = None
         return report
 
     def down(self) -> list[int]:
@@ -455,13 +230,12 @@ class Sandbox:
         if state is not None:
             pids |= {c.pid for c in state.components}
             if state.spec.real_node:
-                from vgpu_sandbox import realnode
-
                 # Pods through the CRI first, while the API server still answers nothing new.
                 realnode.stop(
                     self, {c.name: c.pid for c in state.components if c.name in realnode.COMPONENTS}
                 )
         procs.stop_all(pids, self.state_dir)
+        self.forget_clients()
         for proc in self._procs.values():
             try:
                 proc.wait(timeout=1)

@@ -34,7 +34,10 @@ from typing import Any, Protocol
 
 import grpc
 
+from vgpu.core.backoff import Backoff
 from vgpu.core.errors import KubeError
+from vgpu.core.service import Service
+from vgpu.kube.informer import Informer
 from vgpu.plugin.api import api_pb2, api_pb2_grpc
 
 log = logging.getLogger("vgpu_sandbox.kubelet")
@@ -368,38 +371,40 @@ class Kubelet:
     def run(self, interval_s: float = 0.5) -> None:
         """List the node's pods (one batch), then admit each pod as its watch event arrives.
 
-        A broken watch (or a 410 Gone) lists again after ``interval_s``; pods new in that list
-        are again one batch, as for kubelet.
+        A broken watch (or a 410 Gone) lists again (after ``interval_s`` on errors); pods new in
+        that list are again one batch, as for kubelet. Admission starts once a plugin registered.
         """
-        assert self.api is not None
+        api = self.api
+        assert api is not None
         selector = f"spec.nodeName={self.node}"
-        while not self._stop.is_set():
-            with self._lock:
-                if not self.plugins:
-                    self._changed.wait(interval_s)
-                    continue
-            try:
-                pods, rv = self.api.list_pods(field_selector=selector)
-                self.admit_batch(pods)
-                self._forget_gone({str(p["metadata"]["uid"]) for p in pods if self._admissible(p)})
-                while not self._stop.is_set():  # a watch that simply expired goes on from where it was
-                    for kind, pod in self.api.watch_pods(rv, selector, 60):
-                        if self._stop.is_set():
-                            return
-                        meta = pod.get("metadata") or {}
-                        rv = str(meta.get("resourceVersion") or rv)
-                        uid = str(meta.get("uid") or "")
-                        if kind in ("ADDED", "MODIFIED") and uid:
-                            if self._admissible(pod):
-                                self.admit_batch([pod])
-                            else:
-                                self.release(uid)
-                        elif kind == "DELETED" and uid:
-                            self.release(uid)
-                            self._admitted.discard(uid)
-            except KubeError as err:
-                log.warning("watching the pods of %s failed (%s); listing them again", self.node, err)
-                self._stop.wait(interval_s)
+        with self._lock:
+            while not self.plugins and not self._stop.is_set():
+                self._changed.wait(interval_s)
+        Informer(
+            f"pods of {self.node}",
+            lambda: api.list_pods(field_selector=selector),
+            lambda rv: api.watch_pods(rv, selector, 60),  # one that simply expired goes on from rv
+            self._on_list,
+            self._on_event,
+            backoff=Backoff(interval_s, interval_s),
+            stop=self._stop,
+            logger=log,
+        ).run()
+
+    def _on_list(self, pods: list[dict[str, Any]]) -> None:
+        self.admit_batch(pods)
+        self._forget_gone({str(p["metadata"]["uid"]) for p in pods if self._admissible(p)})
+
+    def _on_event(self, kind: str, pod: dict[str, Any]) -> None:
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if kind in ("ADDED", "MODIFIED") and uid:
+            if self._admissible(pod):
+                self.admit_batch([pod])
+            else:
+                self.release(uid)
+        elif kind == "DELETED" and uid:
+            self.release(uid)
+            self._admitted.discard(uid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: kubelet._stop.set())
     # admission blocks in a pod watch; it runs aside so a signal stops the process at once
-    threading.Thread(target=kubelet.run, args=(args.interval,), name="kubelet-admit", daemon=True).start()
+    Service("kubelet-admit", lambda _stop: kubelet.run(args.interval), kubelet._stop).start()
     while not kubelet._stop.wait(1.0):
         pass
     kubelet.stop()

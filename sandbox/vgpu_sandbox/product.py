@@ -20,15 +20,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
 from vgpu_sandbox import controlplane, nodes
 from vgpu_sandbox.binaries import repo_root
-
-if TYPE_CHECKING:
-    from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.runtime import Handle, Spec
 
 NAMESPACE = "kube-system"
 SCHEDULER_NAME = "vgpu-scheduler"
@@ -72,14 +69,14 @@ def _vgpu(*args: str) -> list[str]:
     return [sys.executable, "-m", "vgpu.commands.cli", *args]
 
 
-def start(sandbox: Sandbox, spec: Spec, parts: Parts, progress: Callable[[str], None]) -> None:
+def start(sandbox: Handle, spec: Spec, parts: Parts, progress: Callable[[str], None]) -> None:
     if parts.plugins:
         start_node_agents(sandbox, spec, progress)
     if parts.extender:
         start_extender(sandbox, progress)
 
 
-def start_extender(sandbox: Sandbox, progress: Callable[[str], None]) -> None:
+def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
     assert sandbox.ca is not None
     layout = sandbox.layout
     progress("starting the vgpu extender, its kube-scheduler and the admission webhook")
@@ -101,7 +98,7 @@ def start_extender(sandbox: Sandbox, progress: Callable[[str], None]) -> None:
     )
     ctx = ssl.create_default_context(cafile=str(sandbox.ca.cert_path))
 
-    def ready() -> bool:
+    def ready() -> bool:  # the extender's own HTTPS endpoint, not the API server: plain urllib
         with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=ctx, timeout=2) as resp:
             return bool(resp.status == 200)
 
@@ -173,7 +170,7 @@ def webhook_configs(base_url: str, ca_b64: str) -> dict[str, object]:
     }
 
 
-def start_node_agents(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
+def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     """Per node: the kubelet stand-in first (it owns kubelet.sock), then the device plugin."""
     layout = sandbox.layout
     progress(f"starting a device plugin and a kubelet stand-in on each of {spec.nodes} nodes")

@@ -28,15 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from vgpu_sandbox import binaries, nodes, procs
 from vgpu_sandbox.errors import SandboxError
-
-if TYPE_CHECKING:
-    from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.runtime import Handle, Spec
 
 NAME = "real-node-0"
 # GPU nodes are commonly tainted so that only pods asking for GPUs land there; the API server's
@@ -119,7 +117,7 @@ class NodeLayout:
         return self.root / "node.json"
 
 
-def layout_of(sandbox: Sandbox) -> NodeLayout:
+def layout_of(sandbox: Handle) -> NodeLayout:
     return NodeLayout(sandbox.state_dir / "real-node")
 
 
@@ -312,7 +310,7 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return into
 
 
-def inventory(sandbox: Sandbox, spec: Spec, ctk: Path | None, values: dict[str, Any]) -> dict[str, Any]:
+def inventory(sandbox: Handle, spec: Spec, ctk: Path | None, values: dict[str, Any]) -> dict[str, Any]:
     """``inventory/sandbox.yml`` with this sandbox's KWOK nodes and the real node as GPU hosts, and
     the chart values the real node needs merged into the control host's."""
     base = yaml.safe_load((binaries.repo_root() / "inventory" / "sandbox.yml").read_text())
@@ -356,7 +354,7 @@ def inventory(sandbox: Sandbox, spec: Spec, ctk: Path | None, values: dict[str, 
     return base
 
 
-def chart_values(sandbox: Sandbox, spec: Spec, lay: NodeLayout, monitor_port: int) -> dict[str, Any]:
+def chart_values(sandbox: Handle, spec: Spec, lay: NodeLayout, monitor_port: int) -> dict[str, Any]:
     """What the chart's device-plugin DaemonSet needs on this real node (and harmlessly on KWOK's)."""
     state = sandbox.state()
     assert state is not None
@@ -475,7 +473,7 @@ def _containerd_argv(lay: NodeLayout) -> list[str]:
     ]
 
 
-def _kubelet_argv(sandbox: Sandbox, lay: NodeLayout) -> list[str]:
+def _kubelet_argv(sandbox: Handle, lay: NodeLayout) -> list[str]:
     return [
         str(binaries.find("kubelet")),
         f"--config={lay.kubelet_config}",
@@ -488,7 +486,7 @@ def _kubelet_argv(sandbox: Sandbox, lay: NodeLayout) -> list[str]:
     ]
 
 
-def _wait_containerd(sandbox: Sandbox, lay: NodeLayout) -> None:
+def _wait_containerd(sandbox: Handle, lay: NodeLayout) -> None:
     sandbox.wait_for(
         "containerd to answer on its socket",
         lambda: _ctr(lay, "version", timeout=10).returncode == 0,
@@ -497,7 +495,7 @@ def _wait_containerd(sandbox: Sandbox, lay: NodeLayout) -> None:
     )
 
 
-def _wait_kubelet(sandbox: Sandbox, healthz_port: int) -> None:
+def _wait_kubelet(sandbox: Handle, healthz_port: int) -> None:
     def healthy() -> bool:
         with socket.create_connection(("127.0.0.1", healthz_port), timeout=1) as s:
             s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
@@ -506,7 +504,7 @@ def _wait_kubelet(sandbox: Sandbox, healthz_port: int) -> None:
     sandbox.wait_for("the kubelet's /healthz", healthy, 90, "kubelet")
 
 
-def start(sandbox: Sandbox, spec: Spec, progress: Callable[[str], None]) -> None:
+def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     """containerd, the images, then the kubelet; returns when the node is Ready.
 
     ``Sandbox.up`` has checked ``why_not`` before it started anything."""
@@ -601,13 +599,13 @@ def _make_bridge() -> None:
                 raise SandboxError(f"{' '.join(step)} failed: {done.stderr.strip()}")
 
 
-def inventory_file(sandbox: Sandbox) -> Path:
+def inventory_file(sandbox: Handle) -> Path:
     """The Ansible inventory of a sandbox with a real node (``up --real-node`` writes it)."""
     return sandbox.state_dir / "inventory.yml"
 
 
 # ---- restart and down ------------------------------------------------------------------------
-def restart(sandbox: Sandbox, component: str) -> float:
+def restart(sandbox: Handle, component: str) -> float:
     """Stop one of the node's daemons and start it again with the same command line; seconds taken."""
     if component not in COMPONENTS:
         raise SandboxError(f"unknown component {component!r}; restart one of {', '.join(COMPONENTS)}")
@@ -635,7 +633,7 @@ def restart(sandbox: Sandbox, component: str) -> float:
     return time.monotonic() - start_t
 
 
-def restarts(sandbox: Sandbox) -> dict[str, int]:
+def restarts(sandbox: Handle) -> dict[str, int]:
     return dict(_load_record(layout_of(sandbox)).get("restarts") or {})
 
 
@@ -668,7 +666,7 @@ def _shims_of(lay: NodeLayout) -> list[int]:
     return out
 
 
-def stop(sandbox: Sandbox, pids: dict[str, int]) -> None:
+def stop(sandbox: Handle, pids: dict[str, int]) -> None:
     """Take the node down leaving nothing: pods through the CRI, daemons, mounts, bridge, host paths.
 
     ``pids`` maps the node's components to their recorded pids. Runs before the sandbox's other

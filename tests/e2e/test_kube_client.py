@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -17,6 +18,7 @@ from vgpu_sandbox.cluster import Sandbox
 from tests.support import container, pod
 from vgpu.core.errors import ConflictError, KubeError
 from vgpu.kube.client import Gone, Kube
+from vgpu.kube.informer import Informer
 
 NS = "vgpu-kube-client"
 
@@ -111,6 +113,47 @@ def test_watch_from_a_compacted_version_is_gone(kube: Kube) -> None:
     with pytest.raises(Gone):
         for _ in kube.watch_pods("1", timeout_s=5):
             pass
+
+
+def test_an_informer_relists_after_a_410_and_follows_the_watch(sandbox: Sandbox, kube: Kube) -> None:
+    """The one informer on the real API server: a stale version (its first list claims "1") is
+    Gone, so it lists again at once, then hands on the watch's events."""
+    selector = f"metadata.namespace={NS}"
+    lists: list[list[str]] = []
+    events: list[tuple[str, str]] = []
+
+    def list_fn() -> tuple[list[dict[str, Any]], str]:
+        items, rv = kube.list_pods(field_selector=selector)
+        return items, "1" if not lists else rv
+
+    informer = Informer(
+        "pods",
+        list_fn,
+        lambda rv: kube.watch_pods(rv, field_selector=selector, timeout_s=10),
+        lambda items: lists.append([i["metadata"]["name"] for i in items]),
+        lambda kind, obj: events.append((kind, obj["metadata"]["name"])),
+    ).start()
+    try:
+        assert informer.wait_synced(10)
+        deadline = time.monotonic() + 10
+        while len(lists) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lists) == 2 and informer.lists == 2  # the 410 listed again
+        assert informer.backoff.current_s == informer.backoff.initial_s  # no error backoff for a 410
+        name, _ = make_pod(sandbox, kube)
+        while ("ADDED", name) not in events and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        assert ("ADDED", name) in events and name not in lists[-1]
+    finally:
+        informer.stop(timeout_s=None)
+
+
+def test_get_reads_any_path_and_errors_carry_the_status(kube: Kube) -> None:
+    assert kube.get("/readyz") == "ok"  # not JSON: the text
+    assert kube.get(f"/api/v1/namespaces/{NS}")["metadata"]["name"] == NS
+    with pytest.raises(KubeError, match="GET /api/v1/namespaces/no-such-namespace: HTTP 404") as err:
+        kube.get("/api/v1/namespaces/no-such-namespace")
+    assert err.value.status == 404
 
 
 def test_close_ends_a_running_watch(sandbox: Sandbox) -> None:

@@ -28,6 +28,7 @@ from vgpu.core.annotations import (
     lease_name,
 )
 from vgpu.core.errors import AnnotationError, KubeError
+from vgpu.kube.lease import expires_at
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
 
@@ -79,16 +80,8 @@ class NodeStatus:
 def _lease_state(lease: dict[str, Any] | None, now: dt.datetime) -> str:
     if lease is None:
         return "missing"
-    spec = lease.get("spec") or {}
-    renew = spec.get("renewTime")
-    duration = spec.get("leaseDurationSeconds") or 0
-    if not renew:
-        return "expired"
-    try:
-        at = dt.datetime.fromisoformat(str(renew).replace("Z", "+00:00"))
-    except ValueError:
-        return "expired"
-    return "fresh" if at + dt.timedelta(seconds=int(duration)) > now else "expired"
+    ends = expires_at(lease)
+    return "fresh" if ends is not None and ends > now.timestamp() else "expired"
 
 
 def build_status(

@@ -36,6 +36,7 @@ from vgpu.core.fit import (
 from vgpu.core.ledger import Ledger, Usage, footprint
 from vgpu.core.policy import node_scores
 from vgpu.core.requests import ContainerRequest, PodRequest, parse_pod
+from vgpu.kube.lease import expires_at
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +208,6 @@ class SchedulerState:
 
     # -- feeding: device plugin Leases ---------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
-        from vgpu.kube.client import parse_time
-
         name = (lease.get("metadata") or {}).get("name") or ""
         if not name.startswith(ann.LEASE_PREFIX) or name == self.config.leader_lease:
             return
@@ -217,13 +216,8 @@ class SchedulerState:
             if deleted:
                 self.lease_expiry.pop(node, None)
                 return
-            spec = lease.get("spec") or {}
-            renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
-            duration = spec.get("leaseDurationSeconds") or 0
-            if renewed is None or not isinstance(duration, int):
-                self.lease_expiry[node] = 0.0
-            else:
-                self.lease_expiry[node] = renewed.timestamp() + duration + self.config.plugin_lease_grace_s
+            ends = expires_at(lease)  # None (unreadable): counted as run out
+            self.lease_expiry[node] = 0.0 if ends is None else ends + self.config.plugin_lease_grace_s
 
     def replace_leases(self, leases: Iterable[Obj]) -> None:
         with self.lock:

@@ -1,8 +1,9 @@
 """Keeping :class:`SchedulerState` current: list then watch pods, nodes and Leases; hold the Lease.
 
-Each kind has its own thread: list (replacing what the state knew), then watch from the list's
-resourceVersion; a stale version (HTTP 410) or a broken stream means list again, after a short
-backoff on errors. The state reports ready once every kind has been listed once.
+Each kind has its own :class:`vgpu.kube.informer.Informer`: list (replacing what the state
+knew), then watch from the list's resourceVersion; a stale version (HTTP 410) or a broken stream
+means list again, after a short backoff on errors. The state reports ready once every kind has
+been listed once.
 
 Only one replica serves at a time: the one holding the Lease ``config.leader_lease`` in
 ``config.namespace``. On taking it over, the replica lists pods again before serving, so
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from vgpu.core import annotations as ann
-from vgpu.core.errors import ConflictError, KubeError
+from vgpu.core.errors import KubeError
+from vgpu.core.service import Service
 from vgpu.extender.state import SchedulerState
-from vgpu.kube.client import Gone, Kube, now_micro, parse_time
+from vgpu.kube import lease as leases
+from vgpu.kube.client import Kube, now_micro
+from vgpu.kube.informer import Informer
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -32,38 +36,41 @@ class Syncer:
         self.state = state
         self.kube = kube
         self.identity = identity
-        self.stop = threading.Event()
-        self._listed: set[str] = set()
-        self._threads: list[threading.Thread] = []
+        self.stop = threading.Event()  # ends every loop below
         cfg = state.config
         self._pod_selector = f"spec.schedulerName={cfg.scheduler_name}"
 
+        informer = partial(Informer, stop=self.stop, on_synced=self._on_synced, logger=log)
+        self.informers = [
+            informer("pods", self._list_pods, self._watch_pods, state.replace_pods, self._on_pod),
+            informer(
+                "nodes",
+                self.kube.list_node_metadata,  # the inventory annotation is all it reads
+                self.kube.watch_node_metadata,
+                state.replace_nodes,
+                self._on_node,
+            ),
+            informer(
+                "leases",
+                lambda: self.kube.list_leases(cfg.namespace),
+                lambda rv: self.kube.watch_leases(cfg.namespace, rv),
+                state.replace_leases,
+                self._on_lease,
+            ),
+        ]
+        self._services = [
+            Service("vgpu-sync-leader", lambda _stop: self._lead(), self.stop),
+            Service.every("vgpu-sync-metrics", 5.0, self._refresh_metrics, self.stop, log),
+            Service("vgpu-sync-nudge", lambda _stop: self._nudge(), self.stop),
+        ]
+        self._seen: dict[str, tuple[int, int]] = {}  # the gauges' (see refresh_gauges)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        cfg = self.state.config
-        loops: list[tuple[str, Callable[[], None]]] = [
-            ("pods", lambda: self._loop("pods", self._list_pods, self._watch_pods, self._on_pod)),
-            (
-                "nodes",
-                lambda: self._loop("nodes", self._list_nodes, self.kube.watch_node_metadata, self._on_node),
-            ),
-            (
-                "leases",
-                lambda: self._loop(
-                    "leases",
-                    self._list_leases,
-                    lambda rv: self.kube.watch_leases(cfg.namespace, rv),
-                    self._on_lease,
-                ),
-            ),
-            ("leader", self._lead),
-            ("metrics", self._metrics),
-            ("nudge", self._nudge),
-        ]
-        for name, target in loops:
-            t = threading.Thread(target=target, name=f"vgpu-sync-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        for informer in self.informers:
+            informer.start()
+        for service in self._services:
+            service.start()
 
     def close(self) -> None:
         self.stop.set()
@@ -72,23 +79,11 @@ class Syncer:
         self.kube.close()
 
     # -- list + watch ------------------------------------------------------------------------------
-    def _list_pods(self) -> str:
-        pods, rv = self.kube.list_pods(field_selector=self._pod_selector)
-        self.state.replace_pods(pods)
-        return rv
+    def _list_pods(self) -> tuple[list[Obj], str]:
+        return self.kube.list_pods(field_selector=self._pod_selector)
 
     def _watch_pods(self, rv: str) -> Iterator[tuple[str, Obj]]:
         return self.kube.watch_pods(rv, field_selector=self._pod_selector)
-
-    def _list_nodes(self) -> str:
-        nodes, rv = self.kube.list_node_metadata()  # the inventory annotation is all it reads
-        self.state.replace_nodes(nodes)
-        return rv
-
-    def _list_leases(self) -> str:
-        leases, rv = self.kube.list_leases(self.state.config.namespace)
-        self.state.replace_leases(leases)
-        return rv
 
     def _on_pod(self, kind: str, obj: Obj) -> None:
         self.state.apply_pod(obj, deleted=kind == "DELETED")
@@ -102,44 +97,11 @@ class Syncer:
     def _on_lease(self, kind: str, obj: Obj) -> None:
         self.state.apply_lease(obj, deleted=kind == "DELETED")
 
-    def _loop(
-        self,
-        kind: str,
-        lister: Callable[[], str],
-        watcher: Callable[[str], Iterator[tuple[str, Obj]]],
-        apply: Callable[[str, Obj], None],
-    ) -> None:
-        backoff = 0.5
-        rv: str | None = None
-        while not self.stop.is_set():
-            try:
-                if rv is None:
-                    rv = lister()
-                    self._listed.add(kind)
-                    if self._listed >= {"pods", "nodes", "leases"} and not self.state.synced.is_set():
-                        log.info("cluster state loaded: %d pods hold vGPUs", len(self.state.ledger.pods()))
-                        self.state.synced.set()
-                for event, obj in watcher(rv):
-                    if self.stop.is_set():
-                        return
-                    new_rv = (obj.get("metadata") or {}).get("resourceVersion")
-                    if event != "BOOKMARK":
-                        apply(event, obj)
-                    if new_rv:
-                        rv = new_rv
-                backoff = 0.5
-            except Gone:
-                rv = None
-            except KubeError as err:
-                log.warning("%s: %s; listing again in %.1fs", kind, err, backoff)
-                rv = None
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-            except Exception:  # never let a bad event kill the loop
-                log.exception("%s: unexpected error; listing again", kind)
-                rv = None
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+    def _on_synced(self) -> None:
+        """One informer listed for the first time: the state is loaded once all three have."""
+        if all(i.synced.is_set() for i in self.informers) and not self.state.synced.is_set():
+            log.info("cluster state loaded: %d pods hold vGPUs", len(self.state.ledger.pods()))
+            self.state.synced.set()
 
     # -- the active-replica Lease ----------------------------------------------------------------
     def _lead(self) -> None:
@@ -165,7 +127,8 @@ class Syncer:
             if self.stop.is_set():
                 return
         try:
-            self._list_pods()
+            pods, _ = self._list_pods()
+            self.state.replace_pods(pods)
         except KubeError as err:
             log.warning("relist before serving failed: %s; serving from the watch", err)
         log.info("holding the extender Lease as %s: serving", self.identity)
@@ -173,49 +136,12 @@ class Syncer:
 
     def _try_acquire(self) -> bool:
         cfg = self.state.config
-        lease = self.kube.get_lease(cfg.namespace, cfg.leader_lease)
-        spec_new = {
-            "holderIdentity": self.identity,
-            "leaseDurationSeconds": cfg.lease_duration_s,
-            "renewTime": now_micro(),
-        }
-        if lease is None:
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {"name": cfg.leader_lease, "namespace": cfg.namespace},
-                "spec": {**spec_new, "acquireTime": now_micro(), "leaseTransitions": 0},
-            }
-            try:
-                self.kube.create_lease(cfg.namespace, body)
-                return True
-            except ConflictError:
-                return False
-        spec = lease.get("spec") or {}
-        holder = spec.get("holderIdentity") or ""
-        renewed = parse_time(spec.get("renewTime"))
-        duration = spec.get("leaseDurationSeconds") or cfg.lease_duration_s
-        expired = renewed is None or renewed.timestamp() + duration < time.time()
-        if holder and holder != self.identity and not expired:
-            return False
-        new_spec = {**spec, **spec_new}
-        if holder != self.identity:
-            new_spec["acquireTime"] = now_micro()
-            new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
-        lease["spec"] = new_spec
-        try:
-            self.kube.replace_lease(cfg.namespace, lease)
-            return True
-        except ConflictError:
-            return False
+        return leases.acquire(self.kube, cfg.namespace, cfg.leader_lease, self.identity, cfg.lease_duration_s)
 
     def _release(self) -> None:
         cfg = self.state.config
         try:
-            lease = self.kube.get_lease(cfg.namespace, cfg.leader_lease)
-            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
-                lease["spec"]["holderIdentity"] = ""
-                self.kube.replace_lease(cfg.namespace, lease)
+            leases.release(self.kube, cfg.namespace, cfg.leader_lease, self.identity)
         except KubeError as err:
             log.warning("could not release the extender Lease: %s", err)
         self.state.leader.clear()
@@ -239,15 +165,10 @@ class Syncer:
                     log.info("could not nudge pod %s/%s for a retry: %s", namespace, name, err)
 
     # -- gauges --------------------------------------------------------------------------------------
-    def _metrics(self) -> None:
+    def _refresh_metrics(self) -> None:
         from vgpu.extender import metrics as m
 
-        seen: dict[str, tuple[int, int]] = {}
-        while not self.stop.wait(5.0):
-            try:
-                refresh_gauges(self.state, m, seen)
-            except Exception:
-                log.exception("refreshing metrics failed")
+        refresh_gauges(self.state, m, self._seen)
 
 
 def refresh_gauges(state: SchedulerState, m: Any, seen: dict[str, tuple[int, int]] | None = None) -> None:

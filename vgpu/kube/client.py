@@ -7,18 +7,17 @@ Errors come out as :class:`vgpu.core.errors.KubeError` (``ConflictError`` for HT
 
 Watches and the Binding (the calls made per scheduled pod) speak HTTP/1.1 through
 :mod:`vgpu.kube.wire` instead of urllib3, so every watch event costs little more than one
-``orjson.loads`` (several pod events of a few kB each per scheduled pod); a stale resource
-version ends the watch with :class:`Gone` and the caller lists again.
+``orjson.loads``; a stale resource version ends the watch with :class:`Gone`. Beside it:
+:mod:`~vgpu.kube.replies` (answers, errors, watch events), :mod:`~vgpu.kube.informer` (the
+list-then-watch loop) and :mod:`~vgpu.kube.lease` (taking, renewing and reading Leases).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -29,7 +28,13 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from vgpu.core.errors import ConflictError, KubeError
+from vgpu.core.errors import KubeError
+from vgpu.kube import lease as leases
+from vgpu.kube import replies
+from vgpu.kube.lease import now_micro as now_micro
+from vgpu.kube.lease import parse_time as parse_time
+from vgpu.kube.replies import Gone as Gone
+from vgpu.kube.replies import http_error, object_of, wrap
 from vgpu.kube.wire import Wire, split_lines
 
 log = logging.getLogger(__name__)
@@ -40,68 +45,6 @@ REQUEST_TIMEOUT_S = 15
 METADATA_LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 AUTH_HEADERS_TTL_S = 10.0
-
-
-class Gone(KubeError):
-    """The watch's resource version is too old (HTTP 410): list again."""
-
-
-def _wrap(what: str, err: Exception) -> KubeError:
-    if isinstance(err, ApiException):
-        body = err.body
-        if body is None and getattr(err, "data", None) is None:
-            resp = getattr(err, "http_resp", None) or getattr(err, "response", None)
-            body = getattr(resp, "data", None)
-        detail = body.decode(errors="replace") if isinstance(body, bytes) else (body or err.reason or "")
-        try:
-            detail = json.loads(detail).get("message", detail)
-        except (ValueError, AttributeError):
-            pass
-        cls = ConflictError if err.status == 409 else Gone if err.status == 410 else KubeError
-        return cls(f"{what}: HTTP {err.status}: {detail}", status=err.status)
-    return KubeError(f"{what}: {err}")
-
-
-def _http_error(what: str, status: int, reason: str, body: bytes) -> KubeError:
-    """The error for an HTTP answer of ``status`` >= 400, as :func:`_wrap` makes it for the client's."""
-    return _wrap(what, ApiException(status=status, reason=reason, body=body.decode(errors="replace")))
-
-
-def _read_or_none(read: Callable[..., Any], kind: str, namespace: str, name: str) -> Obj | None:
-    """One namespaced object as a dict, or None when the API server says 404."""
-    try:
-        resp = read(name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise _wrap(f"read {kind} {namespace}/{name}", err) from err
-    return _json(resp)
-
-
-def _json(resp: Any) -> Obj:
-    data = resp.data if hasattr(resp, "data") else resp.read()
-    try:
-        doc = orjson.loads(data)
-    finally:
-        resp.release_conn()
-    if not isinstance(doc, dict):
-        raise KubeError(f"unexpected reply from the API server: {str(doc)[:200]}")
-    return doc
-
-
-def now_micro() -> str:
-    """The current time as a Kubernetes MicroTime string."""
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_time(text: str | None) -> dt.datetime | None:
-    """Parse a Kubernetes Time or MicroTime string; None when absent or malformed."""
-    if not text:
-        return None
-    try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class Kube:
@@ -156,7 +99,9 @@ class Kube:
         )
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
-        return _read_or_none(self.core.read_namespaced_pod, "pod", namespace, name)
+        return self._read_or_none(
+            f"read pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace
+        )
 
     def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
@@ -165,18 +110,13 @@ class Kube:
         meta: Obj = {"annotations": dict(annotations)}
         if uid is not None:
             meta["uid"] = uid
-        try:
-            resp = self.core.patch_namespaced_pod(
-                name,
-                namespace,
-                {"metadata": meta},
-                _content_type="application/merge-patch+json",
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        except ApiException as err:
-            raise _wrap(f"annotate pod {namespace}/{name}", err) from err
-        return _json(resp)
+        return self.merge_patch(
+            f"annotate pod {namespace}/{name}",
+            self.core.patch_namespaced_pod,
+            name,
+            namespace,
+            body={"metadata": meta},
+        )
 
     def bind_pod(
         self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str] | None = None
@@ -202,28 +142,51 @@ class Kube:
         }
         what = f"bind pod {namespace}/{name} to {node}"
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/bindings"
-        data = orjson.dumps(body)
-        if self._wire is not None:  # one bind per pod: see vgpu.kube.wire
+        self._request("POST", path, self._headers(), orjson.dumps(body), REQUEST_TIMEOUT_S, what)
+
+    def get(self, path: str) -> Any:
+        """GET an API path no other call covers (the sandbox, tests): its JSON, or its text
+        when it is not JSON (``/readyz`` answers ``ok``); HTTP errors as KubeError (404 too)."""
+        body = self._request(
+            "GET", path, self._get_headers("application/json"), None, REQUEST_TIMEOUT_S, f"GET {path}"
+        )
+        try:
+            return orjson.loads(body)
+        except ValueError:
+            return body.decode(errors="replace")
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        data: bytes | None,
+        timeout_s: float,
+        what: str,
+    ) -> bytes:
+        """One request past the generated client (its argument checks and serialisation cost more
+        than the call): through :mod:`vgpu.kube.wire`, or urllib3 with a proxy; the answer's body."""
+        if self._wire is not None:
             try:
-                reply = self._wire.request("POST", path, self._headers(), data, REQUEST_TIMEOUT_S)
+                reply = self._wire.request(method, path, headers, data, timeout_s)
             except OSError as err:
                 raise KubeError(f"{what}: {err}") from err
-            status, reason, detail = reply.status, reply.reason, reply.body
+            status, reason, body = reply.status, reply.reason, reply.body
         else:
             try:
-                # the generated method's argument validation and serialisation cost more than the call
                 resp = self.api_client.rest_client.pool_manager.request(
-                    "POST",
+                    method,
                     self.api_client.configuration.host + path,
                     body=data,
-                    headers=self._headers(),
-                    timeout=urllib3.Timeout(total=REQUEST_TIMEOUT_S),
+                    headers=dict(headers),
+                    timeout=urllib3.Timeout(total=timeout_s),
                 )
             except Urllib3Error as err:
                 raise KubeError(f"{what}: {err}") from err
-            status, reason, detail = resp.status, resp.reason or "", resp.data
+            status, reason, body = resp.status, resp.reason or "", resp.data
         if status >= 400:
-            raise _http_error(what, status, reason, detail)
+            raise http_error(what, status, reason, body)
+        return bytes(body)
 
     def _headers(self) -> dict[str, str]:
         """A JSON request's headers as the client sends them (authentication included).
@@ -258,26 +221,14 @@ class Kube:
         images, addresses), which kubelets rewrite on every status report, is neither sent nor
         decoded. With a proxy in the kubeconfig, whole Nodes (the same metadata, and more).
         """
-        wire = self._wire
-        if wire is None:
+        if self._wire is None:
             return self.list_nodes()
 
         def page(cont: str | None) -> Obj:
             query = {"limit": "500", **({"continue": cont} if cont else {})}
             headers = self._get_headers(METADATA_LIST_ACCEPT)
-            try:
-                reply = wire.request("GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, 60)
-            except OSError as err:
-                raise KubeError(f"list nodes: {err}") from err
-            if reply.status != 200:
-                raise _http_error("list nodes", reply.status, reply.reason, reply.body)
-            try:
-                doc = orjson.loads(reply.body)
-            except ValueError as err:
-                raise KubeError(f"list nodes: the API server's answer is not JSON: {err}") from err
-            if not isinstance(doc, dict):
-                raise KubeError(f"unexpected reply from the API server: {str(doc)[:200]}")
-            return doc
+            body = self._request("GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, 60, "list nodes")
+            return replies.decode(body, "list nodes")
 
         return self._pages(page)
 
@@ -291,11 +242,6 @@ class Kube:
             timeout_s,
             None,
             accept=METADATA_ACCEPT,
-        )
-
-    def watch_nodes(self, resource_version: str, timeout_s: int = 300) -> Iterator[tuple[str, Obj]]:
-        return self._watch(
-            "/api/v1/nodes", self.core.list_node, "watch nodes", resource_version, timeout_s, None
         )
 
     # -- leases -------------------------------------------------------------------------------
@@ -317,29 +263,44 @@ class Kube:
         )
 
     def get_lease(self, namespace: str, name: str) -> Obj | None:
-        return _read_or_none(self.coord.read_namespaced_lease, "lease", namespace, name)
+        return self._read_or_none(
+            f"read lease {namespace}/{name}", self.coord.read_namespaced_lease, name, namespace
+        )
 
     def create_lease(self, namespace: str, lease: Obj) -> Obj:
-        try:
-            resp = self.coord.create_namespaced_lease(
-                namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-            )
-        except ApiException as err:
-            raise _wrap(f"create lease {namespace}/{lease['metadata']['name']}", err) from err
-        return _json(resp)
+        what = f"create lease {namespace}/{lease['metadata']['name']}"
+        return self._call(what, self.coord.create_namespaced_lease, namespace, lease)
 
     def replace_lease(self, namespace: str, lease: Obj) -> Obj:
         """Replace a Lease; its ``metadata.resourceVersion`` makes this a compare-and-swap."""
         name = lease["metadata"]["name"]
-        try:
-            resp = self.coord.replace_namespaced_lease(
-                name, namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-            )
-        except ApiException as err:
-            raise _wrap(f"replace lease {namespace}/{name}", err) from err
-        return _json(resp)
+        return self._call(
+            f"replace lease {namespace}/{name}", self.coord.replace_namespaced_lease, name, namespace, lease
+        )
 
     # -- plumbing -----------------------------------------------------------------------------
+    def _call(self, what: str, call: Callable[..., Any], *args: Any, **kw: Any) -> Obj:
+        """One generated method's call, its answer read as a plain dict; errors as KubeError."""
+        try:
+            resp = call(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S, **kw)
+        except ApiException as err:
+            raise wrap(what, err) from err
+        return object_of(resp)
+
+    def _read_or_none(self, what: str, read: Callable[..., Any], *names: str) -> Obj | None:
+        """One object as a dict, or None when the API server says 404."""
+        try:
+            return self._call(what, read, *names)
+        except KubeError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def merge_patch(self, what: str, call: Callable[..., Any], *names: str, body: Obj) -> Obj:
+        """A JSON merge patch (``None`` removes a key) through the generated ``patch_*`` method
+        ``call``, given the object's ``names`` (name, then namespace); returns the object as it is now."""
+        return self._call(what, call, *names, body, _content_type="application/merge-patch+json")
+
     def _list(self, call: Callable[..., Any], what: str, **kw: Any) -> tuple[list[Obj], str]:
         kw = {k: v for k, v in kw.items() if v is not None}
 
@@ -347,8 +308,8 @@ class Kube:
             try:
                 resp = call(limit=500, _continue=cont, _preload_content=False, _request_timeout=60, **kw)
             except ApiException as err:
-                raise _wrap(what, err) from err
-            return _json(resp)
+                raise wrap(what, err) from err
+            return object_of(resp)
 
         return self._pages(page)
 
@@ -401,30 +362,13 @@ class Kube:
                 return
             raise KubeError(f"{what}: {err}") from err
         if head.status != 200:
-            raise _http_error(what, head.status, head.reason, head.body)
+            raise http_error(what, head.status, head.reason, head.body)
         try:
-            yield from self._events(lines, what)
+            yield from replies.events(lines, what, self._closed)
         except OSError as err:
             if self._closed.is_set():
                 return
             raise KubeError(f"{what}: stream broke: {err}") from err
-
-    def _events(self, lines: Iterable[bytes], what: str) -> Iterator[tuple[str, Obj]]:
-        for line in lines:
-            if self._closed.is_set():
-                return
-            if not line.strip():
-                continue
-            try:
-                event = orjson.loads(line)
-            except ValueError as err:
-                raise KubeError(f"{what}: malformed event: {err}") from err
-            kind, obj = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                code = obj.get("code")
-                msg = f"{what}: {obj.get('message', obj)}"
-                raise Gone(msg, status=410) if code == 410 else KubeError(msg, status=code)
-            yield kind, obj
 
     def _watch_generated(
         self,
@@ -448,9 +392,11 @@ class Kube:
                 **kw,
             )
         except ApiException as err:
-            raise _wrap(what, err) from err
+            raise wrap(what, err) from err
         try:
-            yield from self._events(split_lines(resp.stream(65536, decode_content=True)), what)
+            yield from replies.events(
+                split_lines(resp.stream(65536, decode_content=True)), what, self._closed
+            )
         except (OSError, ValueError, Urllib3Error) as err:
             if self._closed.is_set():
                 return
@@ -459,14 +405,8 @@ class Kube:
             resp.release_conn()
 
 
-# =============================================================================================
-# Node side (device plugin and the sandbox's kubelet stand-in). Written by the device-plugin
-# engineer; everything below builds on Kube and adds only the node calls those parts need.
-# =============================================================================================
-
-
 class NodeAgentClient(Kube):
-    """The API calls of a node's device plugin and of the sandbox kubelet."""
+    """The API calls of a node's device plugin and of the sandbox kubelet, on top of :class:`Kube`."""
 
     def list_node_pods(self, node: str) -> list[Obj]:
         """Pods bound to ``node`` (every namespace)."""
@@ -479,58 +419,26 @@ class NodeAgentClient(Kube):
         super().patch_pod_annotations(namespace, name, annotations, uid)
 
     def node_annotations(self, node: str) -> dict[str, str]:
-        try:
-            resp = self.core.read_node(node, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as err:
-            raise _wrap(f"read node {node}", err) from err
-        return dict((_json(resp).get("metadata") or {}).get("annotations") or {})
+        node_obj = self._call(f"read node {node}", self.core.read_node, node)
+        return dict((node_obj.get("metadata") or {}).get("annotations") or {})
 
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         """Merge-patch a Node's annotations (None removes one)."""
-        try:
-            resp = self.core.patch_node(
-                node,
-                {"metadata": {"annotations": dict(annotations)}},
-                _content_type="application/merge-patch+json",
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-            resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"annotate node {node}", err) from err
+        body = {"metadata": {"annotations": dict(annotations)}}
+        self.merge_patch(f"annotate node {node}", self.core.patch_node, node, body=body)
 
     def patch_node_resources(self, node: str, resource: str, capacity: int, allocatable: int) -> None:
         """Set one extended resource in the Node's status, as kubelet does for device plugins."""
         body = {
             "status": {"capacity": {resource: str(capacity)}, "allocatable": {resource: str(allocatable)}}
         }
-        try:
-            resp = self.core.patch_node_status(
-                node,
-                body,
-                _content_type="application/merge-patch+json",
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-            resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"update the status of node {node}", err) from err
+        self.merge_patch(f"update the status of node {node}", self.core.patch_node_status, node, body=body)
 
     def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None:
         """Mark a pod Failed as kubelet does when it rejects it at admission (the sandbox's kubelet)."""
         body = {"status": {"phase": "Failed", "reason": reason, "message": message}}
-        try:
-            resp = self.core.patch_namespaced_pod_status(
-                name,
-                namespace,
-                body,
-                _content_type="application/merge-patch+json",
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-            resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"mark pod {namespace}/{name} Failed", err) from err
+        what = f"mark pod {namespace}/{name} Failed"
+        self.merge_patch(what, self.core.patch_namespaced_pod_status, name, namespace, body=body)
 
     def renew_lease(
         self,
@@ -540,43 +448,6 @@ class NodeAgentClient(Kube):
         duration_s: int,
         annotations: Mapping[str, str] | None = None,
     ) -> None:
-        """Create the Lease, or renew it; a concurrent writer (409) is retried with a fresh copy.
-
-        ``annotations`` are set on the Lease with each renewal (the node's usage report)."""
-        for _ in range(3):
-            lease = self.get_lease(namespace, name)
-            now = now_micro()
-            if lease is None:
-                try:
-                    self.create_lease(
-                        namespace,
-                        {
-                            "apiVersion": "coordination.k8s.io/v1",
-                            "kind": "Lease",
-                            "metadata": {
-                                "name": name,
-                                "namespace": namespace,
-                                **({"annotations": dict(annotations)} if annotations else {}),
-                            },
-                            "spec": {
-                                "holderIdentity": holder,
-                                "leaseDurationSeconds": duration_s,
-                                "acquireTime": now,
-                                "renewTime": now,
-                            },
-                        },
-                    )
-                    return
-                except ConflictError:
-                    continue
-            spec = lease.setdefault("spec", {})
-            spec.update({"holderIdentity": holder, "leaseDurationSeconds": duration_s, "renewTime": now})
-            if annotations:
-                meta = lease.setdefault("metadata", {})
-                meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
-            try:
-                self.replace_lease(namespace, lease)
-                return
-            except ConflictError:
-                continue
-        raise KubeError(f"renew lease {namespace}/{name}: it kept changing under us (3 conflicts)")
+        """Create the Lease, or renew it (see :func:`vgpu.kube.lease.renew`); ``annotations`` are
+        set on the Lease with each renewal (the node's usage report)."""
+        leases.renew(self, namespace, name, holder, duration_s, annotations)

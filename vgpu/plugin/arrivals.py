@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from vgpu.core.errors import KubeError
+from vgpu.core.backoff import Backoff
+from vgpu.kube.informer import Informer
 
 log = logging.getLogger(__name__)
 
@@ -109,56 +109,44 @@ class ArrivalWatch:
         self.node = node
         self.arrivals = arrivals
         self.timeout_s = timeout_s
-        self.retry_s = retry_s
         self.selector = f"spec.nodeName={node}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lists = 0  # how many times it listed (tests and logs)
+        self.informer = Informer(
+            f"pods of node {node}",
+            lambda: source.list_pods(field_selector=self.selector),
+            lambda rv: source.watch_pods(rv, self.selector, self.timeout_s),
+            self._on_list,
+            self._on_event,
+            backoff=Backoff(retry_s, retry_s),  # a fixed delay: the next Allocate needs the ranks
+            on_broken=self._on_broken,
+            logger=log,
+        )
+
+    @property
+    def lists(self) -> int:
+        """How many times it listed (tests and logs)."""
+        return self.informer.lists
 
     def start(self, first_list_timeout_s: float = 10.0) -> None:
         """Start the watch; returns once the first list is in (or after the timeout)."""
-        self._thread = threading.Thread(target=self._run, name="dp-arrivals", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + first_list_timeout_s
-        while self.lists == 0 and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.02)
+        self.informer.start()
+        self.informer.wait_synced(first_list_timeout_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self.informer.stop(timeout_s=None)
         self.arrivals.watched = False
 
-    def _list(self) -> str:
-        pods, rv = self.source.list_pods(field_selector=self.selector)
+    def _on_list(self, pods: list[dict[str, Any]]) -> None:
         uids = [str((p.get("metadata") or {}).get("uid")) for p in pods]
         self.arrivals.retain(uids)
         self.arrivals.observe(uids)
-        self.lists += 1
-        return rv
+        self.arrivals.watched = True
 
-    def _run(self) -> None:
-        rv: str | None = None
-        while not self._stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._list()
-                    self.arrivals.watched = True
-                for kind, obj in self.source.watch_pods(rv, self.selector, self.timeout_s):
-                    if self._stop.is_set():
-                        return
-                    meta = obj.get("metadata") or {}
-                    rv = str(meta.get("resourceVersion") or rv)
-                    uid = str(meta.get("uid"))
-                    if kind in ("ADDED", "MODIFIED"):
-                        self.arrivals.observe([uid])
-                    elif kind == "DELETED":
-                        self.arrivals.forget([uid])
-            except KubeError as err:  # a 410 Gone included: list again, from now
-                self.arrivals.watched = False
-                log.warning("watching the pods of node %s failed (%s); listing them again", self.node, err)
-                rv = None
-                self._stop.wait(self.retry_s)
-            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
-                self.arrivals.watched = False
-                log.exception("watching the pods of node %s failed; listing them again", self.node)
-                rv = None
-                self._stop.wait(self.retry_s)
+    def _on_event(self, kind: str, obj: dict[str, Any]) -> None:
+        uid = str((obj.get("metadata") or {}).get("uid"))
+        if kind in ("ADDED", "MODIFIED"):
+            self.arrivals.observe([uid])
+        elif kind == "DELETED":
+            self.arrivals.forget([uid])
+
+    def _on_broken(self) -> None:
+        self.arrivals.watched = False  # until the next list: a UID it lacks is not worth waiting for

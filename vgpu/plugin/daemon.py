@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from vgpu.core.errors import KubeError
+from vgpu.core.service import Service
 from vgpu.plugin.allocate import Allocator, PodSource
 from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig
@@ -69,8 +70,11 @@ class Daemon:
             listen=self.monitor_listen,
             arbiter=self.arbiter,
         )
-        self._stop = threading.Event()
-        self._health: threading.Thread | None = None
+        self._stop = threading.Event()  # ends the health and sweep loops
+        self._health = Service(
+            "dp-health", lambda stop: watch_health(self.discovery, self.state, stop), self._stop
+        )
+        self._sweeper = Service("dp-sweep", lambda _stop: self._sweep(), self._stop)
         self.sweep_s = 60.0
         self.sweep_min_age_s = 300.0
 
@@ -85,11 +89,8 @@ class Daemon:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
         self.server.start()
-        self._health = threading.Thread(
-            target=watch_health, args=(self.discovery, self.state, self._stop), name="dp-health", daemon=True
-        )
         self._health.start()
-        threading.Thread(target=self._sweep, name="dp-sweep", daemon=True).start()
+        self._sweeper.start()
         self.monitor.start()
 
     def _sweep(self) -> None:
@@ -110,6 +111,6 @@ class Daemon:
         if self.arrival_watch is not None:
             self.arrival_watch.stop()
         self.reporter.stop()
-        if self._health is not None:
-            self._health.join(5)
+        self._health.stop()  # joins it: it may be blocked in the discovery's wait, closed next
+        self._sweeper.stop(timeout_s=None)
         self.discovery.close()

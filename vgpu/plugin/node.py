@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from vgpu.core.errors import ConfigError, KubeError
+from vgpu.core.service import Service
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.devices import DeviceState, watch_health
@@ -50,7 +51,7 @@ class NodeSettings:
     hook_library: Path | None = None  # libvgpu.so to install on the host (the plugin only)
 
 
-class Service(Protocol):
+class Startable(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -120,17 +121,15 @@ class MonitorNode:
         self.discovery = discovery
         self.state = state
         self.monitor = monitor
-        self._stop = threading.Event()
+        self._health = Service("monitor-health", lambda stop: watch_health(discovery, state, stop))
 
     def start(self) -> None:
-        threading.Thread(
-            target=watch_health, args=(self.discovery, self.state, self._stop), name="health", daemon=True
-        ).start()
+        self._health.start()
         self.monitor.start()
 
     def stop(self) -> None:
-        self._stop.set()
         self.monitor.stop()
+        self._health.stop()
 
 
 def build_monitor(settings: NodeSettings) -> MonitorNode:
@@ -156,7 +155,7 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
     return MonitorNode(discovery, state, monitor)
 
 
-def serve(command: str, build: Callable[[], Service], log_level: str = "INFO") -> int:
+def serve(command: str, build: Callable[[], Startable], log_level: str = "INFO") -> int:
     """Build and start, then run until SIGTERM or SIGINT; 2 with one line on stderr for a bad setting."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from vgpu.core.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
 from vgpu.core.errors import KubeError
+from vgpu.core.service import Service
 from vgpu.plugin.devices import DeviceState
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,8 @@ class NodeReporter:
         self.lease_duration_s = lease_duration_s
         self.renew_s = renew_s
         self.usage = usage
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("dp-report", lambda _stop: self._loop())
+        self._stop = self._service.stopping
         self._published: str | None = None
         self.writes = 0  # annotation writes, for tests and logs
 
@@ -93,8 +93,7 @@ class NodeReporter:
 
     def start(self) -> None:
         self.run_once()  # fail at start, loudly, when the API server refuses us
-        self._thread = threading.Thread(target=self._loop, name="dp-report", daemon=True)
-        self._thread.start()
+        self._service.start()
 
     def _loop(self) -> None:
         seen = self.state.version
@@ -116,6 +115,5 @@ class NodeReporter:
 
     def stop(self) -> None:
         self._stop.set()
-        self.state.kick()
-        if self._thread is not None:
-            self._thread.join(5)
+        self.state.kick()  # wakes its wait for a change of the cards
+        self._service.stop()

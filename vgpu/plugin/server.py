@@ -17,6 +17,8 @@ from concurrent import futures
 
 import grpc
 
+from vgpu.core.backoff import Backoff
+from vgpu.core.service import Service
 from vgpu.plugin.allocate import AllocateError, Allocator
 from vgpu.plugin.api import api_pb2, api_pb2_grpc
 from vgpu.plugin.devices import DeviceState
@@ -95,14 +97,13 @@ class PluginServer:
         self.allocator = allocator
         self.resource_name = resource_name
         self.watch_interval_s = watch_interval_s
-        self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._streams_stop = threading.Event()
         self._kubelet_inode: int | None = None
         self._registered = False
         self._retry_at = 0.0
-        self._backoff_s = 1.0
-        self._watcher: threading.Thread | None = None
+        self._backoff = Backoff(1.0, 30.0)  # kubelet answers but refuses: retry after 1, 2, 4 .. 30 s
+        self._watcher: Service | None = None
         self.registrations = 0  # how many times Register succeeded (tests and logs)
 
     # -- serving ----------------------------------------------------------------------------
@@ -173,32 +174,25 @@ class PluginServer:
                 self.allocator.arrivals.rebatch()
             self._serve()
         if need_serve or inode != self._kubelet_inode:
-            self._retry_at, self._backoff_s = 0.0, 1.0  # kubelet is new: try at once
+            self._retry_at = 0.0  # kubelet is new: try at once
+            self._backoff.reset()
         if not self._registered or need_serve or inode != self._kubelet_inode:
             if time.monotonic() >= self._retry_at:
                 self._registered = self._register()
                 if not self._registered:  # kubelet answers but refuses: back off up to 30 s
-                    self._retry_at = time.monotonic() + self._backoff_s
-                    self._backoff_s = min(self._backoff_s * 2, 30.0)
+                    self._retry_at = time.monotonic() + self._backoff.next()
         self._kubelet_inode = inode
 
     def start(self) -> None:
         self._serve()
         self.check_once()
-        self._watcher = threading.Thread(target=self._watch, name="dp-kubelet-watch", daemon=True)
+        # one round every watch_interval_s (read now: tests shorten it after construction)
+        self._watcher = Service.every("dp-kubelet-watch", self.watch_interval_s, self.check_once, logger=log)
         self._watcher.start()
 
-    def _watch(self) -> None:
-        while not self._stopping.wait(self.watch_interval_s):
-            try:
-                self.check_once()
-            except Exception:  # noqa: BLE001 - the watcher must outlive any one failure
-                log.exception("kubelet watcher round failed")
-
     def stop(self) -> None:
-        self._stopping.set()
         if self._watcher is not None:
-            self._watcher.join(5)
+            self._watcher.stop()
         self._stop_server()
         try:
             self.paths.plugin_socket.unlink()

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vgpu.core.errors import ConfigError
+from vgpu.core.service import Service
 from vgpu.hookabi.grant import GrantError, grant_path, read_grant
 from vgpu.hookabi.layout import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD
 from vgpu.hookabi.region import Header, Region, RegionError
@@ -168,8 +169,8 @@ class Arbiter:
         self.timeshare = timeshare if timeshare is not None else TimeShare()
         self.stats = ArbiterStats()
         self._tracked: dict[Path, _Tracked] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("arbiter", lambda _stop: self._loop())
+        self._stop = self._service.stopping
         self._rescanned_at = -1e18
 
     # -- the folder ---------------------------------------------------------------------------
@@ -320,15 +321,10 @@ class Arbiter:
             self._stop.wait(self.interval_s if self._tracked else self.rescan_s)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="arbiter", daemon=True)
-            self._thread.start()
+        self._service.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        self._service.stop()
         for path in list(self._tracked):
             self._drop(path)
 
