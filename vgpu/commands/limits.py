@@ -30,6 +30,7 @@ from vgpu.hookabi.region import (
     FLAG_ALONE,
     FLAG_GUARD,
     FLAG_YIELD,
+    MAX_BYTES,
     LimitError,
     Region,
     RegionError,
@@ -77,9 +78,15 @@ def parse_mib(text: str, flag: str) -> int:
     digits = value[:-1] if scale else value
     if value.startswith("-") and digits[1:].isdigit():
         raise LimitError(flag, f"{text!r} is negative; give a size >= 0 (0 = no limit)")
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):
         raise LimitError(flag, f"{text!r} is not a size; give MiB (4096) or a number with b, k, m or g (4g)")
-    return int(digits) * (scale or 1 << 20)
+    size = int(digits) * (scale or 1 << 20)
+    if size > MAX_BYTES:
+        raise LimitError(
+            flag,
+            f"{text!r} is more than 2^64-1 bytes (16 EiB), the most a limit can hold; give a smaller size",
+        )
+    return size
 
 
 def _region_path(args: argparse.Namespace) -> Path:

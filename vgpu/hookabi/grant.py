@@ -42,6 +42,7 @@ from vgpu.hookabi.region import (
     GRANT_MAGIC,
     GRANT_PAYLOAD,
     GRANT_VERSION,
+    MAX_BYTES,
     MAX_DEVICES,
     PATH_BYTES,
     UUID_BYTES,
@@ -369,6 +370,9 @@ def apply_limits(
         raise LimitError(
             "--budget", f"{budget_bytes} is negative; give MiB >= 0 (0 = the card's free memory)"
         )
+    for flag, size in (("--memory", memory_bytes), ("--budget", budget_bytes)):
+        if size is not None and size > MAX_BYTES:
+            raise LimitError(flag, f"{size} bytes is more than 2^64-1, the most a limit can hold; give less")
     if sm_percent is not None and not 0 <= sm_percent <= 100:
         raise LimitError("--cores", f"{sm_percent} is not a percent; give 0..100 (0 = no cap)")
     grant_file = Path(grant) if grant is not None else grant_beside(path)

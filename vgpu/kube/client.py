@@ -16,6 +16,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,7 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.core.errors import ConflictError, KubeError
-from vgpu.kube.wire import Wire, split_lines
+from vgpu.kube.wire import Wire, WireError, split_lines
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,64 @@ class Gone(KubeError):
     """The watch's resource version is too old (HTTP 410): list again."""
 
 
-def _wrap(what: str, err: Exception) -> KubeError:
+# what a call through the generated client raises: an HTTP answer, or none (urllib3's own errors)
+_CALL_ERRORS = (ApiException, Urllib3Error)
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _transport_reason(err: BaseException) -> str:
+    """Why no HTTP answer came, in a few words: ``connection refused``, ``timed out``, ...
+
+    urllib3 wraps the socket's error (MaxRetryError -> NewConnectionError -> ConnectionRefusedError);
+    the innermost one names the cause.
+    """
+    seen: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and cur not in seen and len(seen) < 10:
+        seen.append(cur)
+        cur = (
+            getattr(cur, "reason", None) if isinstance(getattr(cur, "reason", None), BaseException) else None
+        )
+        cur = cur or seen[-1].__cause__ or seen[-1].__context__
+    for e in reversed(seen):
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return (
+                f"TLS: {e.verify_message or 'certificate verify failed'}: does the kubeconfig's CA match it?"
+            )
+        if isinstance(e, ssl.SSLError):
+            return f"TLS: {e.reason or _one_line(e)}"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, socket.gaierror):
+            return f"its name does not resolve: {e.strerror or _one_line(e)}"
+        if isinstance(e, TimeoutError | socket.timeout):
+            return "timed out"
+        if isinstance(e, ConnectionResetError):
+            return "connection reset"
+        if isinstance(e, OSError) and e.strerror:
+            return (
+                e.strerror.lower() if e.strerror[:1].isupper() and e.strerror[1:2].islower() else e.strerror
+            )
+    names = {"ConnectTimeoutError": "timed out", "ReadTimeoutError": "timed out", "SSLError": "TLS failed"}
+    for e in reversed(seen):
+        if type(e).__name__ in names:
+            return names[type(e).__name__]
+    return _one_line(err)[:200]
+
+
+def unreachable(server: str, err: BaseException) -> str:
+    """The one line for an API server that gave no HTTP answer."""
+    return f"cannot reach the API server at {server} ({_transport_reason(err)})"
+
+
+def _wrap(what: str, err: Exception, server: str = "") -> KubeError:
+    if isinstance(err, WireError) and not isinstance(err.__cause__ or err.__context__, OSError):
+        return KubeError(f"{what}: the API server at {server or '?'}: {_one_line(err)}")
+    if isinstance(err, Urllib3Error | OSError) and not isinstance(err, ApiException):
+        return KubeError(f"{what}: {unreachable(server or '?', err)}", unreachable=True)
     if isinstance(err, ApiException):
         body = err.body
         if body is None and getattr(err, "data", None) is None:
@@ -58,8 +118,10 @@ def _wrap(what: str, err: Exception) -> KubeError:
         except (ValueError, AttributeError):
             pass
         cls = ConflictError if err.status == 409 else Gone if err.status == 410 else KubeError
+        detail = _one_line(detail)
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
         return cls(f"{what}: HTTP {err.status}: {detail}", status=err.status)
-    return KubeError(f"{what}: {err}")
+    return KubeError(f"{what}: {_one_line(err)}")
 
 
 def _http_error(what: str, status: int, reason: str, body: bytes) -> KubeError:
@@ -67,14 +129,16 @@ def _http_error(what: str, status: int, reason: str, body: bytes) -> KubeError:
     return _wrap(what, ApiException(status=status, reason=reason, body=body.decode(errors="replace")))
 
 
-def _read_or_none(read: Callable[..., Any], kind: str, namespace: str, name: str) -> Obj | None:
+def _read_or_none(
+    read: Callable[..., Any], kind: str, namespace: str, name: str, server: str = ""
+) -> Obj | None:
     """One namespaced object as a dict, or None when the API server says 404."""
     try:
         resp = read(name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
-    except ApiException as err:
-        if err.status == 404:
+    except _CALL_ERRORS as err:
+        if isinstance(err, ApiException) and err.status == 404:
             return None
-        raise _wrap(f"read {kind} {namespace}/{name}", err) from err
+        raise _wrap(f"read {kind} {namespace}/{name}", err, server) from err
     return _json(resp)
 
 
@@ -109,6 +173,8 @@ class Kube:
 
     def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
         cfg = k8s.Configuration()
+        if kubeconfig and not os.path.isfile(kubeconfig):
+            raise KubeError(f"cannot load Kubernetes credentials from {kubeconfig}: no such file")
         try:
             if kubeconfig:
                 k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
@@ -116,14 +182,15 @@ class Kube:
                 k8s_config.load_incluster_config(client_configuration=cfg)
         except Exception as err:  # the loaders raise several unrelated types
             where = kubeconfig or "in-cluster service account"
-            raise KubeError(f"cannot load Kubernetes credentials from {where}: {err}") from err
+            raise KubeError(f"cannot load Kubernetes credentials from {where}: {_one_line(err)}") from err
+        self.server: str = cfg.host  # the API server's URL, named in errors
         cfg.connection_pool_maxsize = pool_size
         try:
             # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
             self._wire = Wire.from_configuration(cfg, pool_size)
         except (OSError, ValueError) as err:
             raise KubeError(
-                f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {err}"
+                f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {_one_line(err)}"
             ) from err
         self.api_client = k8s.ApiClient(cfg)
         # typed Any: we pass plain dicts and read raw responses, which the generated stubs do not describe
@@ -156,7 +223,7 @@ class Kube:
         )
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
-        return _read_or_none(self.core.read_namespaced_pod, "pod", namespace, name)
+        return _read_or_none(self.core.read_namespaced_pod, "pod", namespace, name, self.server)
 
     def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
@@ -174,8 +241,8 @@ class Kube:
                 _preload_content=False,
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
-        except ApiException as err:
-            raise _wrap(f"annotate pod {namespace}/{name}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"annotate pod {namespace}/{name}", err, self.server) from err
         return _json(resp)
 
     def bind_pod(
@@ -207,7 +274,7 @@ class Kube:
             try:
                 reply = self._wire.request("POST", path, self._headers(), data, REQUEST_TIMEOUT_S)
             except OSError as err:
-                raise KubeError(f"{what}: {err}") from err
+                raise _wrap(what, err, self.server) from err
             status, reason, detail = reply.status, reply.reason, reply.body
         else:
             try:
@@ -220,7 +287,7 @@ class Kube:
                     timeout=urllib3.Timeout(total=REQUEST_TIMEOUT_S),
                 )
             except Urllib3Error as err:
-                raise KubeError(f"{what}: {err}") from err
+                raise _wrap(what, err, self.server) from err
             status, reason, detail = resp.status, resp.reason or "", resp.data
         if status >= 400:
             raise _http_error(what, status, reason, detail)
@@ -268,7 +335,7 @@ class Kube:
             try:
                 reply = wire.request("GET", f"/api/v1/nodes?{urlencode(query)}", headers, None, 60)
             except OSError as err:
-                raise KubeError(f"list nodes: {err}") from err
+                raise _wrap("list nodes", err, self.server) from err
             if reply.status != 200:
                 raise _http_error("list nodes", reply.status, reply.reason, reply.body)
             try:
@@ -317,15 +384,15 @@ class Kube:
         )
 
     def get_lease(self, namespace: str, name: str) -> Obj | None:
-        return _read_or_none(self.coord.read_namespaced_lease, "lease", namespace, name)
+        return _read_or_none(self.coord.read_namespaced_lease, "lease", namespace, name, self.server)
 
     def create_lease(self, namespace: str, lease: Obj) -> Obj:
         try:
             resp = self.coord.create_namespaced_lease(
                 namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
             )
-        except ApiException as err:
-            raise _wrap(f"create lease {namespace}/{lease['metadata']['name']}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"create lease {namespace}/{lease['metadata']['name']}", err, self.server) from err
         return _json(resp)
 
     def replace_lease(self, namespace: str, lease: Obj) -> Obj:
@@ -335,8 +402,8 @@ class Kube:
             resp = self.coord.replace_namespaced_lease(
                 name, namespace, lease, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
             )
-        except ApiException as err:
-            raise _wrap(f"replace lease {namespace}/{name}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"replace lease {namespace}/{name}", err, self.server) from err
         return _json(resp)
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -346,8 +413,8 @@ class Kube:
         def page(cont: str | None) -> Obj:
             try:
                 resp = call(limit=500, _continue=cont, _preload_content=False, _request_timeout=60, **kw)
-            except ApiException as err:
-                raise _wrap(what, err) from err
+            except _CALL_ERRORS as err:
+                raise _wrap(what, err, self.server) from err
             return _json(resp)
 
         return self._pages(page)
@@ -399,7 +466,7 @@ class Kube:
         except OSError as err:
             if self._closed.is_set():
                 return
-            raise KubeError(f"{what}: {err}") from err
+            raise _wrap(what, err, self.server) from err
         if head.status != 200:
             raise _http_error(what, head.status, head.reason, head.body)
         try:
@@ -447,8 +514,8 @@ class Kube:
                 _request_timeout=(10, timeout_s + 30),
                 **kw,
             )
-        except ApiException as err:
-            raise _wrap(what, err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(what, err, self.server) from err
         try:
             yield from self._events(split_lines(resp.stream(65536, decode_content=True)), what)
         except (OSError, ValueError, Urllib3Error) as err:
@@ -481,8 +548,8 @@ class NodeAgentClient(Kube):
     def node_annotations(self, node: str) -> dict[str, str]:
         try:
             resp = self.core.read_node(node, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as err:
-            raise _wrap(f"read node {node}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"read node {node}", err, self.server) from err
         return dict((_json(resp).get("metadata") or {}).get("annotations") or {})
 
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
@@ -496,8 +563,8 @@ class NodeAgentClient(Kube):
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
             resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"annotate node {node}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"annotate node {node}", err, self.server) from err
 
     def patch_node_resources(self, node: str, resource: str, capacity: int, allocatable: int) -> None:
         """Set one extended resource in the Node's status, as kubelet does for device plugins."""
@@ -513,8 +580,8 @@ class NodeAgentClient(Kube):
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
             resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"update the status of node {node}", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"update the status of node {node}", err, self.server) from err
 
     def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None:
         """Mark a pod Failed as kubelet does when it rejects it at admission (the sandbox's kubelet)."""
@@ -529,8 +596,8 @@ class NodeAgentClient(Kube):
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
             resp.release_conn()
-        except ApiException as err:
-            raise _wrap(f"mark pod {namespace}/{name} Failed", err) from err
+        except _CALL_ERRORS as err:
+            raise _wrap(f"mark pod {namespace}/{name} Failed", err, self.server) from err
 
     def renew_lease(
         self,
