@@ -86,6 +86,7 @@ class State:
     components: list[Component] = field(default_factory=list)
     started: float = 0.0
     ready: bool = False
+    stopped: float = 0.0  # when `vgpu sandbox down` (or a failed `up`) stopped it; 0 while it runs
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -99,6 +100,7 @@ class State:
             components=[Component(**c) for c in raw.get("components", [])],
             started=float(raw.get("started", 0.0)),
             ready=bool(raw.get("ready", False)),
+            stopped=float(raw.get("stopped", 0.0)),
         )
 
 
@@ -403,21 +405,46 @@ class Sandbox:
 
     # ---- status and down -------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """What runs. ``state`` is one of: ``none`` (never started here), ``stopped`` (by ``down``),
+        ``healthy``, ``starting`` (``up`` under way, or killed before it finished), ``degraded``
+        (a component died) and ``dead`` (every component gone without ``down``: a reboot, a kill).
+        ``ok`` says whether nothing is wrong: true for none, stopped and healthy."""
         state = self.state()
         if state is None:
-            return {"running": False, "dir": str(self.state_dir), "components": []}
+            return {
+                "state": "none",
+                "ok": True,
+                "running": False,
+                "healthy": False,
+                "dir": str(self.state_dir),
+                "components": [],
+                "ports": {},
+            }
         comps = [
             {"name": c.name, "pid": c.pid, "alive": procs.alive(c.pid), "port": c.port}
             for c in state.components
         ]
+        running = any(c["alive"] for c in comps)
+        healthy = state.ready and bool(comps) and all(c["alive"] for c in comps)
+        if healthy:
+            word = "healthy"
+        elif not running:
+            word = "stopped" if state.stopped else "dead"
+        else:
+            word = "starting" if not state.ready and not state.stopped else "degraded"
         report: dict[str, Any] = {
-            "running": any(c["alive"] for c in comps),
-            "healthy": state.ready and all(c["alive"] for c in comps),
+            "state": word,
+            "ok": word in ("healthy", "stopped"),
+            "running": running,
+            "healthy": healthy,
             "dir": str(self.state_dir),
             "kubeconfig": str(self.kubeconfig),
             "started": state.started,
+            "stopped": state.stopped,
             "spec": asdict(state.spec),
             "components": comps,
+            # every port the sandbox chose, by what listens there (the metrics ports included)
+            "ports": dict(state.ports),
         }
         if report["running"]:
             self._state = state
@@ -470,6 +497,7 @@ class Sandbox:
         self._procs.clear()
         if state is not None and self.layout.state_file.exists():
             state.ready = False
+            state.stopped = time.time()
             self.layout.state_file.write_text(state.to_json())
 
 

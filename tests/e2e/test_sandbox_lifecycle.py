@@ -96,6 +96,14 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
     status = vgpu("sandbox", "--dir", str(sb_dir), "status", "--json")
     assert status.returncode == 0, status.stdout
     assert [n["ready"] for n in json.loads(status.stdout)["nodes"]] == [True, True]
+    assert json.loads(status.stdout)["state"] == "healthy"
+    # every port state.json records is shown, with what listens there
+    text = vgpu("sandbox", "--dir", str(sb_dir), "status")
+    assert text.returncode == 0 and text.stdout.startswith("sandbox healthy, started ")
+    shown = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if "://127.0.0.1:" in line}
+    assert state["ports"] and {name: url.split(":")[-1].split("/")[0] for name, url in shown.items()} == {
+        name: str(port) for name, port in state["ports"].items()
+    }
 
     apiserver = next(c for c in state["components"] if c["name"] == "kube-apiserver")
     os.kill(apiserver["pid"], signal.SIGKILL)
@@ -107,6 +115,10 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
     assert down.returncode == 0, down.stderr
     assert procs.tagged_pids(sb_dir.resolve()) == []
     assert listening_ports(state) == []
+    # after a clean down: stopped, which is nothing wrong
+    stopped = vgpu("sandbox", "--dir", str(sb_dir), "status")
+    assert stopped.returncode == 0, stopped.stdout
+    assert stopped.stdout.startswith("sandbox stopped at ") and "DEAD" not in stopped.stdout
 
 
 def test_down_after_up_itself_was_killed_midway_leaves_nothing(short_dir: Path) -> None:
