@@ -148,3 +148,26 @@ def test_a_state_folder_too_deep_for_unix_sockets_is_refused_before_anything_sta
     assert result.returncode != 0
     assert "too deep" in result.stderr and "--dir" in result.stderr
     assert procs.tagged_pids(deep.resolve()) == []
+
+
+def test_the_demo_with_a_real_node_refuses_a_running_sandbox_without_one(sandbox: Sandbox) -> None:
+    before = sandbox.running_pids()
+    result = subprocess.run(
+        [sys.executable, "-m", "vgpu_sandbox.demo", "--real-node", "--skip-playbook"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VGPU_SANDBOX_DIR": str(sandbox.state_dir)},
+    )
+    assert result.returncode == 1, result.stdout
+    assert "REAL_NODE=1 needs a sandbox with the real node" in result.stderr
+    assert "vgpu sandbox down" in result.stderr
+    assert sandbox.running_pids() == before and sandbox.status()["healthy"]  # left as it was
+
+
+def test_status_of_a_node_the_cluster_lacks_says_so_and_fails(sandbox: Sandbox) -> None:
+    result = vgpu("status", f"--kubeconfig={sandbox.kubeconfig}", "--node", "nope")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("vgpu status: no such node: nope (the cluster has ")
+    shown = vgpu("status", f"--kubeconfig={sandbox.kubeconfig}", "--node", "vgpu-node-0")
+    assert shown.returncode == 0 and shown.stdout.startswith("node vgpu-node-0  lease ")
