@@ -67,11 +67,16 @@ demo: setup ## the sandbox, the playbook, sample pods placed and shown (REAL_NOD
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-images: venv native ## the chart's images, the sample and pause as tarballs for containerd (tools/images.sh; root; docs/images.md)
-	bash tools/images.sh
+# The tag of the images both builds make: dev (this checkout's; the sandbox's real node imports
+# those), or e.g. `make images-docker IMAGE_TAG=0.1.0` for images to push and install with the chart
+# (docs/install.md, "Images"). The names are the chart's: docker.io/vgpu/scheduler, docker.io/vgpu/device-plugin.
+IMAGE_TAG ?= dev
 
-images-docker: ## the chart's images from images/*.Dockerfile, with a container engine
-	for f in images/*.Dockerfile; do docker build -f $$f -t vgpu/$$(basename $$f .Dockerfile):dev . || exit 1; done
+images: venv native ## the chart's images, the sample and pause as tarballs for containerd (tools/images.sh; root; docs/images.md)
+	VGPU_IMAGE_TAG=$(IMAGE_TAG) bash tools/images.sh
+
+images-docker: ## the chart's images from images/*.Dockerfile, with a container engine (docker.io/vgpu/<name>:$(IMAGE_TAG))
+	for f in images/*.Dockerfile; do docker build -f $$f -t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG) . || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

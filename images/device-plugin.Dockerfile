@@ -3,7 +3,11 @@
 # hook library at /usr/local/vgpu/libvgpu.so, which the plugin copies to the host at start
 # (/var/lib/vgpu/lib/<content hash>/, never over a library in use).
 #
-#   docker build -f images/device-plugin.Dockerfile -t vgpu/device-plugin:dev .   (from the repo root)
+#   docker build -f images/device-plugin.Dockerfile -t docker.io/vgpu/device-plugin:dev .   (from the repo root)
+#
+# `make images-docker` builds both (`IMAGE_TAG=0.1.0` for another tag than dev). The chart pulls
+# docker.io/vgpu/device-plugin (devicePlugin.image); nobody publishes it yet, so push it to your registry
+# (docs/install.md, "Images").
 #
 # Bases are pinned to exact tags; pin digests too where your registry policy asks for them.
 #

@@ -2,7 +2,11 @@
 # The scheduler image: the `vgpu` command (extender, webhook, scheduler metrics). The chart runs
 # it beside the upstream kube-scheduler image, in the same pod, as uid 65532.
 #
-#   docker build -f images/scheduler.Dockerfile -t vgpu/scheduler:dev .     (from the repo root)
+#   docker build -f images/scheduler.Dockerfile -t docker.io/vgpu/scheduler:dev .     (from the repo root)
+#
+# `make images-docker` builds both (`IMAGE_TAG=0.1.0` for another tag than dev). The chart pulls
+# docker.io/vgpu/scheduler (scheduler.extender.image); nobody publishes it yet, so push it to your registry
+# (docs/install.md, "Images").
 #
 # Bases are pinned to exact tags; pin digests too where your registry policy asks for them.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm

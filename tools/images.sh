@@ -7,6 +7,9 @@
 #
 #   tools/images.sh [device-plugin|scheduler|sample|pause]...   (default: all four)
 #
+# The images are named as the chart names them, docker.io/vgpu/<name>, tagged dev, or
+# $VGPU_IMAGE_TAG (make images IMAGE_TAG=0.1.0).
+#
 # Writes ${VGPU_IMAGE_DIR:-<repo>/.cache/images}/<name>.tar (a stamp beside each: an image is
 # rebuilt only when what it packs changed) and images.json. The Debian base, the dependency
 # wheels and ocipack are cached by their inputs under ${VGPU_BIN_DIR:-<repo>/.cache/bin}.
@@ -24,10 +27,18 @@ SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv
 BASE_STEP=1 # bump when build_base changes what it makes
 SYSTEM_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# The tag of the project's images: "dev" (a build from this checkout, what the sandbox's real node
+# and the tests import), or VGPU_IMAGE_TAG (make images IMAGE_TAG=...) for images to push to a
+# registry and install with the chart (docs/install.md, "Images"). The names are the chart's.
+tag=${VGPU_IMAGE_TAG:-dev}
+[[ $tag =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || {
+  printf 'images: FAILED: VGPU_IMAGE_TAG=%s is not an image tag (letters, digits, _ . -)\n' "$tag" >&2
+  exit 2
+}
 declare -A REF=(
-  [device-plugin]=docker.io/vgpu/device-plugin:dev
-  [scheduler]=docker.io/vgpu/scheduler:dev
-  [sample]=docker.io/vgpu/sample:dev
+  [device-plugin]=docker.io/vgpu/device-plugin:$tag
+  [scheduler]=docker.io/vgpu/scheduler:$tag
+  [sample]=docker.io/vgpu/sample:$tag
   [pause]=registry.k8s.io/pause:3.10
 )
 ALL=(device-plugin scheduler sample pause)
@@ -342,6 +353,8 @@ pack_args() {
 build_image() {
   local name=$1 tar="$image_dir/$1.tar" stamp="$image_dir/$1.tar.stamp" want
   want=$(str_hash "$(inputs_of "$name")")
+  # another tag is another archive (it names the image); the default keeps the stamps it had
+  [ "$tag" = dev ] || want=$(str_hash "$want ${REF[$name]}")
   if [ -f "$tar" ] && [ -f "$image_dir/$name.json" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     log "$name: current ($tar)"
     return

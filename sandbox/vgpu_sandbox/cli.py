@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(report, indent=2))
             else:
                 _print_status(report)
-            return 0 if report.get("healthy") else 1
+            # 0 when nothing is wrong: healthy, stopped by `down`, or never started here
+            return 0 if report.get("ok") else 1
         if args.action == "restart":
             from vgpu_sandbox import realnode
 
@@ -110,17 +111,60 @@ def run(args: argparse.Namespace) -> int:
     return _err(f"unknown action {args.action!r}")
 
 
+# what listens on each port the sandbox records in state.json, and how to reach it
+_PORTS = {
+    "apiserver": ("kube-apiserver", "https://127.0.0.1:{}"),
+    "etcd": ("etcd, clients", "http://127.0.0.1:{}"),
+    "etcd-peer": ("etcd, peers", "http://127.0.0.1:{}"),
+    "kwok": ("KWOK's server (metrics, health)", "http://127.0.0.1:{}/metrics"),
+    "extender": ("the extender: filter, bind, webhook", "https://127.0.0.1:{}"),
+    "extender-metrics": ("the extender's metrics", "http://127.0.0.1:{}/metrics"),
+    "kubelet": ("the real node's kubelet", "https://10.244.200.1:{}"),
+    "kubelet-healthz": ("the real node's kubelet health", "http://127.0.0.1:{}/healthz"),
+    "real-node-monitor": ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
+}
+
+
+def _port_line(name: str, port: int) -> str:
+    what, url = _PORTS.get(name, ("", "127.0.0.1:{}"))
+    if name.startswith("monitor-"):
+        what, url = f"the node monitor of {name[len('monitor-') :]}", "http://127.0.0.1:{}/metrics"
+    return f"  {name:<28} {url.format(port):<36} {what}".rstrip()
+
+
 def _print_status(report: dict[str, object]) -> None:
-    if not report.get("components"):
-        print(f"no sandbox in {report['dir']}")
+    state = str(report.get("state", ""))
+    if state == "none":
+        print(f"no sandbox in {report['dir']}: start one with `vgpu sandbox up`")
         return
-    state = "healthy" if report.get("healthy") else ("degraded" if report.get("running") else "stopped")
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(report.get("started", 0))))  # type: ignore[arg-type]
+    if state == "stopped":
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(report.get("stopped", 0))))  # type: ignore[arg-type]
+        print(f"sandbox stopped at {at} (vgpu sandbox down), state in {report['dir']}")
+        print("start it again with `vgpu sandbox up`")
+        return
     print(f"sandbox {state}, started {started}, state in {report['dir']}")
+    if state == "starting":
+        print("  `vgpu sandbox up` has not finished (or was killed first: `vgpu sandbox down` cleans up)")
+    elif state == "degraded":
+        print("  a component is DEAD: its log is in logs/; `vgpu sandbox down` then `up` starts anew")
+    elif state == "dead":
+        print(
+            "  every component is gone without `vgpu sandbox down` (a reboot, or killed): `vgpu sandbox up`"
+        )
     print(f"kubeconfig: {report.get('kubeconfig')}")
     for comp in report["components"]:  # type: ignore[attr-defined]
         port = f" port {comp['port']}" if comp.get("port") else ""
         print(f"  {comp['name']:<28} pid {comp['pid']:<8} {'running' if comp['alive'] else 'DEAD'}{port}")
+    ports = report.get("ports") or {}
+    if ports:
+        print("ports:")
+        for name, port in ports.items():  # type: ignore[attr-defined]
+            print(_port_line(name, port))
+    if report.get("nodes"):
+        print("nodes:")
     for node in report.get("nodes", []):  # type: ignore[attr-defined]
         ready = "Ready" if node["ready"] else "NotReady"
         print(f"  node {node['name']:<23} {ready}  nvidia.com/gpu={node['gpus']}")
+    if report.get("nodes_error"):
+        print(f"  nodes: cannot list them ({report['nodes_error']})")

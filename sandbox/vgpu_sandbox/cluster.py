@@ -181,21 +181,46 @@ class Sandbox(Handle):
 
     # ---- status and down -------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """What runs. ``state`` is one of: ``none`` (never started here), ``stopped`` (by ``down``),
+        ``healthy``, ``starting`` (``up`` under way, or killed before it finished), ``degraded``
+        (a component died) and ``dead`` (every component gone without ``down``: a reboot, a kill).
+        ``ok`` says whether nothing is wrong: true for none, stopped and healthy."""
         state = self.state()
         if state is None:
-            return {"running": False, "dir": str(self.state_dir), "components": []}
+            return {
+                "state": "none",
+                "ok": True,
+                "running": False,
+                "healthy": False,
+                "dir": str(self.state_dir),
+                "components": [],
+                "ports": {},
+            }
         comps = [
             {"name": c.name, "pid": c.pid, "alive": procs.alive(c.pid), "port": c.port}
             for c in state.components
         ]
+        running = any(c["alive"] for c in comps)
+        healthy = state.ready and bool(comps) and all(c["alive"] for c in comps)
+        if healthy:
+            word = "healthy"
+        elif not running:
+            word = "stopped" if state.stopped else "dead"
+        else:
+            word = "starting" if not state.ready and not state.stopped else "degraded"
         report: dict[str, Any] = {
-            "running": any(c["alive"] for c in comps),
-            "healthy": state.ready and all(c["alive"] for c in comps),
+            "state": word,
+            "ok": word in ("healthy", "stopped"),
+            "running": running,
+            "healthy": healthy,
             "dir": str(self.state_dir),
             "kubeconfig": str(self.kubeconfig),
             "started": state.started,
+            "stopped": state.stopped,
             "spec": asdict(state.spec),
             "components": comps,
+            # every port the sandbox chose, by what listens there (the metrics ports included)
+            "ports": dict(state.ports),
         }
         if report["running"]:
             try:  # through the kubeconfig: this handle's recorded state (if any) is left alone
@@ -244,6 +269,7 @@ class Sandbox(Handle):
         self._procs.clear()
         if state is not None and self.layout.state_file.exists():
             state.ready = False
+            state.stopped = time.time()
             self.layout.state_file.write_text(state.to_json())
 
 

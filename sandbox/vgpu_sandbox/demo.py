@@ -132,6 +132,31 @@ def run_on_the_real_node(sandbox: Sandbox) -> None:
     time.sleep(11)  # the node's Lease carries the usage, renewed every 10 s
 
 
+def describe(sandbox: Sandbox) -> str:
+    """What the running sandbox is, in a few words: its nodes, whether it has the real node."""
+    state = sandbox.state()
+    if state is None:
+        return "no state"
+    real = "and the real node real-node-0" if state.spec.real_node else "no real node"
+    return f"{state.spec.nodes} KWOK nodes, {real}"
+
+
+def reuse_refusal(sandbox: Sandbox, real_node: bool) -> str:
+    """Why the running sandbox cannot serve this demo, or "" when it can.
+
+    ``make demo REAL_NODE=1`` needs a sandbox with the real node; reusing one without it would
+    show no pod on a real node and still exit 0. It is not restarted behind the person's back
+    (it may hold their own pods): they are told how to."""
+    state = sandbox.state()
+    if real_node and (state is None or not state.spec.real_node):
+        return (
+            f"REAL_NODE=1 needs a sandbox with the real node, but the one running from {sandbox.state_dir} "
+            f"has none ({describe(sandbox)}); stop it with `.venv/bin/vgpu sandbox down`, "
+            "then run `make demo REAL_NODE=1` again"
+        )
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__)
     parser.add_argument("--nodes", type=int, default=3)
@@ -146,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     sandbox = Sandbox()
     try:
         if sandbox.is_running() and sandbox.status().get("healthy"):
-            say(f"reusing the sandbox running from {sandbox.state_dir}")
+            refusal = reuse_refusal(sandbox, args.real_node)
+            if refusal:
+                raise SandboxError(refusal)
+            say(f"reusing the sandbox running from {sandbox.state_dir} ({describe(sandbox)})")
         else:
             if sandbox.is_running():
                 say("the sandbox is degraded; restarting it")

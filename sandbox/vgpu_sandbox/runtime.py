@@ -82,6 +82,7 @@ class State:
     components: list[Component] = field(default_factory=list)
     started: float = 0.0
     ready: bool = False
+    stopped: float = 0.0  # when `vgpu sandbox down` (or a failed `up`) stopped it; 0 while it runs
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -95,6 +96,7 @@ class State:
             components=[Component(**c) for c in raw.get("components", [])],
             started=float(raw.get("started", 0.0)),
             ready=bool(raw.get("ready", False)),
+            stopped=float(raw.get("stopped", 0.0)),
         )
 
 

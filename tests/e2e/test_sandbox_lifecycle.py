@@ -95,6 +95,14 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
     status = vgpu("sandbox", "--dir", str(sb_dir), "status", "--json")
     assert status.returncode == 0, status.stdout
     assert [n["ready"] for n in json.loads(status.stdout)["nodes"]] == [True, True]
+    assert json.loads(status.stdout)["state"] == "healthy"
+    # every port state.json records is shown, with what listens there
+    text = vgpu("sandbox", "--dir", str(sb_dir), "status")
+    assert text.returncode == 0 and text.stdout.startswith("sandbox healthy, started ")
+    shown = {line.split()[0]: line.split()[1] for line in text.stdout.splitlines() if "://127.0.0.1:" in line}
+    assert state["ports"] and {name: url.split(":")[-1].split("/")[0] for name, url in shown.items()} == {
+        name: str(port) for name, port in state["ports"].items()
+    }
 
     apiserver = next(c for c in state["components"] if c["name"] == "kube-apiserver")
     os.kill(apiserver["pid"], signal.SIGKILL)
@@ -106,6 +114,10 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
     assert down.returncode == 0, down.stderr
     assert procs.tagged_pids(sb_dir.resolve()) == []
     assert listening_ports(state) == []
+    # after a clean down: stopped, which is nothing wrong
+    stopped = vgpu("sandbox", "--dir", str(sb_dir), "status")
+    assert stopped.returncode == 0, stopped.stdout
+    assert stopped.stdout.startswith("sandbox stopped at ") and "DEAD" not in stopped.stdout
 
 
 def test_down_after_up_itself_was_killed_midway_leaves_nothing(short_dir: Path) -> None:
@@ -135,3 +147,26 @@ def test_a_state_folder_too_deep_for_unix_sockets_is_refused_before_anything_sta
     assert result.returncode != 0
     assert "too deep" in result.stderr and "--dir" in result.stderr
     assert procs.tagged_pids(deep.resolve()) == []
+
+
+def test_the_demo_with_a_real_node_refuses_a_running_sandbox_without_one(sandbox: Sandbox) -> None:
+    before = sandbox.running_pids()
+    result = subprocess.run(
+        [sys.executable, "-m", "vgpu_sandbox.demo", "--real-node", "--skip-playbook"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VGPU_SANDBOX_DIR": str(sandbox.state_dir)},
+    )
+    assert result.returncode == 1, result.stdout
+    assert "REAL_NODE=1 needs a sandbox with the real node" in result.stderr
+    assert "vgpu sandbox down" in result.stderr
+    assert sandbox.running_pids() == before and sandbox.status()["healthy"]  # left as it was
+
+
+def test_status_of_a_node_the_cluster_lacks_says_so_and_fails(sandbox: Sandbox) -> None:
+    result = vgpu("status", f"--kubeconfig={sandbox.kubeconfig}", "--node", "nope")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("vgpu status: no such node: nope (the cluster has ")
+    shown = vgpu("status", f"--kubeconfig={sandbox.kubeconfig}", "--node", "vgpu-node-0")
+    assert shown.returncode == 0 and shown.stdout.startswith("node vgpu-node-0  lease ")

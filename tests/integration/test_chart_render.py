@@ -91,6 +91,29 @@ def test_a_pinned_kube_scheduler_tag_wins_over_the_cluster_version() -> None:
     assert container(pod, "kube-scheduler")["image"] == "registry.k8s.io/kube-scheduler:v1.32.9"
 
 
+def test_a_digest_pins_each_image_in_place_of_its_tag() -> None:
+    digests = {name: "sha256:" + char * 64 for name, char in (("ks", "a"), ("ext", "b"), ("dp", "c"))}
+    objs = render(
+        "--set",
+        f"scheduler.kubeScheduler.image.digest={digests['ks']},scheduler.extender.image.digest={digests['ext']}",
+        "--set",
+        f"devicePlugin.image.digest={digests['dp']},global.imageRegistry=mirror.example:5000/m",
+    )
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    plugin = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert (
+        container(pod, "kube-scheduler")["image"] == f"mirror.example:5000/m/kube-scheduler@{digests['ks']}"
+    )
+    assert container(pod, "extender")["image"] == f"mirror.example:5000/m/vgpu/scheduler@{digests['ext']}"
+    assert (
+        container(plugin, "device-plugin")["image"]
+        == f"mirror.example:5000/m/vgpu/device-plugin@{digests['dp']}"
+    )
+    # without a digest: by tag, as before
+    plain = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert container(plain, "device-plugin")["image"] == "docker.io/vgpu/device-plugin:0.1.0"
+
+
 def test_kube_scheduler_retries_refused_pods_every_ten_seconds_unless_turned_off() -> None:
     """A pod the extender refused must not wait kube-scheduler's 5 minutes once room frees."""
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_support import CHART, template
+from chart_support import CHART, REPO, template
 
 
 def leaves(doc: Any, prefix: str = "") -> set[str]:
@@ -112,6 +112,16 @@ BAD_VALUES = [
         "set scheduler.kubeScheduler.imageTag to a 1.33.x tag",
     ),
     (
+        ["--set", "scheduler.kubeScheduler.imageTag=banana"],
+        "scheduler.kubeScheduler.imageTag=banana is not a Kubernetes version",
+        "set scheduler.kubeScheduler.imageTag to the cluster's version",
+    ),
+    (
+        ["--set", "scheduler.kubeScheduler.imageTag=1.33.4"],  # registry.k8s.io's tags start with v
+        "scheduler.kubeScheduler.imageTag=1.33.4 is not a Kubernetes version",
+        "leave it empty to follow the cluster",
+    ),
+    (
         [
             "--set",
             "scheduler.kubeScheduler.podMaxBackoffSeconds=1,scheduler.kubeScheduler.podInitialBackoffSeconds=5",
@@ -169,6 +179,12 @@ BAD_VALUES = [
         "missing property 'mountPath'",
     ),
     (["--set-string", "devicePlugin.hostNetwork=yes"], "/devicePlugin/hostNetwork", "want boolean"),
+    (["--set", "devicePlugin.image.digest=sha256:abc"], "/devicePlugin/image/digest", "does not match"),
+    (
+        ["--set", "scheduler.extender.image.digest=" + "b" * 64],  # without "sha256:"
+        "/scheduler/extender/image/digest",
+        "does not match",
+    ),
 ]
 
 
@@ -242,3 +258,37 @@ def test_no_component_may_read_secrets_or_use_wildcards() -> None:
         if o["kind"] == "ClusterRoleBinding" and o["subjects"][0]["name"] == "vgpu-scheduler"
     ]
     assert sorted(scheduler_bindings) == ["system:kube-scheduler", "system:volume-scheduler"]
+
+
+def _image_names_built(text: str) -> dict[str, str]:
+    """What tools/images.sh names each image it builds: {"scheduler": "docker.io/vgpu/scheduler:$tag"}."""
+    return dict(re.findall(r"^\s*\[([a-z-]+)\]=(\S+)$", text, re.M))
+
+
+def test_the_images_the_chart_pulls_are_the_ones_both_builds_make() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    pulled = {
+        "scheduler": values["scheduler"]["extender"]["image"],
+        "device-plugin": values["devicePlugin"]["image"],
+    }
+    built = _image_names_built((REPO / "tools" / "images.sh").read_text())
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^IMAGE_TAG \?= dev$", makefile, re.M)
+    assert "-t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG)" in makefile
+    assert "VGPU_IMAGE_TAG=$(IMAGE_TAG) bash tools/images.sh" in makefile
+    assert "tag=${VGPU_IMAGE_TAG:-dev}" in (REPO / "tools" / "images.sh").read_text()
+    for name, image in pulled.items():
+        full = f"{image['registry']}/{image['repository']}"
+        assert built[name] == f"{full}:$tag"
+        assert (REPO / "images" / f"{name}.Dockerfile").exists()
+        assert f"-t {full}:dev" in (REPO / "images" / f"{name}.Dockerfile").read_text()
+        assert image["tag"] == "" and image["digest"] == ""  # the chart's appVersion, by tag
+
+
+def test_install_md_says_who_publishes_the_images_and_how_to_push_your_own() -> None:
+    text = (REPO / "docs" / "install.md").read_text()
+    images = text[text.index("\n## Images") :]
+    assert "Nobody publishes" in images
+    for command in ("make images-docker IMAGE_TAG=", "docker push", "crane push", "global.imageRegistry"):
+        assert command in images, command
+    assert "scheduler.kubeScheduler.imageTag" in text[text.index("helm template") :]

@@ -75,6 +75,9 @@ def test_shrinking_below_usage_is_done_and_said(folder: Path, capsys: pytest.Cap
         (["--device", "0", "--memory", "4x"], "--memory"),
         (["--device", "0", "--memory", "1.5g"], "--memory"),
         (["--device", "0", "--budget", "-1"], "--budget"),
+        (["--device", "0", "--memory", "17179869184g"], "--memory"),  # 2^64 bytes: past a u64 word
+        (["--device", "0", "--budget", "99999999999999999999"], "--budget"),
+        (["--device", "0", "--memory", "²"], "--memory"),  # a digit to str.isdigit, not to int()
         (["--device", "0", "--memory", "100", "--cores", "200"], "--cores"),
         (["--device", "0"], "--memory/--cores/--budget"),
     ],
@@ -160,3 +163,10 @@ def test_with_a_grant_set_changes_it_and_show_names_a_region_that_differs(
     assert main(["limits", "show", "--container-dir", str(folder), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["grant"] == str(grant) and shown["region_differs"] == []
+
+
+def test_the_largest_size_a_word_holds_is_taken_and_one_byte_more_is_refused(folder: Path) -> None:
+    where = ["limits", "set", "--container-dir", str(folder), "--device", "1"]
+    assert main([*where, "--budget", f"{(1 << 64) - 1}b"]) == 0
+    assert devices(folder)[1].budget_bytes == (1 << 64) - 1
+    assert main([*where, "--budget", f"{1 << 64}b"]) == 2

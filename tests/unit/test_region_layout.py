@@ -35,10 +35,17 @@ def test_sizes_read_like_contract_4(text: str, expected: int) -> None:
     assert region.parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "4x", "-1", "g", "1.5g"])
+@pytest.mark.parametrize("text", ["", "4x", "-1", "g", "1.5g", "²"])
 def test_a_bad_size_is_refused_with_the_fix(text: str) -> None:
     with pytest.raises(ValueError, match="k, m or g"):
         region.parse_size(text)
+
+
+def test_a_size_past_a_64_bit_word_is_refused() -> None:
+    assert region.parse_size(str(region.MAX_BYTES)) == (1 << 64) - 1
+    for text in (str(1 << 64), "17179869184g", "99999999999999999999"):
+        with pytest.raises(ValueError, match="more than 2\\^64-1 bytes"):
+            region.parse_size(text)
 
 
 def test_a_file_that_is_not_a_region_is_refused_with_a_clear_message(tmp_path: Path) -> None:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import ssl
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from cryptography import x509
-from vgpu_sandbox import controlplane, kubeconfig, nodes, pki
-from vgpu_sandbox.cluster import Spec
+from vgpu_sandbox import controlplane, demo, kubeconfig, nodes, pki
+from vgpu_sandbox.cluster import Component, Sandbox, Spec, State
 from vgpu_sandbox.errors import SandboxError
+
+from vgpu.commands.cli import main
 
 
 def test_serving_certificates_verify_against_the_ca_and_keys_are_private(tmp_path: Path) -> None:
@@ -97,3 +101,75 @@ def test_a_bad_spec_is_refused_naming_the_flag(field: str, value: object, flag: 
     spec = Spec(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(SandboxError, match=flag):
         spec.validate()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def write_state(folder: Path, *, alive: list[bool], ready: bool, stopped: float) -> Path:
+    pids = [os.getpid() if a else dead_pid() for a in alive]
+    state = State(
+        spec=Spec(nodes=1),
+        ports={"apiserver": 1, "etcd": 2, "extender-metrics": 3, "monitor-vgpu-node-0": 4},
+        components=[Component(f"c{i}", pid, ["x"], None) for i, pid in enumerate(pids)],
+        started=1.0,
+        ready=ready,
+        stopped=stopped,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "state.json").write_text(state.to_json())
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("alive", "ready", "stopped", "word", "code", "says"),
+    [
+        ([False, False], False, 5.0, "stopped", 0, "sandbox stopped at"),
+        ([False, False], True, 0.0, "dead", 1, "every component is gone without `vgpu sandbox down`"),
+        ([True, False], True, 0.0, "degraded", 1, "c1 pid"),
+        ([True, True], False, 0.0, "starting", 1, "has not finished"),
+        ([True, True], True, 0.0, "healthy", 0, "monitor-vgpu-node-0 http://127.0.0.1:4/metrics the node"),
+    ],
+)
+def test_status_says_what_the_sandbox_is_and_fails_only_when_something_is_wrong(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    alive: list[bool],
+    ready: bool,
+    stopped: float,
+    word: str,
+    code: int,
+    says: str,
+) -> None:
+    folder = write_state(tmp_path / "sb", alive=alive, ready=ready, stopped=stopped)
+    assert Sandbox(folder).status()["state"] == word
+    assert main(["sandbox", f"--dir={folder}", "status"]) == code
+    out = capsys.readouterr().out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert says in "\n".join(lines)
+    if word != "stopped":
+        assert out.startswith(f"sandbox {word}, started ")
+        for port_line in (
+            "apiserver https://127.0.0.1:1 kube-apiserver",
+            "etcd http://127.0.0.1:2 etcd, clients",
+            "extender-metrics http://127.0.0.1:3/metrics the extender's metrics",
+        ):
+            assert port_line in lines, out
+
+
+def test_status_of_a_folder_never_started_says_so_and_is_not_a_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sandbox", f"--dir={tmp_path}", "status"]) == 0
+    assert capsys.readouterr().out == f"no sandbox in {tmp_path}: start one with `vgpu sandbox up`\n"
+
+
+def test_the_demo_with_a_real_node_refuses_a_running_sandbox_without_one(tmp_path: Path) -> None:
+    folder = write_state(tmp_path / "sb", alive=[True], ready=True, stopped=0.0)
+    refusal = demo.reuse_refusal(Sandbox(folder), real_node=True)
+    assert "REAL_NODE=1 needs a sandbox with the real node" in refusal
+    assert "vgpu sandbox down" in refusal and "make demo REAL_NODE=1" in refusal
+    assert demo.reuse_refusal(Sandbox(folder), real_node=False) == ""

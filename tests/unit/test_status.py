@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
+from pathlib import Path
 
+import pytest
+
+from vgpu.commands.cli import main
 from vgpu.commands.status import RECORD_ANNOTATION, build_status, render_text
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
@@ -117,3 +122,76 @@ def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignor
         with_usage["metadata"]["annotations"] = {USAGE_ANNOTATION: bad}
         [status] = build_status([node("n1")], [a], [with_usage], NOW)
         assert status.cards[0].shares[0].used_bytes is None
+
+
+class FakeKube:
+    """What `vgpu status` reads, from lists given here instead of an API server."""
+
+    nodes: list[dict] = []
+
+    def __init__(self, kubeconfig: str | None) -> None:
+        self.kubeconfig = kubeconfig
+
+    def list_nodes(self) -> tuple[list[dict], str]:
+        return self.nodes, "1"
+
+    def list_pods(self) -> tuple[list[dict], str]:
+        return [], "1"
+
+    def list_leases(self, namespace: str) -> tuple[list[dict], str]:
+        return [], "1"
+
+
+@pytest.fixture
+def fake_kube(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[FakeKube]:
+    from vgpu.kube import client
+
+    plain = {"metadata": {"name": "cpu-1"}}
+    monkeypatch.setattr(FakeKube, "nodes", [node("n1"), plain])
+    monkeypatch.setattr(client, "Kube", FakeKube)
+    (tmp_path / "kc").write_text("")
+    return FakeKube
+
+
+@pytest.mark.parametrize(
+    ("wanted", "message"),
+    [
+        ("nope", "vgpu status: no such node: nope (the cluster has 2: cpu-1, n1)"),
+        ("cpu-1", "vgpu status: node cpu-1 is not a vGPU node: it carries no " + DEVICES_ANNOTATION),
+    ],
+)
+def test_a_node_that_is_not_there_or_has_no_gpus_is_said_and_exits_1(
+    fake_kube: type[FakeKube], tmp_path: Path, capsys: pytest.CaptureFixture[str], wanted: str, message: str
+) -> None:
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "n1", "--node", wanted]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(message) and out.err.count("\n") == 1
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "n1"]) == 0
+    assert capsys.readouterr().out.startswith("node n1  lease missing")
+
+
+def test_an_unreachable_api_server_is_one_line_with_what_to_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "kc").write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    monkeypatch.setenv("VGPU_SANDBOX_DIR", str(tmp_path))  # whose kubeconfig status reads by default
+    (tmp_path / "kubeconfig").write_text((tmp_path / "kc").read_text())
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"vgpu status: list nodes: cannot reach the API server at https://127.0.0.1:{port} "
+        "(connection refused): is the sandbox up? "
+        f"(vgpu sandbox up; its kubeconfig is {tmp_path / 'kubeconfig'}), or give --kubeconfig\n"
+    )
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}"]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"(connection refused): is the cluster up, and is {tmp_path / 'kc'} its kubeconfig?\n"
+    )

@@ -9,15 +9,22 @@ Other distributions add subcommands through the ``vgpu.commands`` entry-point
 group (name = module). The developer's sandbox (``sandbox/`` in the repository,
 never in the wheel or the images) registers ``vgpu sandbox`` that way, so
 nothing in ``vgpu`` imports it.
+
+A command that fails says so in one line on stderr (what went wrong, what to do) and exits
+non-zero; an error no command expected is caught here too, as one line, unless ``VGPU_DEBUG`` is
+set (then the traceback shows where it came from).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+
+from vgpu.core.errors import VgpuError
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -74,7 +81,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mod is None:
         parser.print_help()
         return 2
-    return int(mod.run(args) or 0)
+    try:
+        return int(mod.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"vgpu {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except VgpuError as err:  # each command catches its own; this is the net under them
+        print(f"vgpu {args.command}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        if os.environ.get("VGPU_DEBUG"):
+            raise
+        print(
+            f"vgpu {args.command}: unexpected {type(err).__name__}: {' '.join(str(err).split())[:300]} "
+            "(a bug: please report it with the output of the same command run with VGPU_DEBUG=1)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

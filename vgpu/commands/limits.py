@@ -28,7 +28,7 @@ from pathlib import Path
 from vgpu.hookabi import resize
 from vgpu.hookabi.grant import as_granted, grant_beside, read_grant
 from vgpu.hookabi.layout import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD
-from vgpu.hookabi.region import Region, RegionError, Snapshot
+from vgpu.hookabi.region import MAX_BYTES, Region, RegionError, Snapshot
 from vgpu.hookabi.resize import LimitError, apply_limits
 from vgpu.plugin.paths import REGION_FILE_NAME
 
@@ -88,9 +88,15 @@ def parse_mib(text: str, flag: str) -> int:
     digits = value[:-1] if scale else value
     if value.startswith("-") and digits[1:].isdigit():
         raise FlagError(flag, f"{text!r} is negative; give a size >= 0 (0 = no limit)")
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):
         raise FlagError(flag, f"{text!r} is not a size; give MiB (4096) or a number with b, k, m or g (4g)")
-    return int(digits) * (scale or 1 << 20)
+    size = int(digits) * (scale or 1 << 20)
+    if size > MAX_BYTES:
+        raise FlagError(
+            flag,
+            f"{text!r} is more than 2^64-1 bytes (16 EiB), the most a limit can hold; give a smaller size",
+        )
+    return size
 
 
 def _region_path(args: argparse.Namespace) -> Path:

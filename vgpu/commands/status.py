@@ -216,27 +216,69 @@ def sandbox_dir() -> Path:
     return Path(base) / "vgpu" / "sandbox"
 
 
-def _kubeconfig(arg: str | None) -> str | None:
+def _kubeconfig(arg: str | None) -> tuple[str | None, str]:
+    """The kubeconfig to read, and where that choice came from (for the hint of an error)."""
     if arg:
-        return arg
+        return arg, "--kubeconfig"
     if os.environ.get("KUBECONFIG"):
-        return os.environ["KUBECONFIG"].split(os.pathsep)[0]
+        return os.environ["KUBECONFIG"].split(os.pathsep)[0], "KUBECONFIG"
     path = sandbox_dir() / "kubeconfig"
-    return str(path) if path.exists() else None
+    return (str(path), "sandbox") if path.exists() else (None, "")
+
+
+def _hint(source: str, path: str | None) -> str:
+    """What to check when the API server gave no answer, by where the kubeconfig came from."""
+    if source == "sandbox":
+        return f"is the sandbox up? (vgpu sandbox up; its kubeconfig is {path}), or give --kubeconfig"
+    if source == "KUBECONFIG":
+        return f"is the cluster up, and is $KUBECONFIG ({path}) its kubeconfig? (or give --kubeconfig)"
+    if source:
+        return f"is the cluster up, and is {path} its kubeconfig?"
+    return "is the cluster up? (vgpu sandbox up, or --kubeconfig)"
+
+
+def _missing_nodes(wanted: list[str], nodes: list[dict[str, Any]]) -> str:
+    """Why ``--node`` names nothing to show, or "" when every name is a vGPU node."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    for name in wanted:
+        node = by_name.get(name)
+        if node is None:
+            known = sorted(by_name)
+            listed = ", ".join(known[:5]) + (", ..." if len(known) > 5 else "")
+            return f"no such node: {name} (the cluster has {len(known)}: {listed or 'none'})"
+        if DEVICES_ANNOTATION not in (node["metadata"].get("annotations") or {}):
+            return (
+                f"node {name} is not a vGPU node: it carries no {DEVICES_ANNOTATION} "
+                "(is the device plugin running there?)"
+            )
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
     from vgpu.kube.client import Kube
 
+    path, source = _kubeconfig(args.kubeconfig)
+    if path is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        print(
+            "vgpu status: no kubeconfig: give --kubeconfig, set KUBECONFIG, "
+            "or start the sandbox (vgpu sandbox up)",
+            file=sys.stderr,
+        )
+        return 1
     try:
-        kube = Kube(_kubeconfig(args.kubeconfig))
+        kube = Kube(path)
         nodes, _ = kube.list_nodes()
         pods, _ = kube.list_pods()
         leases, _ = kube.list_leases(args.namespace)
     except KubeError as err:
-        print(f"vgpu status: {err}", file=sys.stderr)
+        hint = f": {_hint(source, path)}" if err.unreachable else ""
+        print(f"vgpu status: {err}{hint}", file=sys.stderr)
         return 1
     if args.node:
+        missing = _missing_nodes(args.node, nodes)
+        if missing:
+            print(f"vgpu status: {missing}", file=sys.stderr)
+            return 1
         nodes = [n for n in nodes if n["metadata"]["name"] in args.node]
     status = build_status(nodes, pods, leases)
     if args.output == "json":

@@ -46,10 +46,15 @@ class ConfigError(FieldError):
 
 
 class KubeError(VgpuError):
-    """A call to the Kubernetes API server failed."""
+    """A call to the Kubernetes API server failed; its message is one line.
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    ``status`` is the HTTP status where the server answered; ``unreachable`` is true where no
+    answer came at all (refused, timed out, TLS failed), so a command can say what to check.
+    """
+
+    def __init__(self, message: str, status: int | None = None, unreachable: bool = False) -> None:
         self.status = status
+        self.unreachable = unreachable
         super().__init__(message)
 
 

@@ -480,11 +480,19 @@ def _decode(data: bytes) -> Snapshot:
     )
 
 
+MAX_BYTES = (1 << 64) - 1  # a limit or budget is one uint64_t word of the region and the grant
+
+
 def parse_size(text: str) -> int:
-    """Contract 4's units: a plain number is bytes; k, m, g suffixes are powers of 1024."""
+    """Contract 4's units: a plain number is bytes; k, m, g suffixes are powers of 1024.
+
+    Refuses what a region's 64-bit word cannot hold (more than ``MAX_BYTES``)."""
     value = text.strip().lower()
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:], 1)
     digits = value[:-1] if scale != 1 else value
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):
         raise ValueError(f"{text!r} is not a size: write bytes, or a number with k, m or g (e.g. 4096m)")
-    return int(digits) * scale
+    size = int(digits) * scale
+    if size > MAX_BYTES:
+        raise ValueError(f"{text!r} is more than 2^64-1 bytes (16 EiB), the most a size can be")
+    return size

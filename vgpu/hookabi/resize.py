@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.hookabi.grant import grant_beside, read_grant, update_grant
-from vgpu.hookabi.region import Region, RegionError
+from vgpu.hookabi.region import MAX_BYTES, Region, RegionError
 
 DEVICE = "device"
 MEMORY = "memory limit"
@@ -64,6 +64,9 @@ def check_values(
         raise LimitError(
             BUDGET, f"{budget_bytes} bytes is negative; give bytes >= 0 (0 = the card's free memory)"
         )
+    for name, size in ((MEMORY, memory_bytes), (BUDGET, budget_bytes)):
+        if size is not None and size > MAX_BYTES:
+            raise LimitError(name, f"{size} bytes is more than 2^64-1, the most a limit can hold; give less")
     if sm_percent is not None and not 0 <= sm_percent <= 100:
         raise LimitError(SM, f"{sm_percent} is not a percent; give 0..100 (0 = no cap)")
 

@@ -15,6 +15,7 @@ list-then-watch loop) and :mod:`~vgpu.kube.lease` (taking, renewing and reading 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +26,6 @@ import orjson
 import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.core.errors import KubeError
@@ -33,8 +33,8 @@ from vgpu.kube import lease as leases
 from vgpu.kube import replies
 from vgpu.kube.lease import now_micro as now_micro
 from vgpu.kube.lease import parse_time as parse_time
+from vgpu.kube.replies import CALL_ERRORS, http_error, object_of, one_line, wrap
 from vgpu.kube.replies import Gone as Gone
-from vgpu.kube.replies import http_error, object_of, wrap
 from vgpu.kube.wire import Wire, split_lines
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class Kube:
 
     def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
         cfg = k8s.Configuration()
+        if kubeconfig and not os.path.isfile(kubeconfig):
+            raise KubeError(f"cannot load Kubernetes credentials from {kubeconfig}: no such file")
         try:
             if kubeconfig:
                 k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
@@ -59,14 +61,15 @@ class Kube:
                 k8s_config.load_incluster_config(client_configuration=cfg)
         except Exception as err:  # the loaders raise several unrelated types
             where = kubeconfig or "in-cluster service account"
-            raise KubeError(f"cannot load Kubernetes credentials from {where}: {err}") from err
+            raise KubeError(f"cannot load Kubernetes credentials from {where}: {one_line(err)}") from err
         cfg.connection_pool_maxsize = pool_size
+        self.server: str = cfg.host  # the API server's URL, named in errors
         try:
             # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
             self._wire = Wire.from_configuration(cfg, pool_size)
         except (OSError, ValueError) as err:
             raise KubeError(
-                f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {err}"
+                f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {one_line(err)}"
             ) from err
         self.api_client = k8s.ApiClient(cfg)
         # typed Any: we pass plain dicts and read raw responses, which the generated stubs do not describe
@@ -170,7 +173,7 @@ class Kube:
             try:
                 reply = self._wire.request(method, path, headers, data, timeout_s)
             except OSError as err:
-                raise KubeError(f"{what}: {err}") from err
+                raise wrap(what, err, self.server) from err
             status, reason, body = reply.status, reply.reason, reply.body
         else:
             try:
@@ -182,7 +185,7 @@ class Kube:
                     timeout=urllib3.Timeout(total=timeout_s),
                 )
             except Urllib3Error as err:
-                raise KubeError(f"{what}: {err}") from err
+                raise wrap(what, err, self.server) from err
             status, reason, body = resp.status, resp.reason or "", resp.data
         if status >= 400:
             raise http_error(what, status, reason, body)
@@ -283,8 +286,8 @@ class Kube:
         """One generated method's call, its answer read as a plain dict; errors as KubeError."""
         try:
             resp = call(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S, **kw)
-        except ApiException as err:
-            raise wrap(what, err) from err
+        except CALL_ERRORS as err:
+            raise wrap(what, err, self.server) from err
         return object_of(resp)
 
     def _read_or_none(self, what: str, read: Callable[..., Any], *names: str) -> Obj | None:
@@ -307,8 +310,8 @@ class Kube:
         def page(cont: str | None) -> Obj:
             try:
                 resp = call(limit=500, _continue=cont, _preload_content=False, _request_timeout=60, **kw)
-            except ApiException as err:
-                raise wrap(what, err) from err
+            except CALL_ERRORS as err:
+                raise wrap(what, err, self.server) from err
             return object_of(resp)
 
         return self._pages(page)
@@ -360,7 +363,7 @@ class Kube:
         except OSError as err:
             if self._closed.is_set():
                 return
-            raise KubeError(f"{what}: {err}") from err
+            raise wrap(what, err, self.server) from err
         if head.status != 200:
             raise http_error(what, head.status, head.reason, head.body)
         try:
@@ -391,8 +394,8 @@ class Kube:
                 _request_timeout=(10, timeout_s + 30),
                 **kw,
             )
-        except ApiException as err:
-            raise wrap(what, err) from err
+        except CALL_ERRORS as err:
+            raise wrap(what, err, self.server) from err
         try:
             yield from replies.events(
                 split_lines(resp.stream(65536, decode_content=True)), what, self._closed

@@ -6,14 +6,18 @@ for 410), and a watch's lines as ``(type, object)`` events.
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.core.errors import ConflictError, KubeError
+from vgpu.kube.wire import WireError
 
 Obj = dict[str, Any]
 
@@ -22,7 +26,64 @@ class Gone(KubeError):
     """The watch's resource version is too old (HTTP 410): list again."""
 
 
-def wrap(what: str, err: Exception) -> KubeError:
+# what a call through the generated client raises: an HTTP answer, or none (urllib3's own errors)
+CALL_ERRORS = (ApiException, Urllib3Error)
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _transport_reason(err: BaseException) -> str:
+    """Why no HTTP answer came, in a few words: ``connection refused``, ``timed out``, ...
+
+    urllib3 wraps the socket's error (MaxRetryError -> NewConnectionError -> ConnectionRefusedError);
+    the innermost one names the cause.
+    """
+    seen: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and cur not in seen and len(seen) < 10:
+        seen.append(cur)
+        reason = getattr(cur, "reason", None)
+        cur = reason if isinstance(reason, BaseException) else None
+        cur = cur or seen[-1].__cause__ or seen[-1].__context__
+    for e in reversed(seen):
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return (
+                f"TLS: {e.verify_message or 'certificate verify failed'}: does the kubeconfig's CA match it?"
+            )
+        if isinstance(e, ssl.SSLError):
+            return f"TLS: {e.reason or one_line(e)}"
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, socket.gaierror):
+            return f"its name does not resolve: {e.strerror or one_line(e)}"
+        if isinstance(e, TimeoutError | socket.timeout):
+            return "timed out"
+        if isinstance(e, ConnectionResetError):
+            return "connection reset"
+        if isinstance(e, OSError) and e.strerror:
+            lower = e.strerror[:1].isupper() and e.strerror[1:2].islower()
+            return e.strerror.lower() if lower else e.strerror
+    names = {"ConnectTimeoutError": "timed out", "ReadTimeoutError": "timed out", "SSLError": "TLS failed"}
+    for e in reversed(seen):
+        if type(e).__name__ in names:
+            return names[type(e).__name__]
+    return one_line(err)[:200]
+
+
+def unreachable(server: str, err: BaseException) -> str:
+    """The one line for an API server that gave no HTTP answer."""
+    return f"cannot reach the API server at {server} ({_transport_reason(err)})"
+
+
+def wrap(what: str, err: Exception, server: str = "") -> KubeError:
+    """The one-line KubeError for a failed call to the API server at ``server``: its HTTP answer
+    (``ConflictError`` for 409, :class:`Gone` for 410), or why no answer came (``unreachable``)."""
+    if isinstance(err, WireError) and not isinstance(err.__cause__ or err.__context__, OSError):
+        return KubeError(f"{what}: the API server at {server or '?'}: {one_line(err)}")
+    if isinstance(err, Urllib3Error | OSError) and not isinstance(err, ApiException):
+        return KubeError(f"{what}: {unreachable(server or '?', err)}", unreachable=True)
     if isinstance(err, ApiException):
         body = err.body
         if body is None and getattr(err, "data", None) is None:
@@ -34,8 +95,10 @@ def wrap(what: str, err: Exception) -> KubeError:
         except (ValueError, AttributeError):
             pass
         cls = ConflictError if err.status == 409 else Gone if err.status == 410 else KubeError
+        detail = one_line(detail)
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
         return cls(f"{what}: HTTP {err.status}: {detail}", status=err.status)
-    return KubeError(f"{what}: {err}")
+    return KubeError(f"{what}: {one_line(err)}")
 
 
 def http_error(what: str, status: int, reason: str, body: bytes) -> KubeError:

@@ -28,14 +28,22 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* vgpu.image: "registry/repository:tag"; call with (dict "ctx" $ "image" .Values.x.image "tag" "v1"). */}}
+{{/*
+vgpu.image: "registry/repository:tag", or "registry/repository@sha256:..." where the image's
+digest is set (a digest names one image whatever the tag says, so the tag is left out); call with
+(dict "ctx" $ "image" .Values.x.image "tag" "v1").
+*/}}
 {{- define "vgpu.image" -}}
 {{- $registry := .ctx.Values.global.imageRegistry | default .image.registry -}}
 {{- $tag := .tag | default .image.tag | default .ctx.Chart.AppVersion -}}
+{{- $name := .image.repository -}}
 {{- if $registry -}}
-{{- printf "%s/%s:%s" (trimSuffix "/" $registry) .image.repository $tag -}}
+{{- $name = printf "%s/%s" (trimSuffix "/" $registry) .image.repository -}}
+{{- end -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $name .image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .image.repository $tag -}}
+{{- printf "%s:%s" $name $tag -}}
 {{- end -}}
 {{- end -}}
 
