@@ -51,10 +51,12 @@ fuzz: venv ## every fuzz harness for FUZZ_SECONDS each (docs/fuzzing.md); fails 
 gpu-test: venv native ## on a machine with an NVIDIA GPU
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
-lint: venv tools ## ruff, mypy, ansible-lint, helm lint --strict
+lint: venv tools ## ruff, mypy, the floors' import contracts and cycles, ansible-lint, helm lint --strict
 	$(BIN)/ruff check vgpu sandbox tests bench fuzz
 	$(BIN)/ruff format --check vgpu sandbox tests bench fuzz
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python tools/import_cycles.py
 	@if [ -d roles ]; then PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/ansible-lint --offline -q playbooks roles; fi
 	@if [ -d charts/vgpu ]; then $(VGPU_BIN_DIR)/current/helm lint --strict charts/vgpu; fi
 

@@ -113,3 +113,35 @@ def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_
     assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vgpu = vgpu.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_products_wheel_built_from_the_whole_repo_leaves_the_sandbox_out(tmp_path: Path) -> None:
+    """The sandbox is a developer's tool in its own distribution: `pip wheel .` from a clone holds the
+    product's floors and no module of the sandbox, and the sandbox's own wheel holds it."""
+    clone = tmp_path / "clone"
+    shutil.copytree(
+        REPO,
+        clone,
+        ignore=shutil.ignore_patterns("__pycache__", ".venv", ".cache", ".git", "build", "*.egg-info"),
+    )
+    for project, out in ((clone, tmp_path / "product"), (clone / "sandbox", tmp_path / "sandbox")):
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+            + [str(project)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    (product,) = (tmp_path / "product").glob("vgpu-*.whl")
+    names = zipfile.ZipFile(product).namelist()
+    floors = {n.split("/")[1] for n in names if n.startswith("vgpu/") and n.count("/") >= 2}
+    assert {"core", "hookabi", "kube", "commands", "extender", "plugin"} <= floors
+    assert not [n for n in names if "sandbox" in n.split("/")[0] or n.startswith("vgpu/sandbox")]
+    (sandbox,) = (tmp_path / "sandbox").glob("vgpu_sandbox-*.whl")
+    sandbox_names = zipfile.ZipFile(sandbox).namelist()
+    assert "vgpu_sandbox/cluster.py" in sandbox_names
+    assert not [n for n in sandbox_names if n.startswith("vgpu/")]
+    entry_points = next(n for n in sandbox_names if n.endswith("entry_points.txt"))
+    assert "sandbox = vgpu_sandbox.cli" in zipfile.ZipFile(sandbox).read(entry_points).decode()

@@ -119,7 +119,15 @@ def test_the_scheduler_runs_vgpu_as_uid_65532_without_the_hook() -> None:
 def test_the_venv_holds_compiled_bytecode_of_the_vgpu_package() -> None:
     names = image("scheduler").names(1)
     assert all(n.startswith("opt") for n in names), "the venv layer holds only /opt/vgpu"
-    assert any(n.endswith("/vgpu/__pycache__/cli.cpython-311.pyc") for n in names)
+    assert any(n.endswith("/vgpu/commands/__pycache__/cli.cpython-311.pyc") for n in names)
+
+
+@pytest.mark.parametrize("name", ["device-plugin", "scheduler"])
+def test_the_product_images_hold_no_sandbox(name: str) -> None:
+    """The developer's sandbox is its own distribution (sandbox/): never in a product image."""
+    names = image(name).all_names()
+    assert any("/site-packages/vgpu/core/" in n for n in names), "the vgpu package is in the image"
+    assert not [n for n in names if "vgpu_sandbox" in n or "vgpu/sandbox" in n]
 
 
 def test_the_sample_holds_the_stub_driver_and_the_test_programs_where_a_cuda_image_would() -> None:
