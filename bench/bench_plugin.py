@@ -34,7 +34,7 @@ from vgpu.core.annotations import (
     DeviceAllocation,
     encode_allocation,
 )
-from vgpu.kube.client import NodeAgentClient
+from vgpu.kube.agent import NodeAgentClient
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon

@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("VGPU_LOG_LEVEL", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from vgpu.kube.client import NodeAgentClient
+    from vgpu.kube.agent import NodeAgentClient
 
     client = NodeAgentClient(str(args.kubeconfig))
     kubelet = Kubelet(args.node, args.root, client)

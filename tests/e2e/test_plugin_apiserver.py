@@ -29,7 +29,7 @@ from vgpu.core.annotations import (
     decode_devices,
     lease_name,
 )
-from vgpu.kube.client import NodeAgentClient
+from vgpu.kube.agent import NodeAgentClient
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.fake_nvml import FakeDiscovery

@@ -12,16 +12,15 @@ each card, the largest of what any one phase needs: each init container (with th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 
 from vgpu.core import annotations as ann
 from vgpu.core.config import POLICIES, SchedulerConfig
 from vgpu.core.errors import RequestError
+from vgpu.core.quantity import SOURCE, parse_quantity, shown, suffix_of
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_MEM = "nvidia.com/gpumem"
@@ -30,33 +29,6 @@ RESOURCE_CORES = "nvidia.com/gpucores"
 RESOURCE_PRIORITY = "nvidia.com/priority"
 RESOURCES = (RESOURCE_GPU, RESOURCE_MEM, RESOURCE_MEM_PERCENT, RESOURCE_CORES, RESOURCE_PRIORITY)
 
-SOURCE = "pod"
-
-_QUANTITY = re.compile(
-    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$"
-)
-_SUFFIX = {
-    "": Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
-}
-
-
-# Kubernetes keeps a quantity in an int64; the longest text of one it writes is far shorter than this.
-QUANTITY_MAX = 2**63 - 1
 
 # The most MiB one vGPU may ask for (nvidia.com/gpumem): 1 TiB. The largest cards made carry 288 GB
 # (about 275,000 MiB), so this leaves room for a node's deviceMemoryScaling (oversubscription) of
@@ -66,8 +38,6 @@ GPUMEM_MAX_MIB = 1 << 20
 # Suffixes that make nvidia.com/gpumem a count of bytes in the writer's mind: every binary one, and
 # the decimal ones from M up. Not "k": the API server itself writes a plain 3000 as "3k".
 _MEMORY_SUFFIXES = frozenset(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "M", "G", "T", "P", "E"))
-_QUANTITY_TEXT_MAX = 64
-_EXPONENT_MAX = 100
 
 
 def gpumem_unit_mistake(raw: Any, mib: int) -> str | None:
@@ -77,84 +47,18 @@ def gpumem_unit_mistake(raw: Any, mib: int) -> str | None:
     the writer most likely meant, reading the value as bytes (``4Gi`` -> 4096 MiB).
     """
     text = raw.strip() if isinstance(raw, str) else ""
-    m = _QUANTITY.match(text) if text else None
-    suffixed = m is not None and m.group(3) in _MEMORY_SUFFIXES
+    suffixed = bool(text) and suffix_of(text) in _MEMORY_SUFFIXES
     if not suffixed and mib <= GPUMEM_MAX_MIB:
         return None
     meant = max(1, -(-mib // (1 << 20)))  # bytes -> MiB, rounded up
     if suffixed:
-        why = f"{_shown(raw)} reads as {mib} MiB; write the MiB as a plain number"
+        why = f"{shown(raw)} reads as {mib} MiB; write the MiB as a plain number"
     else:
         why = (
             f"{mib} MiB is more than any card has: at most {GPUMEM_MAX_MIB} MiB (1 TiB) per vGPU; "
             f"{mib} bytes are {meant} MiB"
         )
     return f"{RESOURCE_MEM} is in MiB: did you mean {meant}? ({why})"
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)`` for an error message, cut short: the value may be any JSON a client sent."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > QUANTITY_MAX:
-        return f"a number of {value.bit_length()} bits"  # str() of one past 4300 digits raises
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def parse_quantity(value: Any, field: str) -> int:
-    """A Kubernetes quantity that must be a whole number (``"3000"``, ``"3k"``, ``2``).
-
-    A value past Kubernetes' int64 range is refused: such a request can never be satisfied, and
-    computing it (``"1e999999999"``) would take the extender minutes and gigabytes.
-    """
-    if isinstance(value, bool):
-        raise RequestError(SOURCE, field, f"must be a whole number, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    else:
-        text = str(value).strip()
-        if len(text) > _QUANTITY_TEXT_MAX:
-            raise RequestError(
-                SOURCE, field, f"is {len(text)} characters, too long for a quantity, got {_shown(value)}"
-            )
-        try:
-            parsed = _quantity(text)
-        except OverflowError:
-            parsed = Fraction(QUANTITY_MAX + 1)
-        if parsed is None:
-            raise RequestError(SOURCE, field, f"must be a whole number such as 3000, got {_shown(value)}")
-        if parsed.denominator != 1:
-            raise RequestError(SOURCE, field, f"must be a whole number, got {_shown(value)}")
-        number = int(parsed)
-    if abs(number) > QUANTITY_MAX:
-        raise RequestError(
-            SOURCE, field, f"is out of range (Kubernetes quantities fit in 64 bits), got {_shown(value)}"
-        )
-    return number
-
-
-@lru_cache(maxsize=4096)
-def _quantity(text: str) -> Fraction | None:
-    """The exact value of a quantity's text, or None when it is not one (cached: pods repeat them).
-
-    OverflowError for a power of ten past any int64 (the value is then not computed).
-    """
-    m = _QUANTITY.match(text)
-    if m is None:
-        return None
-    number = Fraction(m.group(1))
-    if m.group(2):
-        exponent = int(m.group(2)[1:])
-        if not number:
-            return number
-        # The mantissa (at most 64 characters) lies within 10**-64..10**64, so past 10**100 the
-        # value is out of any int64's range, and below 10**-100 it is a fraction: either way no
-        # need to compute it.
-        if exponent > _EXPONENT_MAX:
-            raise OverflowError(text)
-        number *= Fraction(10) ** max(exponent, -_EXPONENT_MAX)
-    else:
-        number *= _SUFFIX[m.group(3) or ""]
-    return number
 
 
 @dataclass(frozen=True)
@@ -215,9 +119,9 @@ class Selection:
     def _listed(self) -> tuple[str, str, str]:
         """Each annotation with its value, as the reasons name it (worked out once per pod)."""
         return (
-            f"{ann.USE_GPUTYPE_ANNOTATION} {_shown(','.join(self.use_types))}",
-            f"{ann.NOUSE_GPUTYPE_ANNOTATION} {_shown(','.join(self.nouse_types))}",
-            f"{ann.USE_GPUUUID_ANNOTATION} {_shown(','.join(self.use_uuids))}",
+            f"{ann.USE_GPUTYPE_ANNOTATION} {shown(','.join(self.use_types))}",
+            f"{ann.NOUSE_GPUTYPE_ANNOTATION} {shown(','.join(self.nouse_types))}",
+            f"{ann.USE_GPUUUID_ANNOTATION} {shown(','.join(self.use_uuids))}",
         )
 
 
@@ -421,7 +325,7 @@ def _policy(annos: Mapping[str, Any], key: str, hami: str) -> str | None:
     value = annos.get(key)
     if value is not None and value not in POLICIES:
         raise RequestError(
-            SOURCE, _field_of(key), f"must be one of {', '.join(POLICIES)}, got {_shown(value)}"
+            SOURCE, _field_of(key), f"must be one of {', '.join(POLICIES)}, got {shown(value)}"
         )
     theirs = annos.get(hami)
     if theirs is None:
@@ -435,7 +339,7 @@ def _policy(annos: Mapping[str, Any], key: str, hami: str) -> str | None:
                 " holds a card alone)"
             )
         raise RequestError(
-            SOURCE, _field_of(hami), f"must be one of {', '.join(POLICIES)}, got {_shown(theirs)}{hint}"
+            SOURCE, _field_of(hami), f"must be one of {', '.join(POLICIES)}, got {shown(theirs)}{hint}"
         )
     if value is not None and value != theirs.strip():
         raise RequestError(
@@ -453,7 +357,7 @@ def _hami_modes(annos: Mapping[str, Any]) -> None:
         raise RequestError(
             SOURCE,
             _field_of(ann.HAMI_VGPU_MODE_ANNOTATION),
-            f"must name hami-core, got {_shown(mode)}: every card here is shared the way HAMi-core "
+            f"must name hami-core, got {shown(mode)}: every card here is shared the way HAMi-core "
             "shares it; MIG and MPS are not offered",
         )
     bind = annos.get(ann.HAMI_NUMA_BIND_ANNOTATION)

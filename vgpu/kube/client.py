@@ -29,7 +29,6 @@ from kubernetes import config as k8s_config
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from vgpu.core.errors import KubeError
-from vgpu.kube import lease as leases
 from vgpu.kube import replies
 from vgpu.kube.lease import now_micro as now_micro
 from vgpu.kube.lease import parse_time as parse_time
@@ -406,51 +405,3 @@ class Kube:
             raise KubeError(f"{what}: stream broke: {err}") from err
         finally:
             resp.release_conn()
-
-
-class NodeAgentClient(Kube):
-    """The API calls of a node's device plugin and of the sandbox kubelet, on top of :class:`Kube`."""
-
-    def list_node_pods(self, node: str) -> list[Obj]:
-        """Pods bound to ``node`` (every namespace)."""
-        pods, _ = self.list_pods(field_selector=f"spec.nodeName={node}")
-        return pods
-
-    def patch_pod_annotations(  # type: ignore[override]
-        self, namespace: str, name: str, annotations: Mapping[str, str | None], uid: str | None = None
-    ) -> None:
-        super().patch_pod_annotations(namespace, name, annotations, uid)
-
-    def node_annotations(self, node: str) -> dict[str, str]:
-        node_obj = self._call(f"read node {node}", self.core.read_node, node)
-        return dict((node_obj.get("metadata") or {}).get("annotations") or {})
-
-    def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
-        """Merge-patch a Node's annotations (None removes one)."""
-        body = {"metadata": {"annotations": dict(annotations)}}
-        self.merge_patch(f"annotate node {node}", self.core.patch_node, node, body=body)
-
-    def patch_node_resources(self, node: str, resource: str, capacity: int, allocatable: int) -> None:
-        """Set one extended resource in the Node's status, as kubelet does for device plugins."""
-        body = {
-            "status": {"capacity": {resource: str(capacity)}, "allocatable": {resource: str(allocatable)}}
-        }
-        self.merge_patch(f"update the status of node {node}", self.core.patch_node_status, node, body=body)
-
-    def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None:
-        """Mark a pod Failed as kubelet does when it rejects it at admission (the sandbox's kubelet)."""
-        body = {"status": {"phase": "Failed", "reason": reason, "message": message}}
-        what = f"mark pod {namespace}/{name} Failed"
-        self.merge_patch(what, self.core.patch_namespaced_pod_status, name, namespace, body=body)
-
-    def renew_lease(
-        self,
-        namespace: str,
-        name: str,
-        holder: str,
-        duration_s: int,
-        annotations: Mapping[str, str] | None = None,
-    ) -> None:
-        """Create the Lease, or renew it (see :func:`vgpu.kube.lease.renew`); ``annotations`` are
-        set on the Lease with each renewal (the node's usage report)."""
-        leases.renew(self, namespace, name, holder, duration_s, annotations)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class NodeClient(PodSource, NodeAPI, Protocol):
-    """Everything the node side asks of the API server (vgpu.kube.client.NodeAgentClient)."""
+    """Everything the node side asks of the API server (vgpu.kube.agent.NodeAgentClient)."""
 
 
 @dataclass

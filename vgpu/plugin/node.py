@@ -94,7 +94,7 @@ def _config(settings: NodeSettings) -> NodeConfig:
 
 def build_plugin(settings: NodeSettings) -> Daemon:
     """The whole device plugin of the node, every setting checked, nothing started."""
-    from vgpu.kube.client import NodeAgentClient
+    from vgpu.kube.agent import NodeAgentClient
 
     config = _config(settings)
     paths = HostPaths(settings.root)
@@ -138,7 +138,7 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
     discovery = open_discovery(settings)
     list_pods: PodLister | None = None
     if settings.kube:
-        from vgpu.kube.client import NodeAgentClient
+        from vgpu.kube.agent import NodeAgentClient
 
         list_pods = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None).list_node_pods
     state = DeviceState(discovery.cards(), config)
