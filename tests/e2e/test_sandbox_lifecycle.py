@@ -28,13 +28,7 @@ pytestmark = pytest.mark.e2e
 def vgpu(
     *args: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vgpu.commands.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return support.vgpu(*args, env=env, timeout=timeout)
 
 
 @pytest.fixture
@@ -123,7 +117,7 @@ def test_down_after_a_component_crash_leaves_no_process_and_no_port(short_dir: P
 def test_down_after_up_itself_was_killed_midway_leaves_nothing(short_dir: Path) -> None:
     sb_dir = (short_dir / "killed").resolve()
     up = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.commands.cli", "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
+        [*support.VGPU, "sandbox", "--dir", str(sb_dir), "up", "--nodes", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

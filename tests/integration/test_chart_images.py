@@ -93,22 +93,28 @@ def test_the_hook_build_step_of_the_device_plugin_image_makes_an_exporting_libvg
     assert {"cuMemAlloc_v2", "cuGetProcAddress", "dlsym"} <= exported
 
 
-def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_path: Path) -> None:
-    """The images' build stage runs `pip install .` on pyproject.toml and vgpu/ only."""
-    context = tmp_path / "context"
-    context.mkdir()
-    shutil.copy(REPO / "pyproject.toml", context)
-    shutil.copytree(REPO / "vgpu", context / "vgpu", ignore=shutil.ignore_patterns("__pycache__"))
+def _wheel(project: Path, out: Path, pattern: str) -> Path:
+    """``pip wheel`` of ``project`` (no dependencies, this venv's setuptools) into ``out``: the one wheel."""
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
-        + [str(context)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+        + [str(project)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    (wheel,) = tmp_path.glob("vgpu-*.whl")
+    (wheel,) = out.glob(pattern)
+    return wheel
+
+
+def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_path: Path) -> None:
+    """The images' build stage runs `pip install .` on pyproject.toml and vgpu/ only."""
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy(REPO / "pyproject.toml", context)
+    shutil.copytree(REPO / "vgpu", context / "vgpu", ignore=shutil.ignore_patterns("__pycache__"))
+    wheel = _wheel(context, tmp_path, "vgpu-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
@@ -122,24 +128,14 @@ def test_the_products_wheel_built_from_the_whole_repo_leaves_the_sandbox_out(tmp
     shutil.copytree(
         REPO,
         clone,
-        ignore=shutil.ignore_patterns("__pycache__", ".venv", ".cache", ".git", "build", "*.egg-info"),
+        ignore=shutil.ignore_patterns("__pycache__", ".*", "build", "*.egg-info"),  # .venv, .cache, .git
     )
-    for project, out in ((clone, tmp_path / "product"), (clone / "sandbox", tmp_path / "sandbox")):
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
-            + [str(project)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-    (product,) = (tmp_path / "product").glob("vgpu-*.whl")
+    product = _wheel(clone, tmp_path / "product", "vgpu-*.whl")
     names = zipfile.ZipFile(product).namelist()
     floors = {n.split("/")[1] for n in names if n.startswith("vgpu/") and n.count("/") >= 2}
     assert {"core", "hookabi", "kube", "commands", "extender", "plugin"} <= floors
     assert not [n for n in names if "sandbox" in n.split("/")[0] or n.startswith("vgpu/sandbox")]
-    (sandbox,) = (tmp_path / "sandbox").glob("vgpu_sandbox-*.whl")
+    sandbox = _wheel(clone / "sandbox", tmp_path / "sandbox", "vgpu_sandbox-*.whl")
     sandbox_names = zipfile.ZipFile(sandbox).namelist()
     assert "vgpu_sandbox/cluster.py" in sandbox_names
     assert not [n for n in sandbox_names if n.startswith("vgpu/")]

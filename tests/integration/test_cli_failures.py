@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
 from vgpu.commands.cli import build_parser
 from vgpu.hookabi.region import format_region
 from vgpu.plugin.paths import REGION_FILE_NAME
@@ -79,13 +79,8 @@ def world(tmp_path: Path) -> World:
 def vgpu(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vgpu.commands.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "VGPU_DEBUG": "", **(env or {})},
-    )
+    """With VGPU_DEBUG cleared: a traceback shown on purpose would hide one shown by mistake."""
+    return support.vgpu(*args, env={"VGPU_DEBUG": "", **(env or {})}, timeout=timeout)
 
 
 def one_line_failure(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -103,7 +98,7 @@ def run_daemon(argv: list[str], until: str, poke: Callable[[], None] | None = No
     """Run a long-running command against the missing cluster until its output shows ``until``
     (at most a minute; ``poke`` it then), and stop it as Kubernetes does (SIGTERM); its output."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.commands.cli", *argv],
+        [*support.VGPU, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

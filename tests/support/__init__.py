@@ -6,11 +6,12 @@ Nothing here imports ``fuzz``: the fuzz harnesses import only ``vgpu``, and the 
 
 from tests.support.kube import FakeKube
 from tests.support.pods import bound_pod, container, pod
-from tests.support.procs import running, start, stop
+from tests.support.procs import VGPU, running, start, stop, vgpu
 from tests.support.tmp import short_dir
 from tests.support.wait import poll, wait_for
 
 __all__ = [
+    "VGPU",
     "FakeKube",
     "bound_pod",
     "container",
@@ -20,5 +21,6 @@ __all__ = [
     "short_dir",
     "start",
     "stop",
+    "vgpu",
     "wait_for",
 ]

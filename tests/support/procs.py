@@ -4,13 +4,17 @@ grace period, then SIGKILL (the sandbox's own :func:`vgpu_sandbox.procs.stop_gro
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from vgpu_sandbox.procs import stop_group as stop
 
-__all__ = ["running", "start", "stop"]
+__all__ = ["VGPU", "running", "start", "stop", "vgpu"]
+
+VGPU = [sys.executable, "-m", "vgpu.commands.cli"]  # the `vgpu` command of this checkout
 
 
 def start(argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -36,3 +40,12 @@ def running(
         yield proc
     finally:
         stop(proc, grace=grace)
+
+
+def vgpu(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``vgpu ARGS`` run to its end, output captured as text, ``env`` over this process's."""
+    return subprocess.run(
+        [*VGPU, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
