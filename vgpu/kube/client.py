@@ -107,7 +107,7 @@ def parse_time(text: str | None) -> dt.datetime | None:
 class Kube:
     """A small, thread-safe client for what the extender (and the device plugin) need."""
 
-    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32, wire: bool = True) -> None:
         cfg = k8s.Configuration()
         try:
             if kubeconfig:
@@ -120,7 +120,7 @@ class Kube:
         cfg.connection_pool_maxsize = pool_size
         try:
             # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
-            self._wire = Wire.from_configuration(cfg, pool_size)
+            self._wire = Wire.from_configuration(cfg, pool_size) if wire else None
         except (OSError, ValueError) as err:
             raise KubeError(
                 f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {err}"
