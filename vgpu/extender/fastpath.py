@@ -1,16 +1,18 @@
 """Which hand-written parts of the extender's request path run, checked once at start.
 
 The stock path is Flask's routing on gunicorn's ``gthread`` worker, with the kubernetes client for
-the Binding and the watches. Two parts replace pieces of it where measurement showed a gain
-(docs/scheduling.md#speed, bench/RESULTS.md):
+the Binding and the watches. Three parts replace pieces of it, kept because each gives more than
+10 % more pods per second (docs/scheduling.md#speed, bench/RESULTS.md):
 
+- ``_Verbs`` (:mod:`vgpu.extender.app`), plain WSGI in front of Flask: no library internals;
 - the worker (:mod:`vgpu.extender.worker`), which reaches into gunicorn's ``gthread`` internals;
 - the wire client (:mod:`vgpu.kube.wire`), which reads the kubernetes client's Configuration.
 
-Each runs only with the version of the library it was tested with (:data:`TESTED`, the lock's
-pins: tests/unit/test_lock.py checks they agree); with another, the extender takes the stock path
-for that part and says so in one log line. An environment variable turns a part off by hand
-(``0``, ``false``, ``no`` or ``off``): :data:`WORKER_ENV`, :data:`WIRE_ENV`.
+The last two run only with the version of the library they were tested with (:data:`TESTED`, the
+lock's pins: tests/unit/test_lock.py checks they agree); with another, the extender takes the
+stock path for that part and says so in one log line. An environment variable turns a part off by
+hand (``0``, ``false``, ``no`` or ``off``): :data:`VERBS_ENV`, :data:`WORKER_ENV`, :data:`WIRE_ENV`
+(and the worker's short parser alone: ``VGPU_EXTENDER_SHORT_PARSER``).
 """
 
 from __future__ import annotations
