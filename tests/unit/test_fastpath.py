@@ -4,6 +4,7 @@ it was tested with (the lock's), else the stock path runs and one log line says 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,20 @@ def test_the_server_runs_the_worker_the_check_chose(
     monkeypatch.setattr(fastpath, "installed", installed.get)
     server = ExtenderServer(SchedulerConfig(listen="127.0.0.1:0"))
     assert server.cfg.settings["worker_class"].get() == worker_class
+
+
+@pytest.mark.parametrize("wire", [True, False])
+def test_the_client_takes_the_wire_path_only_when_chosen(tmp_path: Path, wire: bool) -> None:
+    from vgpu.kube.client import Kube
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1', insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    kube = Kube(str(kubeconfig), wire=wire)
+    try:
+        assert (kube._wire is not None) == wire
+    finally:
+        kube.close()
