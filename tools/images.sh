@@ -405,7 +405,7 @@ main() {
   build_ocipack
   common_hash=$(str_hash "$(sha256sum "$here/images.sh") $ocipack")
   native_hash=$(tree_hash native/hook)
-  py_hash=$(tree_hash pyproject.toml vgpu)
+  py_hash=$(tree_hash pyproject.toml requirements.lock vgpu)
   work=$(mktemp -d "${TMPDIR:-/tmp}/vgpu-images-XXXXXX")
   trap 'rm -rf "$work"' EXIT
   for n in "${names[@]}"; do build_image "$n"; done
