@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup venv tools native fuzz-tools node-tools images-docker test unit e2e gpu-test lint proto demo bench images fuzz clean
+.PHONY: setup venv lock tools native fuzz-tools node-tools images-docker test unit e2e gpu-test lint proto demo bench images fuzz clean
 
 # The real node's images need root (debootstrap, chroot); elsewhere setup leaves them out and the
 # real-node tests skip, naming why.
@@ -15,13 +15,24 @@ SETUP_IMAGES := $(if $(filter 0,$(shell id -u)),images,)
 
 setup: venv tools native fuzz-tools node-tools $(SETUP_IMAGES) ## everything the tests, fuzzing and the demo need; rebuilds only what is missing
 
-$(BIN)/.installed: pyproject.toml sandbox/pyproject.toml
+$(BIN)/.installed: pyproject.toml sandbox/pyproject.toml requirements.lock requirements-dev.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]' -e ./sandbox
+	$(BIN)/pip install -q -c requirements-dev.lock -e '.[dev]' -e ./sandbox
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The pins: requirements.lock (the product's dependencies: the images) and requirements-dev.lock
+# (with the dev extra: make venv). Regenerate after changing pyproject.toml's dependencies; the
+# pins already there are kept unless the change needs others (PIP_TOOLS_ARGS=--upgrade: newest).
+lock: ## requirements.lock and requirements-dev.lock from pyproject.toml (pip-tools, from PyPI)
+	$(PY) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/pip install -q 'pip-tools==7.5.3'
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)-lock/bin/pip-compile -q --strip-extras --allow-unsafe \
+	  --no-emit-index-url --no-emit-find-links $(PIP_TOOLS_ARGS) -o requirements.lock pyproject.toml
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)-lock/bin/pip-compile -q --strip-extras --allow-unsafe \
+	  --no-emit-index-url --no-emit-find-links $(PIP_TOOLS_ARGS) --extra dev -o requirements-dev.lock pyproject.toml
 
 tools: ## kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, KWOK, helm, etcd
 	bash tools/build.sh
@@ -81,4 +92,4 @@ images-docker: ## the chart's images from images/*.Dockerfile, with a container 
 	for f in images/*.Dockerfile; do docker build -f $$f -t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG) . || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV)-lock .pytest_cache .mypy_cache .ruff_cache

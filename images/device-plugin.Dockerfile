@@ -26,10 +26,10 @@ RUN make clean && make build/libvgpu.so && install -D -m 0755 build/libvgpu.so /
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml requirements.lock ./
 COPY vgpu ./vgpu
 RUN python -m venv /opt/vgpu \
- && /opt/vgpu/bin/pip install --no-cache-dir --no-compile . \
+ && /opt/vgpu/bin/pip install --no-cache-dir --no-compile -c requirements.lock . \
  && /opt/vgpu/bin/python -m compileall -q /opt/vgpu/lib
 
 FROM ${PYTHON_IMAGE}

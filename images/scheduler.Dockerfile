@@ -13,11 +13,11 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml requirements.lock ./
 COPY vgpu ./vgpu
 # A self-contained virtual environment; nothing of the build stage reaches the final image.
 RUN python -m venv /opt/vgpu \
- && /opt/vgpu/bin/pip install --no-cache-dir --no-compile . \
+ && /opt/vgpu/bin/pip install --no-cache-dir --no-compile -c requirements.lock . \
  && /opt/vgpu/bin/python -m compileall -q /opt/vgpu/lib
 
 FROM ${PYTHON_IMAGE}

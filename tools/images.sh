@@ -197,7 +197,8 @@ check_pip() {
 py_minor() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
 
 # Wheels for the venv, built on this machine with the repo's pip: the dependencies once per
-# pyproject.toml (cached), the vgpu wheel every time, from a clean copy of the sources.
+# pyproject.toml and requirements.lock (cached; the lock's pins), the vgpu wheel every time, from a
+# clean copy of the sources.
 wheels() {
   local out=$1
   check_pip
@@ -206,18 +207,18 @@ wheels() {
   image_py=$(chroot "$base_dir/rootfs" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   [ "$host_py" = "$image_py" ] || die "the wheels are built with Python $host_py ($pip) but the image has Python $image_py; point VGPU_PIP at a pip of Python $image_py"
   local deps_dir
-  deps_dir=$bin_dir/image-wheels-py$host_py-$(sha256sum "$repo/pyproject.toml" | cut -c1-16)
+  deps_dir=$bin_dir/image-wheels-py$host_py-$(cat "$repo/pyproject.toml" "$repo/requirements.lock" | sha256sum | cut -c1-16)
   mkdir -p "$out"
   local src=$work/src
   mkdir -p "$src"
   cp "$repo/pyproject.toml" "$src/"
   tar -C "$repo" --exclude=__pycache__ --exclude='*.pyc' -cf - vgpu | tar -C "$src" -xf -
   if [ ! -f "$deps_dir/.complete" ]; then
-    log "wheels: dependencies of pyproject.toml (first time for this pyproject.toml)"
+    log "wheels: dependencies of pyproject.toml at requirements.lock's pins (first time for these two files)"
     local tmp
     mkdir -p "$bin_dir"
     tmp=$(mktemp -d "$bin_dir/.image-wheels-XXXXXX")
-    "$pip" wheel -q --no-build-isolation --wheel-dir "$tmp" "$src" || {
+    "$pip" wheel -q --no-build-isolation -c "$repo/requirements.lock" --wheel-dir "$tmp" "$src" || {
       rm -rf "$tmp"
       die "pip wheel of the dependencies failed (output above); pip needs PyPI or a mirror (PIP_INDEX_URL)"
     }
@@ -417,7 +418,7 @@ main() {
   build_ocipack
   common_hash=$(str_hash "$(sha256sum "$here/images.sh") $ocipack")
   native_hash=$(tree_hash native/hook)
-  py_hash=$(tree_hash pyproject.toml vgpu)
+  py_hash=$(tree_hash pyproject.toml requirements.lock vgpu)
   work=$(mktemp -d "${TMPDIR:-/tmp}/vgpu-images-XXXXXX")
   trap 'rm -rf "$work"' EXIT
   for n in "${names[@]}"; do build_image "$n"; done

@@ -71,7 +71,8 @@ def test_the_device_plugin_image_ships_the_hook_where_the_chart_points_the_plugi
 def test_the_build_context_lets_in_only_what_the_dockerfile_copies(dockerfile: Path) -> None:
     ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    copied = {src.rstrip("/") for src in re.findall(r"^COPY (?!--from)(\S+) ", dockerfile.read_text(), re.M)}
+    copies = re.findall(r"^COPY (?!--from).*$", dockerfile.read_text(), re.M)
+    copied = {src.rstrip("/") for line in copies for src in line.split()[1:-1]}  # every source
     assert "*" in ignore and copied and copied <= allowed
 
 

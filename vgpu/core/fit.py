@@ -542,12 +542,19 @@ def utilization(inventory: NodeInventory, usage: Mapping[str, Usage], fp: Mappin
         )
         _TOTALS[id(inventory)] = cached  # holding ``inventory`` keeps its id from being reused
     _, total_mem, total_slots = cached
-    if not total_mem or not total_slots:
-        return 1.0
     mem = slots = 0
     for u in itertools.chain(usage.values(), fp.values()):
         mem += u[0]
         slots += u[2]
+    return node_utilization(total_mem, total_slots, mem, slots)
+
+
+def node_utilization(total_mem: int, total_slots: int, mem: int, slots: int) -> float:
+    """The one formula of how full a node is (0..1): ``mem`` of ``total_mem`` MiB and ``slots`` of
+    ``total_slots`` vGPU slots taken, averaged; a node with no capacity counts as full. Used by
+    :func:`utilization` and by :mod:`vgpu.core.placement`'s ranking of nodes alike."""
+    if not total_mem or not total_slots:
+        return 1.0
     return (mem / total_mem + slots / total_slots) / 2
 
 

@@ -111,7 +111,9 @@ def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
     raise BadRequest("ExtenderArgs needs NodeNames (nodeCacheCapable: true) or Nodes")
 
 
-def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> Flask:
+def create_app(
+    config: SchedulerConfig, state: SchedulerState | None = None, fast_verbs: bool = True
+) -> Flask:
     """The app; ``state`` defaults to an empty one (its owner feeds it, see vgpu.extender.server)."""
     app = Flask("vgpu.extender")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
@@ -213,7 +215,8 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
     }
     for path, handler in routes.items():
         app.add_url_rule(path, endpoint=handler.__name__, view_func=_view(handler), methods=["POST"])
-    app.wsgi_app = _Verbs(routes, app.wsgi_app)  # type: ignore[method-assign]
+    if fast_verbs:
+        app.wsgi_app = _Verbs(routes, app.wsgi_app)  # type: ignore[method-assign]
 
     @app.get("/healthz")
     def healthz() -> Response:

@@ -50,16 +50,18 @@ def tune_gil() -> None:
 def build_worker_app(config: SchedulerConfig, filter_keep: int | None = None) -> Any:
     """In the worker: the state, its feeds from the API server, and the Flask app over it."""
     tune_gil()
+    from vgpu.extender import fastpath
     from vgpu.extender.app import create_app
     from vgpu.extender.state import FILTER_KEEP, SchedulerState
     from vgpu.extender.sync import Syncer
     from vgpu.kube.client import Kube
 
-    kube = Kube(config.kubeconfig)
+    paths = fastpath.choose()
+    kube = Kube(config.kubeconfig, wire=paths.wire)
     state = SchedulerState(config, kube, filter_keep=filter_keep or FILTER_KEEP)
     syncer = Syncer(state, kube, config.identity or socket.gethostname())
     syncer.start()
-    app = create_app(config, state)
+    app = create_app(config, state, fast_verbs=paths.verbs)
     app.extensions["vgpu_syncer"] = syncer
     return app
 
@@ -71,11 +73,16 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
         super().__init__()
 
     def load_config(self) -> None:
+        from vgpu.extender import fastpath
+
         cfg = self.config_
+        paths = fastpath.choose()
+        fastpath.report(paths)
         settings: dict[str, Any] = {
             "bind": [cfg.listen],
             "workers": 1,
-            "worker_class": "vgpu.extender.worker.LingeringThreadWorker",  # gthread, see worker.py
+            # gthread, or the same keeping a busy connection in its thread: see worker.py
+            "worker_class": "vgpu.extender.worker.LingeringThreadWorker" if paths.worker else "gthread",
             "threads": cfg.workers,
             "timeout": 120,
             "graceful_timeout": 10,

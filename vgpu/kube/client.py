@@ -49,7 +49,7 @@ AUTH_HEADERS_TTL_S = 10.0
 class Kube:
     """A small, thread-safe client for what the extender (and the device plugin) need."""
 
-    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32, wire: bool = True) -> None:
         cfg = k8s.Configuration()
         if kubeconfig and not os.path.isfile(kubeconfig):
             raise KubeError(f"cannot load Kubernetes credentials from {kubeconfig}: no such file")
@@ -65,7 +65,7 @@ class Kube:
         self.server: str = cfg.host  # the API server's URL, named in errors
         try:
             # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
-            self._wire = Wire.from_configuration(cfg, pool_size)
+            self._wire = Wire.from_configuration(cfg, pool_size) if wire else None
         except (OSError, ValueError) as err:
             raise KubeError(
                 f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {one_line(err)}"

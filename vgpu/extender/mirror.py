@@ -1,0 +1,324 @@
+"""The extender's mirror of the cluster: nodes, device plugin Leases and pods, as the watches
+deliver them (:mod:`vgpu.extender.sync` lists, then watches, and applies each event here).
+
+Nodes give their inventory annotation, Leases each device plugin's deadline, pods their
+allocation annotation, which the :class:`~vgpu.core.ledger.Ledger` commits. Everything sits
+behind one lock that :class:`vgpu.extender.state.SchedulerState` (a :class:`Mirror` with the
+verbs) shares with the placement index and the binder.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vgpu.core import annotations as ann
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.ledger import Usage, footprint
+from vgpu.core.placement import FilterResult, Placement, Shape, shape
+from vgpu.core.requests import PodRequest, parse_pod
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+TERMINAL = ("Succeeded", "Failed")
+
+# A pod filter refused for lack of room is retried by kube-scheduler on cluster events, among
+# them the deletion of the pod that frees the room. That event can reach kube-scheduler, and the
+# retry reach filter, before our own pod watch has delivered it: the retry is refused again and
+# no further event comes, so kube-scheduler would wait for its next sweep of unschedulable pods
+# (every 30 s, for pods waiting longer than --pod-max-in-unschedulable-pods-duration). So when
+# the ledger frees room, pods refused within this many seconds before are nudged: the Syncer
+# annotates each (ann.ROOM_FREED_ANNOTATION), and a pod's own update makes kube-scheduler retry
+# it. At most NUDGE_MAX per freeing, the most recently refused first; REFUSED_KEPT pods tracked.
+NUDGE_WINDOW_S = 5.0
+NUDGE_MAX = 100
+REFUSED_KEPT = 4096
+
+
+@dataclass
+class NodeEntry:
+    inventory: ann.NodeInventory | None = None
+    error: str | None = None  # why the inventory is unusable
+    raw: str | None = None  # the annotation text it was decoded from
+
+
+def _rv(obj: Mapping[str, Any]) -> int:
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _phases(request: PodRequest) -> list[list[str]]:
+    return [[c.name for c in phase] for phase in request.phases()]
+
+
+class Mirror:
+    def __init__(self, config: SchedulerConfig, clock: Any, placement: Placement) -> None:
+        self.config = config
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.placement = placement
+        self.ledger = placement.ledger
+        self.nodes: dict[str, NodeEntry] = {}
+        # node -> (inventory, shape) for the nodes with a usable inventory; its ``get`` is placement's
+        # lookup (a dict's own method: called per candidate node, so no Python frame of ours)
+        self.usable: dict[str, tuple[ann.NodeInventory, Shape]] = {}
+        self.lease_expiry: dict[str, float] = {}  # node -> when its plugin Lease runs out (epoch s)
+        self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
+        self.binding: set[str] = set()  # uids with a bind in flight
+        # uid -> when it lapses: the one node filter answered for the pod, held in the ledger
+        # until bind comes (see vgpu.extender.binder)
+        self.assumed: dict[str, float] = {}
+        self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
+        self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
+        self.inventory_errors = 0
+        # pods filter refused for lack of room: uid -> (when, namespace, name), oldest first; and
+        # when the ledger last freed room (see NUDGE_WINDOW_S), with an event the Syncer waits on
+        self.refused: dict[str, tuple[float, str, str]] = {}
+        self.freed_at = 0.0
+        self.room_freed = threading.Event()
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def apply_node(self, node: Obj) -> None:
+        meta = node.get("metadata") or {}
+        name = meta.get("name")
+        if not name:
+            return
+        raw = (meta.get("annotations") or {}).get(ann.DEVICES_ANNOTATION)
+        with self.lock:
+            old = self.nodes.get(name)
+            if old is not None and old.raw == raw:
+                return
+            self.placement.node_changed(name)
+            self.usable.pop(name, None)
+            if raw is None:
+                self.nodes[name] = NodeEntry(
+                    error=f"had no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
+                )
+                return
+            try:
+                inventory = ann.decode_devices(raw)
+                self.nodes[name] = NodeEntry(inventory=inventory, raw=raw)
+                self.usable[name] = (inventory, shape(inventory))
+            except AnnotationError as err:
+                self.nodes[name] = NodeEntry(error=f"had a malformed inventory, skipped: {err}", raw=raw)
+                self.inventory_errors += 1
+                log.warning("node %s: %s; skipping it until the annotation is fixed", name, err)
+                from vgpu.extender import metrics
+
+                metrics.INVENTORY_ERRORS.labels(name).inc()
+
+    def forget_node(self, name: str) -> None:
+        with self.lock:
+            self.nodes.pop(name, None)
+            self.usable.pop(name, None)
+            self.placement.node_changed(name, gone=True)
+
+    def replace_nodes(self, nodes: Iterable[Obj]) -> None:
+        names = set()
+        for n in nodes:
+            self.apply_node(n)
+            names.add((n.get("metadata") or {}).get("name"))
+        with self.lock:
+            for name in list(self.nodes):
+                if name not in names:
+                    del self.nodes[name]
+                    self.usable.pop(name, None)
+                    self.placement.node_changed(name, gone=True)
+
+    # -- device plugin Leases ------------------------------------------------------------------
+    def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
+        from vgpu.kube.client import parse_time
+
+        name = (lease.get("metadata") or {}).get("name") or ""
+        if not name.startswith(ann.LEASE_PREFIX) or name == self.config.leader_lease:
+            return
+        node = name[len(ann.LEASE_PREFIX) :]
+        with self.lock:
+            if deleted:
+                self.lease_expiry.pop(node, None)
+                return
+            spec = lease.get("spec") or {}
+            renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
+            duration = spec.get("leaseDurationSeconds") or 0
+            if renewed is None or not isinstance(duration, int):
+                self.lease_expiry[node] = 0.0
+            else:
+                self.lease_expiry[node] = renewed.timestamp() + duration + self.config.plugin_lease_grace_s
+
+    def replace_leases(self, leases: Iterable[Obj]) -> None:
+        with self.lock:
+            self.lease_expiry.clear()
+        for lease in leases:
+            self.apply_lease(lease)
+
+    def node_problem(self, name: str, now: float) -> str | None:
+        """Why ``name`` gets nothing new, or None: a predicate like fit's reasons (see
+        :class:`vgpu.core.fit.Rejection`). Caller holds the lock."""
+        entry = self.nodes.get(name)
+        if entry is None:
+            return "had no record in the vGPU extender (not yet seen, or deleted)"
+        if entry.inventory is None:
+            return entry.error or "had no vGPU inventory"
+        expiry = self.lease_expiry.get(name)
+        if expiry is not None and expiry >= now:
+            return None
+        lease = f"{self.config.namespace}/{ann.lease_name(name)}"
+        if expiry is None:
+            return f"had no vGPU device plugin running: Lease {lease} not found"
+        return f"had no vGPU device plugin running: Lease {lease} expired"
+
+    # -- pods ----------------------------------------------------------------------------------
+    def apply_pod(self, pod: Obj, deleted: bool = False) -> None:
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid")
+        if not uid:
+            return
+        rv = _rv(pod)
+        with self.lock:
+            if deleted:
+                self.assumed.pop(uid, None)
+                self._release(uid)
+                self.pod_rv.pop(uid, None)
+                self.recent_pods.pop(uid, None)
+                self.refused.pop(uid, None)
+                self._pod_raw.pop(uid, None)
+                return
+            if rv and rv < self.pod_rv.get(uid, 0):
+                return  # older than what the ledger already reflects (e.g. our own bind's patch)
+            self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
+            if (pod.get("status") or {}).get("phase") in TERMINAL:
+                self._pod_raw.pop(uid, None)
+                self.assumed.pop(uid, None)
+                self.refused.pop(uid, None)
+                self._release(uid)  # finished pods hold nothing, as for any Kubernetes resource
+                return
+            raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
+            if raw is None:
+                # Not (yet) placed, or an event from before our own bind that the watch delivers
+                # late: either way nothing to change. Only deletion or finishing frees capacity.
+                return
+            if self._pod_raw.get(uid) == raw and self.ledger.node_of(uid) is not None:
+                return  # the same allocation as already committed (most events are status updates)
+            try:
+                allocation = ann.decode_allocation(raw)
+            except AnnotationError as err:
+                log.warning(
+                    "pod %s/%s: %s; its capacity is not counted", meta.get("namespace"), meta.get("name"), err
+                )
+                return
+            try:
+                phases: list[list[str]] | None = _phases(parse_pod(pod, self.config))
+            except RequestError:
+                phases = None  # count every container at once: never less than the truth
+            self.assumed.pop(uid, None)
+            self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
+            self._pod_raw[uid] = raw
+
+    def replace_pods(self, pods: Iterable[Obj]) -> None:
+        """A fresh list: forget pods it no longer has (except binds in flight), apply the rest."""
+        pods = list(pods)
+        seen = {(p.get("metadata") or {}).get("uid") for p in pods}
+        with self.lock:
+            for uid in list(self.ledger.pods()):
+                if uid not in seen and uid not in self.binding:
+                    self.assumed.pop(uid, None)
+                    self._release(uid)
+                    self.pod_rv.pop(uid, None)
+                    self._pod_raw.pop(uid, None)
+            for p in pods:
+                self.apply_pod(p)
+
+    def committed(self, uid: str, raw: str) -> None:
+        """Our own bind wrote allocation ``raw``: the watch's copy of it then costs no second decode.
+        Caller holds the lock."""
+        self._pod_raw[uid] = raw
+
+    def _release(self, uid: str) -> None:
+        """A pod left for good (deleted, finished, gone from a fresh list): free its room and
+        note it for the nudge (see NUDGE_WINDOW_S). Caller holds the lock."""
+        if self.ledger.node_of(uid) is None:
+            return
+        self.ledger.release(uid)
+        self.freed_at = self.clock()
+        self.room_freed.set()
+
+    # -- pods refused for lack of room, nudged when room frees ---------------------------------
+    def note_refusal(self, pod: Obj, uid: str | None, result: FilterResult, now: float) -> None:
+        """Remember a pod refused for lack of room (some node failed, none fit). Caller holds the lock."""
+        if not uid:
+            return
+        self.refused.pop(uid, None)  # re-inserted last: the dict stays in refusal order
+        if result.nodes or not result.failed or result.error:
+            return
+        meta = pod.get("metadata") or {}
+        self.refused[uid] = (now, str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
+        while len(self.refused) > REFUSED_KEPT:
+            self.refused.pop(next(iter(self.refused)))
+
+    def take_nudges(self) -> list[tuple[str, str, str]]:
+        """(uid, namespace, name) of the pods to nudge since room last freed, most recent first;
+        each is forgotten (a new refusal notes it again)."""
+        with self.lock:
+            since = self.freed_at - NUDGE_WINDOW_S
+            out: list[tuple[str, str, str]] = []
+            for uid, (when, namespace, name) in reversed(self.refused.items()):
+                if when < since or len(out) == NUDGE_MAX:
+                    break
+                out.append((uid, namespace, name))
+            for uid, _, _ in out:
+                del self.refused[uid]
+            return out
+
+    # -- for the webhook and metrics -------------------------------------------------------------
+    def largest_card(self) -> tuple[int, int] | None:
+        """(most memory on one card, most usable cards on one node) over known nodes, or None."""
+        with self.lock:
+            invs = [
+                e.inventory for e in self.nodes.values() if e.inventory is not None and e.inventory.devices
+            ]
+        if not invs:
+            return None
+        mem = max(d.memory_mib for inv in invs for d in inv.devices)
+        cards = max(len(inv.devices) for inv in invs)
+        return mem, cards
+
+    def known_cards(self) -> list[ann.Device]:
+        """Every card of the nodes with an inventory (the webhook's selection check)."""
+        with self.lock:
+            return [d for e in self.nodes.values() if e.inventory is not None for d in e.inventory.devices]
+
+    def snapshot(
+        self, changed_since: Mapping[str, tuple[int, int]] | None = None
+    ) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]]:
+        """(node, inventory, usage per card, ledger node version) for nodes with an inventory.
+
+        With ``changed_since`` (node -> (version, inventory id)), only nodes that changed since.
+        """
+        out: list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]] = []
+        with self.lock:
+            for name, e in self.nodes.items():
+                if e.inventory is None:
+                    continue
+                version = self.ledger.node_version(name)
+                if changed_since is not None and changed_since.get(name) == (version, id(e.inventory)):
+                    continue
+                out.append((name, e.inventory, dict(self.ledger.usage(name)), version))
+        return out
+
+    def skipped(self) -> dict[str, int]:
+        now = self.clock()
+        with self.lock:
+            malformed = sum(1 for e in self.nodes.values() if e.inventory is None and e.raw is not None)
+            expired = sum(
+                1
+                for n, e in self.nodes.items()
+                if e.inventory is not None and self.node_problem(n, now) is not None
+            )
+        return {"malformed_inventory": malformed, "plugin_lease_expired": expired}
