@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vgpu.core import annotations as ann
+from vgpu.core.capacity import card_summary, may_fit, quick_fits
 from vgpu.core.config import SchedulerConfig
-from vgpu.core.fit import card_summary, may_fit, quick_fits
 from vgpu.core.ledger import Usage, vgpu_usage
 from vgpu.core.requests import ContainerRequest, Selection
 from vgpu.extender.state import SchedulerState

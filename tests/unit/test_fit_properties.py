@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vgpu.core.annotations import Device, NodeInventory
-from vgpu.core.fit import Plan, fit_node, quick_fits
+from vgpu.core.capacity import quick_fits
+from vgpu.core.fit import Plan, fit_node
 from vgpu.core.ledger import ZERO, Ledger, Usage, vgpu_usage
 from vgpu.core.requests import ContainerRequest, PodRequest, Selection
 

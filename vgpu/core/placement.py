@@ -6,8 +6,8 @@ needs of the mirror comes in as two functions: ``lookup(name)`` (the node's inve
 shape, or None when it has no usable inventory) and ``problem(name)`` (why the node takes nothing
 new, or None).
 
-The ranking of a group of alike nodes uses :func:`vgpu.core.fit.node_utilization`, the same
-formula (same integers, same floats) :func:`vgpu.core.fit.quick_utilization` applies node by node,
+The ranking of a group of alike nodes uses :func:`vgpu.core.capacity.node_utilization`, the same
+formula (same integers, same floats) :func:`vgpu.core.capacity.quick_utilization` applies node by node,
 so the indexed filter answers exactly what fitting every node answers
 (tests/unit/test_filter_index.py).
 """
@@ -20,19 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vgpu.core import annotations as ann
-from vgpu.core.config import BINPACK
-from vgpu.core.fit import (
+from vgpu.core.capacity import (
     CardSummary,
-    Plan,
     card_summary,
-    fit_node,
-    for_nodes,
     may_fit,
     node_utilization,
     quick_fits,
     quick_utilization,
     utilization,
 )
+from vgpu.core.config import BINPACK
+from vgpu.core.fit import Plan, fit_node, for_nodes
 from vgpu.core.ledger import Ledger, Usage
 from vgpu.core.requests import ContainerRequest, PodRequest
 
