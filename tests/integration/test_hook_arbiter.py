@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -16,7 +15,7 @@ import pytest
 import yaml
 from hook_harness import Built, Holder, build, env
 
-from tests.support import wait_for
+from tests.support import VGPU, wait_for
 from vgpu.hookabi import layout, region
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
@@ -92,17 +91,7 @@ def test_the_monitor_makes_normal_containers_yield_only_where_a_high_one_is_busy
     )
     port = free_port()
     monitor = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vgpu.commands.cli",
-            "monitor",
-            "--node",
-            "n1",
-            "--no-kube",
-            "--root",
-            str(tmp_path),
-        ]
+        [*VGPU, "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
         + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "10"]
         # a window wide enough to see a launch's effect on a busy CI machine
         + ["--activity-window-ms", "1000"],
@@ -165,17 +154,7 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     monitor = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vgpu.commands.cli",
-            "monitor",
-            "--node",
-            "n1",
-            "--no-kube",
-            "--root",
-            str(tmp_path),
-        ]
+        [*VGPU, "monitor", "--node", "n1", "--no-kube", "--root", str(tmp_path)]
         + ["--fake-nvml", str(gpus), "--listen", f"127.0.0.1:{port}", "--arbiter-interval-ms", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
