@@ -398,8 +398,9 @@ def test_the_failed_scheduling_event_of_an_unschedulable_vgpu_pod_reads_right(
         # the event is recorded asynchronously, after the condition: wait for the two to meet
         wait_for(
             lambda: reason in condition(name) and condition(name) in failed_scheduling(sandbox, name),  # noqa: B023
-            60,
             f"a FailedScheduling event of {name} reading as its PodScheduled condition",
+            60,
+            every=0.5,
         )
         events = failed_scheduling(sandbox, name)
         assert not [m for m in events if "%" in m or "(MISSING)" in m], events
