@@ -16,9 +16,9 @@ bind answered; then the extender stops and the pods are deleted.
 
 Configurations (environment of the extender; see vgpu/extender/fastpath.py):
 
-- ``hand``: today's path: the verbs before Flask, the worker with its short parser, the wire client;
+- ``hand``: today's path: the worker with its short parser, the wire client;
 - ``stock``: Flask's routing on gunicorn's gthread worker, the kubernetes client;
-- ``no-verbs``, ``no-parser``, ``no-worker``, ``no-wire``: ``hand`` less one part;
+- ``no-parser``, ``no-worker``, ``no-wire``: ``hand`` less one part;
 - ``base``: the extender from another checkout (``--base DIR``, e.g. a ``git worktree`` of the
   commit before a change), put first on PYTHONPATH.
 
@@ -49,7 +49,7 @@ from bench_scheduler import cpu_seconds, create, free_port, node_items, stop
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.pki import CertificateAuthority
 
-from vgpu.extender.fastpath import VERBS_ENV, WIRE_ENV, WORKER_ENV
+from vgpu.extender.fastpath import WIRE_ENV, WORKER_ENV
 from vgpu.extender.worker import SHORT_PARSER_ENV
 from vgpu.kube.client import Kube
 
@@ -57,8 +57,7 @@ NAMESPACE = "bench"
 OFF = "0"
 CONFIGS: dict[str, dict[str, str]] = {
     "hand": {},
-    "stock": {VERBS_ENV: OFF, WORKER_ENV: OFF, WIRE_ENV: OFF},
-    "no-verbs": {VERBS_ENV: OFF},
+    "stock": {WORKER_ENV: OFF, WIRE_ENV: OFF},
     "no-parser": {SHORT_PARSER_ENV: OFF},
     "no-worker": {WORKER_ENV: OFF},
     "no-wire": {WIRE_ENV: OFF},

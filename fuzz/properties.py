@@ -144,7 +144,7 @@ def _verb_routes() -> dict[str, Callable[[bytes], tuple[int, Any]]]:
         state.synced.set()
         state.leader.set()
         app = create_app(CONFIG, state)
-        _routes = app.wsgi_app.routes  # type: ignore[attr-defined]
+        _routes = app.extensions["vgpu_verbs"]
     return _routes
 
 

@@ -343,9 +343,13 @@ def test_a_body_over_the_limit_is_refused_with_413_naming_the_limit(state: Sched
 
     from vgpu.extender.app import MAX_BODY
 
-    environ = {
+    environ = {  # as gunicorn hands a request to the app
         "REQUEST_METHOD": "POST",
         "PATH_INFO": "/bind",
+        "SERVER_NAME": "x",
+        "SERVER_PORT": "443",
+        "wsgi.url_scheme": "https",
+        "CONTENT_TYPE": "application/json",
         "CONTENT_LENGTH": str(MAX_BODY + 1),
         "wsgi.input": io.BytesIO(b"{}"),
     }

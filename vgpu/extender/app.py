@@ -6,8 +6,9 @@ without tags, so capitalised): ``ExtenderArgs`` {Pod, Nodes, NodeNames} in, ``Ex
 [{Host, Score}], ``ExtenderBindingArgs`` {PodName, PodNamespace, PodUID, Node} and
 ``ExtenderBindingResult`` {Error}. Like Go's decoder, keys match case-insensitively. Malformed
 JSON or fields get HTTP 400 with ``Error`` naming the problem. The handlers only translate: the
-work happens in :class:`vgpu.extender.state.SchedulerState`. A verb's POST reaches its handler
-without Flask when it carries a Content-Length (:class:`_Verbs`), as kube-scheduler's calls do.
+work happens in :class:`vgpu.extender.state.SchedulerState`. Every request goes through Flask's
+routing: a WSGI layer that handed the verbs' POSTs to their handlers past Flask was measured and
+dropped, since it gave under 10 % more pods per second (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -111,9 +111,7 @@ def _extender_args(body: Any) -> tuple[Obj, list[str], list[Obj] | None]:
     raise BadRequest("ExtenderArgs needs NodeNames (nodeCacheCapable: true) or Nodes")
 
 
-def create_app(
-    config: SchedulerConfig, state: SchedulerState | None = None, fast_verbs: bool = True
-) -> Flask:
+def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> Flask:
     """The app; ``state`` defaults to an empty one (its owner feeds it, see vgpu.extender.server)."""
     app = Flask("vgpu.extender")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
@@ -215,8 +213,7 @@ def create_app(
     }
     for path, handler in routes.items():
         app.add_url_rule(path, endpoint=handler.__name__, view_func=_view(handler), methods=["POST"])
-    if fast_verbs:
-        app.wsgi_app = _Verbs(routes, app.wsgi_app)  # type: ignore[method-assign]
+    app.extensions["vgpu_verbs"] = routes  # path -> handler (body bytes -> status, answer): the fuzzers
 
     @app.get("/healthz")
     def healthz() -> Response:
@@ -242,43 +239,10 @@ TOO_LARGE = {"Error": f"body larger than {MAX_BODY} bytes"}
 
 
 def _view(handler: Handler) -> Callable[[], Response]:
-    """The Flask view of a verb (requests the fast path leaves to Flask: a body without a length)."""
+    """The Flask view of a verb: the body as bytes to its handler, the answer as JSON."""
 
     def view() -> Response:
         return _json(*handler(request.get_data(cache=False)))
 
     view.__name__ = f"view_{handler.__name__}"
     return view
-
-
-class _Verbs:
-    """WSGI in front of Flask: a POST to a verb with a Content-Length goes straight to its handler.
-
-    kube-scheduler calls filter and bind once per pod; Flask's request context, routing and
-    response objects cost as much CPU there as the filter itself. Everything else (health,
-    errors, a chunked body) goes through Flask, and both paths answer alike.
-    """
-
-    def __init__(self, routes: dict[str, Handler], flask_app: Callable[..., Any]) -> None:
-        self.routes = routes
-        self.flask_app = flask_app
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        handler = self.routes.get(environ.get("PATH_INFO", ""))
-        length = environ.get("CONTENT_LENGTH")
-        if handler is None or environ.get("REQUEST_METHOD") != "POST" or not length:
-            return self.flask_app(environ, start_response)
-        try:
-            size = int(length)
-        except ValueError:
-            return self.flask_app(environ, start_response)
-        if size > MAX_BODY:
-            status, answer = 413, TOO_LARGE
-        else:
-            status, answer = handler(environ["wsgi.input"].read(size) if size > 0 else b"")
-        data = _dumps(answer)
-        start_response(
-            f"{status} {HTTPStatus(status).phrase}",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
-        )
-        return [data]

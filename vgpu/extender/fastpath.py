@@ -1,17 +1,17 @@
 """Which hand-written parts of the extender's request path run, checked once at start.
 
 The stock path is Flask's routing on gunicorn's ``gthread`` worker, with the kubernetes client for
-the Binding and the watches. Three parts replace pieces of it, kept because each gives more than
-10 % more pods per second (docs/scheduling.md#speed, bench/RESULTS.md):
+the Binding and the watches. Two parts replace pieces of it, kept because each gives more than
+10 % more pods per second (docs/scheduling.md#speed, bench/RESULTS.md; a third, a WSGI layer
+handing the verbs past Flask's routing, gave less and was dropped):
 
-- ``_Verbs`` (:mod:`vgpu.extender.app`), plain WSGI in front of Flask: no library internals;
 - the worker (:mod:`vgpu.extender.worker`), which reaches into gunicorn's ``gthread`` internals;
 - the wire client (:mod:`vgpu.kube.wire`), which reads the kubernetes client's Configuration.
 
-The last two run only with the version of the library they were tested with (:data:`TESTED`, the
+Each runs only with the version of the library it was tested with (:data:`TESTED`, the
 lock's pins: tests/unit/test_lock.py checks they agree); with another, the extender takes the
 stock path for that part and says so in one log line. An environment variable turns a part off by
-hand (``0``, ``false``, ``no`` or ``off``): :data:`VERBS_ENV`, :data:`WORKER_ENV`, :data:`WIRE_ENV`
+hand (``0``, ``false``, ``no`` or ``off``): :data:`WORKER_ENV`, :data:`WIRE_ENV`
 (and the worker's short parser alone: ``VGPU_EXTENDER_SHORT_PARSER``).
 """
 
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 # the versions the hand-written parts were tested with: requirements.lock's pins
 TESTED = {"gunicorn": "27.0.1", "kubernetes": "37.0.2"}
 
-VERBS_ENV = "VGPU_EXTENDER_VERBS"
 WORKER_ENV = "VGPU_EXTENDER_WORKER"
 WIRE_ENV = "VGPU_KUBE_WIRE"
 _OFF = ("0", "false", "no", "off")
@@ -36,7 +35,6 @@ _OFF = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Paths:
-    verbs: bool  # vgpu.extender.app's verbs straight to their handlers, in front of Flask
     worker: bool  # vgpu.extender.worker.LingeringThreadWorker instead of gunicorn's gthread
     wire: bool  # vgpu.kube.wire for the Binding and the watches instead of the kubernetes client
     notes: tuple[str, ...] = ()  # why a part takes the stock path, one line each
@@ -76,7 +74,7 @@ def choose(
 
     worker = part(WORKER_ENV, "gunicorn", "the extender's gunicorn worker (vgpu.extender.worker)")
     wire = part(WIRE_ENV, "kubernetes", "the extender's wire client (vgpu.kube.wire)")
-    return Paths(verbs=on(VERBS_ENV), worker=worker, wire=wire, notes=tuple(notes))
+    return Paths(worker=worker, wire=wire, notes=tuple(notes))
 
 
 def report(paths: Paths) -> None:

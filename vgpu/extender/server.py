@@ -61,7 +61,7 @@ def build_worker_app(config: SchedulerConfig, filter_keep: int | None = None) ->
     state = SchedulerState(config, kube, filter_keep=filter_keep or FILTER_KEEP)
     syncer = Syncer(state, kube, config.identity or socket.gethostname())
     syncer.start()
-    app = create_app(config, state, fast_verbs=paths.verbs)
+    app = create_app(config, state)
     app.extensions["vgpu_syncer"] = syncer
     return app
 
