@@ -6,7 +6,8 @@
 # unpacked there into $VGPU_STAGE (default /tmp/vgpu-stage), part by part.
 #
 #   tools/gpu-bundle.sh make          # here: .cache/gpu-a and .cache/gpu-b
-#   tools/gpu-bundle.sh stage a|b     # there: unpack that part into $VGPU_STAGE
+#   tools/gpu-bundle.sh stage a|b     # there: unpack that part (from $VGPU_BUNDLE_DIR/gpu-a|b,
+#                                     # default .cache/gpu-a|b) into $VGPU_STAGE
 #   tools/gpu-bundle.sh env           # there: the exports that run the sandbox from $VGPU_STAGE
 #
 # How it is made: the Go binaries are already stripped (-s -w), so each is compressed on its own
@@ -96,7 +97,7 @@ make_bundle() {
 }
 
 stage_part() {
-  local part=$1 src=$repo/.cache/gpu-$1
+  local part=$1 src=${VGPU_BUNDLE_DIR:-$repo/.cache}/gpu-$1
   [ -d "$src" ] || die "$src is not here: carry .cache/gpu-$part"
   (cd "$src" && sha256sum -c --quiet SHA256SUMS) || die "part $part arrived damaged"
   mkdir -p "$stage/bin/current" "$stage/site" "$stage/images" "$stage/root"
