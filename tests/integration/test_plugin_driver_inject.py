@@ -47,7 +47,10 @@ def fake_driver(root: Path, *, libcuda: bool = True) -> Path:
     (lib / "libnvidia-ml.so.1").unlink()
     (lib / "libnvidia-ml.so.1").symlink_to(f"/{LIBDIR}/libnvidia-ml.so.{VERSION}")
     (root / "usr/bin").mkdir(parents=True)
-    (root / "usr/bin/nvidia-smi").write_bytes(b"#!")
+    # A wrapper script in /usr/bin (some images have one) is passed over for the driver's ELF tool.
+    (root / "usr/bin/nvidia-smi").write_bytes(b"#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi")
+    (root / "usr/local/nvidia/bin").mkdir(parents=True)
+    (root / "usr/local/nvidia/bin/nvidia-smi").write_bytes(b"\x7fELF-smi")
     (root / "dev").mkdir()
     for node in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"):
         (root / "dev" / node).write_bytes(b"")
@@ -70,7 +73,7 @@ def test_the_driver_files_are_found_with_their_host_paths(tmp_path: Path) -> Non
         assert mounts[f"{CONTAINER_LIB_DIR}/{family}.so.1"] == (f"{host}/{family}.so.{VERSION}", True)
         assert mounts[f"{CONTAINER_LIB_DIR}/{family}.so.{VERSION}"] == (f"{host}/{family}.so.{VERSION}", True)
     assert mounts[f"{CONTAINER_LIB_DIR}/libnvidia-gpucomp.so.{VERSION}"][0].endswith(f"gpucomp.so.{VERSION}")
-    assert mounts["/usr/bin/nvidia-smi"] == ("/run/nvidia/driver/usr/bin/nvidia-smi", True)
+    assert mounts["/usr/bin/nvidia-smi"] == ("/run/nvidia/driver/usr/local/nvidia/bin/nvidia-smi", True)
     assert not [p for p in mounts if "libfoo" in p or p.endswith("libcuda.so")], mounts
     assert found.nvml == root / LIBDIR / f"libnvidia-ml.so.{VERSION}"
     specs = [(d.container_path, d.host_path, d.permissions) for d in found.devices([1])]

@@ -107,6 +107,16 @@ class DriverFiles:
         return specs
 
 
+def _is_elf(path: Path) -> bool:
+    """The driver's own files are ELF; a wrapper script of the same name (some images put one in
+    /usr/bin) would need a shell the container may not have."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
 def _spec(name: str) -> api_pb2.DeviceSpec:
     return api_pb2.DeviceSpec(container_path=f"/dev/{name}", host_path=f"/dev/{name}", permissions="rw")
 
@@ -183,7 +193,7 @@ def find_driver(driver_root: Path, host_root: str = "/", dev_dir: Path = Path("/
         if not match or match.group(1) not in LIBRARIES:
             continue
         real = _inside(driver_root, path)
-        if not real.is_file():
+        if not real.is_file() or not _is_elf(real):
             continue
         host = _host_path(driver_root, host_root, real)
         if match.group(1) == "libnvidia-ml" and nvml is None:
@@ -206,7 +216,7 @@ def find_driver(driver_root: Path, host_root: str = "/", dev_dir: Path = Path("/
             candidate = driver_root / folder / tool
             if candidate.exists():
                 real = _inside(driver_root, f"/{folder}/{tool}")
-                if real.is_file():
+                if real.is_file() and _is_elf(real):
                     binaries[f"/usr/bin/{tool}"] = _host_path(driver_root, host_root, real)
                     break
     return DriverFiles(
