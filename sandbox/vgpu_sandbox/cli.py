@@ -44,6 +44,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run real-node-0: the kubelet, containerd and runc on this machine (root; docs/sandbox.md)",
     )
+    up.add_argument(
+        "--real-gpu",
+        action="store_true",
+        help="with --real-node: run the device plugin there on this machine's NVIDIA GPUs (real NVML), "
+        "handing containers the driver itself; pair with --nodes 0 (docs/sandbox.md)",
+    )
     restart = sub.add_parser("restart", help="restart the real node's containerd or kubelet")
     restart.add_argument("component", choices=("containerd", "kubelet"))
     sub.add_parser("status", help="what runs, and the nodes").add_argument("--json", action="store_true")
@@ -69,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
                 apiserver_port=args.apiserver_port,
                 product=not args.control_plane_only,
                 real_node=args.real_node,
+                real_gpu=args.real_gpu,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))
             extra = " and the real node real-node-0" if spec.real_node else ""
             print(f"sandbox: up in {seconds:.1f}s with {spec.nodes} nodes{extra}", file=sys.stderr)
-            if spec.real_node:
+            if spec.real_node and not spec.real_gpu:
                 print(
                     f"sandbox: prepare the node and install the chart with: "
                     f"ansible-playbook -i {sandbox.state_dir}/inventory.yml playbooks/site.yml",

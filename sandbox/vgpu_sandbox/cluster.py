@@ -43,13 +43,16 @@ class Sandbox(Handle):
                 f"run `vgpu sandbox down` first, or give another folder with --dir"
             )
         self._check_socket_paths(spec)
-        found = binaries.check_all()
+        # No simulated nodes (--nodes 0, with the real node alone): no KWOK either.
+        found = binaries.check_all(
+            binaries.CONTROL_PLANE if spec.nodes else tuple(n for n in binaries.CONTROL_PLANE if n != "kwok")
+        )
         if spec.product:
             found["kubectl"] = binaries.find("kubectl")
         if spec.apiserver_port:
             procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
         if spec.real_node:
-            reason = realnode.why_not()
+            reason = realnode.why_not(spec.real_gpu)
             if reason:
                 raise SandboxError(f"--real-node: {reason}")
         start = time.monotonic()
@@ -58,7 +61,8 @@ class Sandbox(Handle):
         try:
             self._start_control_plane(spec, found, progress)
             parts = product.available() if spec.product else product.Parts(False, False)
-            self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
+            if spec.nodes:
+                self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
             if spec.real_node:
                 realnode.start(self, spec, progress)
@@ -72,7 +76,7 @@ class Sandbox(Handle):
 
     def _check_socket_paths(self, spec: Spec) -> None:
         """Each node's kubelet.sock lives under the state folder; unix socket paths have 107 bytes."""
-        longest = self.layout.node_root(nodes.node_name(spec.nodes - 1)) / KUBELET_SOCKET
+        longest = self.layout.node_root(nodes.node_name(max(spec.nodes - 1, 0))) / KUBELET_SOCKET
         if len(str(longest).encode()) > MAX_SOCKET_PATH:
             raise SandboxError(
                 f"the state folder {self.state_dir} is too deep: node sockets such as {longest} would pass "
@@ -136,7 +140,8 @@ class Sandbox(Handle):
         )
         self.wait_for("kube-apiserver /readyz", lambda: self.api_get("/readyz") == "ok", 90, "kube-apiserver")
 
-        progress("starting kube-controller-manager, kube-scheduler and KWOK")
+        kwok = " and KWOK" if "kwok" in found else ""
+        progress(f"starting kube-controller-manager, kube-scheduler{kwok}")
         self.launch(
             "kube-controller-manager",
             controlplane.controller_manager_argv(
@@ -146,9 +151,10 @@ class Sandbox(Handle):
         sched_config = layout.config / "kube-scheduler.json"
         sched_config.write_text(controlplane.scheduler_config(layout.identity_kubeconfig("kube-scheduler")))
         self.launch("kube-scheduler", controlplane.scheduler_argv(found["kube-scheduler"], sched_config))
-        (layout.config / "kwok.yaml").write_text(KWOK_CONFIG)
-        kwok_port = self.port("kwok")
-        self.launch("kwok", controlplane.kwok_argv(found["kwok"], layout, kwok_port), kwok_port)
+        if "kwok" in found:
+            (layout.config / "kwok.yaml").write_text(KWOK_CONFIG)
+            kwok_port = self.port("kwok")
+            self.launch("kwok", controlplane.kwok_argv(found["kwok"], layout, kwok_port), kwok_port)
 
         def default_sa() -> bool:
             return bool(self.api_get("/api/v1/namespaces/default/serviceaccounts/default"))

@@ -18,6 +18,7 @@ regions). Whatever of them the sandbox created, it removes at ``down``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import binaries, nodes, procs
+from vgpu_sandbox import binaries, nodes, procs, realgpu
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -155,8 +156,11 @@ def _socket_answers(path: Path) -> bool:
         return True
 
 
-def why_not() -> str | None:
-    """Why a real node cannot run on this machine, naming the fix; None when it can."""
+def why_not(real_gpu: bool = False) -> str | None:
+    """Why a real node cannot run on this machine, naming the fix; None when it can.
+
+    ``real_gpu``: on the machine's NVIDIA GPUs (vgpu_sandbox.realgpu), which needs only the pause
+    image and no crictl."""
     if os.geteuid() != 0:
         return (
             "a real node needs root: containerd, runc and the kubelet mount file systems and create "
@@ -183,13 +187,17 @@ def why_not() -> str | None:
     )
     if probe.returncode != 0:
         return f"this machine cannot create namespaces (unshare: {probe.stderr.strip() or probe.returncode})"
-    lacking = [n for n in ("kubelet", "crictl") if not (binaries.bin_dir() / n).exists()]
+    lacking = [n for n in _tools(real_gpu) if not (binaries.bin_dir() / n).exists()]
     if lacking:
         return f"{' and '.join(lacking)} not built: run `make setup` (tools/build.sh kubelet crictl)"
     have = built_images()
-    absent = [n for n in IMAGES if n not in have]
+    absent = [n for n in _images(real_gpu) if n not in have]
     if absent:
         return f"images {', '.join(absent)} not built in {image_dir()}: run `make images` (needs root)"
+    if real_gpu:
+        reason = realgpu.why_not()
+        if reason:
+            return reason
     if _socket_answers(HOST_PLUGIN_DIR / "kubelet.sock"):
         return (
             f"another kubelet serves {HOST_PLUGIN_DIR / 'kubelet.sock'} on this machine; a machine holds "
@@ -198,8 +206,33 @@ def why_not() -> str | None:
     return None
 
 
+def _tools(real_gpu: bool) -> tuple[str, ...]:
+    return ("kubelet",) if real_gpu else ("kubelet", "crictl")
+
+
+def _images(real_gpu: bool) -> tuple[str, ...]:
+    return ("pause",) if real_gpu else IMAGES
+
+
 # ---- configuration files -------------------------------------------------------------------
-def containerd_config(lay: NodeLayout, sandbox_image: str, cni_bin: Path) -> str:
+@functools.cache
+def snapshotter() -> str:
+    """overlayfs where the kernel has it (loading the module if it can), else native (copies)."""
+
+    def has_overlay() -> bool:
+        with contextlib.suppress(OSError):
+            return any(line.split()[-1] == "overlay" for line in open("/proc/filesystems") if line.strip())
+        return False
+
+    if not has_overlay():
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["modprobe", "overlay"], capture_output=True, timeout=30)
+    return "overlayfs" if has_overlay() else "native"
+
+
+def containerd_config(
+    lay: NodeLayout, sandbox_image: str, cni_bin: Path, snapshotter: str = "overlayfs"
+) -> str:
     """containerd 1.6's config (version 2), every path its own; the CRI as the kubelet needs it."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""\
@@ -222,7 +255,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   enable_selinux = false
 
 [{cri}.containerd]
-  snapshotter = "overlayfs"
+  snapshotter = "{snapshotter}"
   default_runtime_name = "runc"
 
 [{cri}.containerd.runtimes.runc]
@@ -446,6 +479,7 @@ def _ctr(lay: NodeLayout, *args: str, timeout: float = 300) -> subprocess.Comple
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, "CONTAINERD_SNAPSHOTTER": snapshotter()},
     )
 
 
@@ -527,7 +561,7 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     images = built_images()
     cni_bin = _cni_dir()
     assert cni_bin is not None
-    lay.containerd_config.write_text(containerd_config(lay, images["pause"]["ref"], cni_bin))
+    lay.containerd_config.write_text(containerd_config(lay, images["pause"]["ref"], cni_bin, snapshotter()))
     (lay.cni_conf_dir / "10-vgpu-sandbox.conflist").write_text(json.dumps(cni_config(lay), indent=2))
 
     progress(f"real node: starting containerd ({lay.containerd_config})")
@@ -535,14 +569,15 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     sandbox.launch("containerd", _containerd_argv(lay))
     _wait_containerd(sandbox, lay)
 
-    progress(f"real node: importing {len(IMAGES)} images from {image_dir()}")
+    wanted = _images(spec.real_gpu)
+    progress(f"real node: importing {len(wanted)} images from {image_dir()}")
     t1 = time.monotonic()
-    for name in IMAGES:
+    for name in wanted:
         imported = _ctr(lay, "images", "import", images[name]["file"])
         if imported.returncode != 0:
             raise SandboxError(f"ctr images import {images[name]['file']} failed: {imported.stderr.strip()}")
     listed = set(_ctr(lay, "images", "list", "--quiet").stdout.split())
-    absent = [images[n]["ref"] for n in IMAGES if images[n]["ref"] not in listed]
+    absent = [images[n]["ref"] for n in wanted if images[n]["ref"] not in listed]
     if absent:
         raise SandboxError(f"containerd does not list {', '.join(absent)} after the import; see its log")
     record["timings"]["images_import_s"] = round(time.monotonic() - t1, 1)
@@ -576,6 +611,10 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     sandbox.wait_for(f"{NAME} to register and be Ready (kubelet)", ready, 120, ["kubelet", "containerd"])
     record["timings"]["containerd_to_ready_s"] = round(time.monotonic() - t0, 1)
     _save_record(lay, record)
+    if spec.real_gpu:
+        progress(f"real node: starting the device plugin on this machine's GPUs (real NVML) for {NAME}")
+        realgpu.start_plugin(sandbox, spec, NAME, lay.root)
+        return
 
     ctk = binaries.bin_dir() / "nvidia-ctk"
     values = chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
@@ -585,14 +624,21 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
 
 
 def _make_bridge() -> None:
-    """The pods' bridge with the node's address on it; the CNI bridge plugin adopts it."""
+    """The pods' bridge with the node's address on it; the CNI bridge plugin adopts it.
+
+    A kernel without bridges (some micro-VMs) gets the node's address on the loopback device
+    instead: the kubelet still has its address, and host-network pods (what a real-GPU node's
+    tests run) need no bridge; pods on the pod network cannot start there."""
     ip = ["ip"]
     if subprocess.run([*ip, "link", "show", BRIDGE], capture_output=True).returncode != 0:
-        steps = [
-            [*ip, "link", "add", BRIDGE, "type", "bridge"],
-            [*ip, "addr", "add", f"{NODE_IP}/{POD_SUBNET.split('/')[1]}", "dev", BRIDGE],
-            [*ip, "link", "set", BRIDGE, "up"],
-        ]
+        made = subprocess.run([*ip, "link", "add", BRIDGE, "type", "bridge"], capture_output=True, text=True)
+        if made.returncode != 0:
+            steps = [[*ip, "addr", "add", f"{NODE_IP}/32", "dev", "lo"]]
+        else:
+            steps = [
+                [*ip, "addr", "add", f"{NODE_IP}/{POD_SUBNET.split('/')[1]}", "dev", BRIDGE],
+                [*ip, "link", "set", BRIDGE, "up"],
+            ]
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
@@ -710,6 +756,7 @@ def stop(sandbox: Handle, pids: dict[str, int]) -> None:
         procs.stop_all(shims, None, grace=5)
     unmount_under(lay.root)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
+    subprocess.run(["ip", "addr", "del", f"{NODE_IP}/32", "dev", "lo"], capture_output=True, timeout=30)
     for created in record.get("created", []):
         unmount_under(Path(created))
         shutil.rmtree(created, ignore_errors=True)

@@ -51,10 +51,15 @@ class Spec:
     apiserver_port: int = 0
     product: bool = True
     real_node: bool = False
+    # The real node on this machine's NVIDIA GPUs: the device plugin runs there on real NVML,
+    # handing containers the driver itself (driverInject: plugin), instead of the chart on fake cards.
+    real_gpu: bool = False
 
     def validate(self) -> None:
         checks = [
-            (self.nodes >= 1, "--nodes must be at least 1"),
+            (self.nodes >= 1 or self.real_node, "--nodes must be at least 1 (0 only with --real-node)"),
+            (self.nodes >= 0, "--nodes must not be negative"),
+            (self.real_node or not self.real_gpu, "--real-gpu needs --real-node"),
             (self.nodes <= 2000, "--nodes must be at most 2000"),
             (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
             (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),

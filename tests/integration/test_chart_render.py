@@ -496,3 +496,25 @@ def test_the_sm_policy_reaches_the_plugin_per_node_and_a_bad_one_is_refused() ->
     assert node_config(strict, "strict").sm_policy == "cap"
     refused = template("--set", "devicePlugin.smPolicy=greedy")
     assert refused.returncode != 0 and "smPolicy" in refused.stderr
+
+
+def test_driver_inject_plugin_mounts_the_driver_root_and_reaches_the_node_config() -> None:
+    assert node_config(render(), "gpu-node-1").driver_inject == "runtime"
+    objs = render("--set", "driver.inject=plugin", "--set", "driver.root=/run/nvidia/driver")
+    assert node_config(objs, "gpu-node-1").driver_inject == "plugin"
+    ds = find(objs, "DaemonSet", "vgpu-device-plugin")
+    pod = ds["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert "--driver-root=/driver-root" in container["command"]
+    assert "--driver-host-root=/run/nvidia/driver" in container["command"]
+    assert container["securityContext"]["privileged"] is True
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "driver-root")
+    assert mount == {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True}
+    volume = next(v for v in pod["volumes"] if v["name"] == "driver-root")
+    assert volume["hostPath"] == {"path": "/run/nvidia/driver", "type": "Directory"}
+    # The default keeps the plugin unprivileged and without the host's driver folder.
+    default = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert default["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert not [v for v in default["volumes"] if v["name"] == "driver-root"]
+    refused = template("--set", "driver.inject=toolkit")
+    assert refused.returncode != 0 and "inject" in refused.stderr

@@ -46,6 +46,7 @@ from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
+from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.paths import HookInstall, HostPaths
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Allocator:
         self.state = state
         self.paths = paths
         self.hook = hook
+        self.driver: DriverFiles | None = None  # driverInject: plugin (vgpu/plugin/driver.py)
         # Fed by a watch of the node's pods (ArrivalWatch); without one, each list is an observation.
         self.arrivals = arrivals or Arrivals()
         self.catch_up_s = 2.0  # how long to wait for the watch to deliver a pod the list shows
@@ -363,7 +365,7 @@ class Allocator:
     def _response(self, w: _Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
         priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
         return container_response(
-            self.state, self.config, self.paths, self.hook, self.node, w.uid, container, priority
+            self.state, self.config, self.paths, self.hook, self.node, w.uid, container, priority, self.driver
         )
 
     def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:

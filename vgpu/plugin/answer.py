@@ -19,6 +19,7 @@ from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
 
 
@@ -35,15 +36,30 @@ def container_response(
     pod_uid: str,
     container: ContainerAllocation,
     priority: str,
+    driver: DriverFiles | None = None,
 ) -> api_pb2.ContainerAllocateResponse:
     """The answer for ``container`` of pod ``pod_uid`` (its grant written on the host); raises
-    ``PodFailure`` for a card that is gone or unhealthy, ``OSError`` for a host folder."""
+    ``PodFailure`` for a card that is gone or unhealthy, ``OSError`` for a host folder.
+
+    With ``driver`` (``driverInject: plugin``) the answer also carries the driver's device nodes
+    and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit."""
+    minors = []
     for d in container.devices:
         card = state.card(d.uuid)
         if card is None:
             raise PodFailure(f"card {d.uuid} of container {container.name} is not on node {node}")
         if not card.healthy:
             raise PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
+        minors.append(card.minor if card.minor >= 0 else card.index)
+    devices: list[api_pb2.DeviceSpec] = []
+    if driver is not None:
+        try:
+            devices = driver.devices(minors)
+        except FileNotFoundError as err:
+            raise PodFailure(
+                f"driverInject is plugin but {err} of a card of container {container.name} is missing on "
+                f"node {node}: load the NVIDIA driver's modules (nvidia-modprobe) or fix the node's /dev"
+            ) from err
     inside = paths.container_dir_inside(pod_uid, container.name)
     host_dir = paths.container_dir(pod_uid, container.name)
     host_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +105,9 @@ def container_response(
             api_pb2.Mount(container_path=CONTAINER_HOOK_PATH, host_path=str(hook.library), read_only=True),
             api_pb2.Mount(container_path="/etc/ld.so.preload", host_path=str(hook.preload), read_only=True),
         ]
-    return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
+    if driver is not None:
+        mounts += driver.mounts()
+    return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=devices)
 
 
 def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from vgpu.plugin.config import INJECT_MODES
 from vgpu.plugin.monitor.arbiter import add_arguments as add_arbiter_arguments
 from vgpu.plugin.monitor.arbiter import settings as arbiter_settings
 from vgpu.plugin.monitor.collector import parse_listen
@@ -32,6 +33,23 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
         help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
     )
+    parser.add_argument(
+        "--driver-inject",
+        choices=INJECT_MODES,
+        help="runtime: NVIDIA's container toolkit gives containers the driver; plugin: Allocate hands them "
+        "its device nodes and libraries (nodes without the toolkit); default: the node config's driverInject",
+    )
+    parser.add_argument(
+        "--driver-root",
+        type=Path,
+        default=Path("/"),
+        help="where this process sees the host's driver installation (driverInject: plugin; default /)",
+    )
+    parser.add_argument(
+        "--driver-host-root",
+        default="/",
+        help="the same folder as the host names it, e.g. /run/nvidia/driver (default /)",
+    )
     add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
@@ -48,6 +66,9 @@ def settings(args: argparse.Namespace) -> NodeSettings:
         listen=parse_listen(args.monitor_listen, "--monitor-listen"),
         arbiter=arbiter_settings(args),
         hook_library=args.hook_library,
+        driver_inject=args.driver_inject,
+        driver_root=args.driver_root,
+        driver_host_root=args.driver_host_root,
     )
 
 

@@ -9,6 +9,8 @@ The file (``--config``; every key optional)::
     smPolicy: cap              # cap: hold every container to its SM share; elastic: a container alone
                                # on its card may use idle SMs past its share (CUDA_SM_POLICY)
     resourceName: nvidia.com/gpu
+    driverInject: runtime      # runtime: NVIDIA's container toolkit gives containers the driver;
+                               # plugin: Allocate hands them its device nodes and libraries itself
     nodes:                     # per-node overrides of the keys above, by node name
       gpu-node-7: {split: 4}
 
@@ -38,6 +40,7 @@ class NodeConfig:
     oversubscribe: bool = False
     resource_name: str = "nvidia.com/gpu"
     sm_policy: str = "cap"
+    driver_inject: str = "runtime"
 
 
 _FIELDS = {
@@ -47,8 +50,10 @@ _FIELDS = {
     "oversubscribe": "oversubscribe",
     "resourceName": "resource_name",
     "smPolicy": "sm_policy",
+    "driverInject": "driver_inject",
 }
 SM_POLICIES = ("cap", "elastic")
+INJECT_MODES = ("runtime", "plugin")
 
 
 def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> NodeConfig:
@@ -81,6 +86,13 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                     f"must be cap (hold each container to its SM share) or elastic (a container alone on its "
                     f"card may use idle SMs), got {value!r}",
                 )
+        elif key == "driverInject" and value not in INJECT_MODES:
+            raise ConfigError(
+                source,
+                path,
+                f"must be runtime (NVIDIA's container toolkit gives containers the driver) or plugin (the "
+                f"plugin hands them the driver's device nodes and libraries itself), got {value!r}",
+            )
         cfg = replace(cfg, **{_FIELDS[key]: value})
     return cfg
 

@@ -18,6 +18,7 @@ from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.service import NodeMonitor
@@ -44,11 +45,14 @@ class Daemon:
     monitor_listen: tuple[str, int] | None = None
     # The arbiter's pass interval and activity window (vgpu.plugin.monitor.arbiter); None: no arbiter.
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)
+    # driverInject: plugin: the driver files Allocate hands out (vgpu/plugin/driver.py); None: the runtime's
+    driver: DriverFiles | None = None
 
     def __post_init__(self) -> None:
         self.state = DeviceState(self.discovery.cards(), self.config)
         self.arrivals = Arrivals()
         self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
+        self.allocator.driver = self.driver
         # The order pods arrive on the node is kubelet's admission order: watch it where the
         # client can (vgpu.kube.client can; the tests' in-memory clients cannot, and lists stand in).
         self.arrival_watch = (

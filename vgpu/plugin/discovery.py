@@ -24,6 +24,7 @@ class Card:
     numa: int = -1  # -1: unknown
     healthy: bool = True
     links: Mapping[str, str] = field(default_factory=dict)  # peer uuid -> "nvlink" | "pcie" ...
+    minor: int = -1  # the driver's minor number (/dev/nvidia<minor>); -1: unknown, the index stands in
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Imports go one way: the commands import this module, this module imports the par
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import sys
@@ -27,6 +28,7 @@ from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.driver import DriverFiles, find_driver
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import PodLister
 from vgpu.plugin.monitor.service import NodeMonitor
@@ -49,6 +51,9 @@ class NodeSettings:
     listen: tuple[str, int] | None = None  # HOST, PORT of /metrics; None: not served
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)  # None: no arbiter
     hook_library: Path | None = None  # libvgpu.so to install on the host (the plugin only)
+    driver_inject: str | None = None  # runtime | plugin; None: the node config's driverInject
+    driver_root: Path = Path("/")  # where the plugin reads the host's driver files (driverInject: plugin)
+    driver_host_root: str = "/"  # the same folder as the host names it (the Mounts' host paths)
 
 
 class Startable(Protocol):
@@ -92,12 +97,33 @@ def _config(settings: NodeSettings) -> NodeConfig:
     return load_node_config(settings.config, settings.node)
 
 
+def driver_files(settings: NodeSettings, config: NodeConfig) -> DriverFiles | None:
+    """The driver's files to hand out under ``driverInject: plugin`` (None: the runtime's job);
+    its libnvidia-ml is loaded first, so that NVML finds it where no ld.so cache names it."""
+    if (settings.driver_inject or config.driver_inject) != "plugin":  # the flag over the node config
+        return None
+    found = find_driver(settings.driver_root, settings.driver_host_root, settings.root / "dev")
+    if found.nvml is not None and settings.fake_nvml is None:
+        try:
+            ctypes.CDLL(str(found.nvml), mode=ctypes.RTLD_GLOBAL)
+        except OSError as err:
+            raise ConfigError("--driver-root", "", f"cannot load {found.nvml} ({err})") from err
+    log.info(
+        "driverInject: plugin: %d library paths and %d tools from %s go to containers with the device nodes",
+        len(found.libraries),
+        len(found.binaries),
+        settings.driver_root,
+    )
+    return found
+
+
 def build_plugin(settings: NodeSettings) -> Daemon:
     """The whole device plugin of the node, every setting checked, nothing started."""
     from vgpu.kube.agent import NodeAgentClient
 
     config = _config(settings)
     paths = HostPaths(settings.root)
+    driver = driver_files(settings, config)
     discovery = open_discovery(settings)
     hook = hook_install(settings, paths)
     client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
@@ -111,6 +137,7 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         hook,
         settings.listen,
         settings.arbiter,
+        driver,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,18 @@ class NvmlDiscovery:
             memory_mib=int(mem.total) // (1 << 20),
             numa=self._numa(handle),
             links=self._links(index, handle),
+            minor=self._minor(handle),
         )
+
+    def _minor(self, handle: Any) -> int:
+        try:
+            return int(self._nvml.nvmlDeviceGetMinorNumber(handle))
+        except self._nvml.NVMLError:
+            return -1
 
     def cards(self) -> list[Card]:
         with self._lock:
-            return [
-                Card(c.uuid, c.index, c.model, c.memory_mib, c.numa, c.uuid not in self._unhealthy, c.links)
-                for c in self._static
-            ]
+            return [replace(c, healthy=c.uuid not in self._unhealthy) for c in self._static]
 
     def usage(self, uuid: str) -> CardUsage | None:
         nv = self._nvml
