@@ -1,21 +1,41 @@
 /* What libvgpu adds to a kernel launch: ns per cuLaunchKernel, the launch call alone (the queue is
  * drained between repeats, not timed). Run it bare, preloaded with no limit (the fast path), and
- * preloaded with a limit the work never reaches (the measured path: timing events, bucket,
- * capture check); `make bench-launch` runs all three against the stub driver. Against the stub
- * the kernels take no time (stubSetKernelNs(0)); against a real driver the kernel is an empty PTX
- * one.
+ * preloaded with an SM limit (the metered path); `make bench-launch` runs all three against the
+ * stub driver and bench/bench_launch.py interleaves them over rounds, on the stub or a GPU.
+ * Against the stub the kernels take no time (stubSetKernelNs(0)); against a real driver the
+ * kernel is an empty PTX one.
  * usage: b_launch LAUNCHES REPEATS
- * prints launch_ns (median of the repeats) and launch_min_ns */
+ * prints launch_ns (median of the repeats) and launch_min_ns; with CUDA_DEVICE_MEMORY_SHARED_CACHE
+ * set, also the region's throttled_ns and busy_ns for device 0 at the end (time the launches
+ * waited for the limit is in launch_ns too, so a run that waited does not measure the hook alone) */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "bench/common.h"
+#include "region_layout.h"
 
 static const char ptx[] =
     ".version 7.0\n.target sm_50\n.address_size 64\n.visible .entry empty()\n{\n ret;\n}\n";
+
+static void print_region(void) {
+    const char *file = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    if (!file || !*file) return;
+    int fd = open(file, O_RDONLY);
+    if (fd < 0) return;
+    void *m = mmap(NULL, VGPU_REGION_SIZE, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return;
+    const struct vgpu_region_header *h = m;
+    printf("throttled_ns=%llu\n", (unsigned long long)__atomic_load_n(&h->throttled_ns[0], __ATOMIC_RELAXED));
+    printf("busy_ns=%llu\n", (unsigned long long)__atomic_load_n(&h->busy_ns[0], __ATOMIC_RELAXED));
+    munmap(m, VGPU_REGION_SIZE);
+}
 
 int main(int argc, char **argv) {
     int launches = argc > 1 ? atoi(argv[1]) : 200000, repeats = argc > 2 ? atoi(argv[2]) : 7;
@@ -46,5 +66,6 @@ int main(int argc, char **argv) {
     }
     qsort(ns, (size_t)repeats, sizeof ns[0], cmp);
     printf("launch_ns=%.1f\nlaunch_min_ns=%.1f\n", ns[repeats / 2], ns[0]);
+    print_region();
     return 0;
 }
