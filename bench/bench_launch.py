@@ -47,12 +47,12 @@ def device_name() -> str:
     return f"{name.strip()} (driver {driver.strip()})"
 
 
-def run_once(env: dict[str, str], launches: int, repeats: int) -> dict[str, float]:
+def run_once(env: dict[str, str], launches: int, repeats: int, burst: int) -> dict[str, float]:
     region = env.get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
     if region:
         Path(region).unlink(missing_ok=True)  # a fresh bucket and fresh counters each process
     proc = subprocess.run(
-        [str(BUILD / "b_launch"), str(launches), str(repeats)],
+        [str(BUILD / "b_launch"), str(launches), str(repeats), str(burst)],
         env=env,
         capture_output=True,
         text=True,
@@ -60,7 +60,8 @@ def run_once(env: dict[str, str], launches: int, repeats: int) -> dict[str, floa
     )
     values = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     if proc.returncode != 0 or "error" in values:
-        raise SystemExit(f"b_launch failed ({proc.returncode}): {values.get('error', '')} {proc.stderr.strip()}")
+        why = values.get("error", "")
+        raise SystemExit(f"b_launch failed ({proc.returncode}): {why} {proc.stderr.strip()}")
     return {key: float(value) for key, value in values.items()}
 
 
@@ -73,10 +74,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="the machine's real driver, not the stub")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--launches", type=int, default=0, help="per timed loop (default 200000 stub, 50000 GPU)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed loops per process (their median counts)")
+    parser.add_argument("--launches", type=int, default=0, help="per loop (200000 stub, 50000 GPU)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed loops per process (median)")
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=100,
+        help="launches per timed burst, each followed by a pause twice its length (0: back to back)",
+    )
     parser.add_argument("--caps", default="99,50", help="SM limits to run, comma-separated percents")
     parser.add_argument("--hook", type=Path, default=BUILD / "libvgpu.so", help="the libvgpu.so to preload")
+    parser.add_argument(
+        "--compare", type=Path, help="a second libvgpu.so (say, before a change), its rows interleaved too"
+    )
     args = parser.parse_args()
     caps = [int(c) for c in args.caps.split(",") if c.strip()]
     if any(not 0 < c < 100 for c in caps):
@@ -86,35 +96,48 @@ def main() -> int:
     hook = args.hook.resolve()
     if not hook.is_file():
         raise SystemExit(f"--hook: {hook} does not exist")
-    where = device_name() if args.gpu else "the stub driver (no GPU): the hook's own work against a free launch"
+    other = args.compare.resolve() if args.compare else None
+    if other is not None and not other.is_file():
+        raise SystemExit(f"--compare: {other} does not exist")
+    stub = "the stub driver (no GPU): the hook's own work against a free launch"
+    where = device_name() if args.gpu else stub
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "LD_PRELOAD", "VGPU_"))}
     if not args.gpu:
         base["LD_LIBRARY_PATH"] = str(BUILD / "stub")
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
-        hooked = base | {
-            "LD_PRELOAD": str(hook),
-            "VGPU_CONTEXT_RESERVE": "0",
-            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(Path(tmp) / "region"),
-        }
-        configs = {"bare": base, "hook, no cap": hooked}
-        for cap in caps:
-            configs[f"hook, cap {cap} %"] = hooked | {"CUDA_DEVICE_SM_LIMIT": str(cap)}
+        configs = {"bare": base}
+        for label, lib in (("hook", hook), ("compare", other)):
+            if lib is None:
+                continue
+            hooked = base | {
+                "LD_PRELOAD": str(lib),
+                "VGPU_CONTEXT_RESERVE": "0",
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(Path(tmp) / "region"),
+            }
+            configs[f"{label}, no cap"] = hooked
+            for cap in caps:
+                configs[f"{label}, cap {cap} %"] = hooked | {"CUDA_DEVICE_SM_LIMIT": str(cap)}
         names = list(configs)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                results[name].append(run_once(configs[name], launches, args.repeats))
+                results[name].append(run_once(configs[name], launches, args.repeats, args.burst))
     print(f"bench_launch on {where}")
-    print(f"hook {hook}; {args.rounds} rounds, interleaved; per process {args.repeats} loops of {launches} launches")
-    print(f"\n{'configuration':<18} {'median ns':>10} {'p90 ns':>10} {'overhead':>9} {'throttled ms':>13}")
+    print(f"hook {hook}" + (f", compare {other}" if other else ""))
+    print(f"{args.rounds} rounds, interleaved; per process {args.repeats} loops of {launches} launches")
+    pace = "back to back"
+    if args.burst:
+        pace = f"in bursts of {args.burst}, each followed by a pause twice its length"
+    print(f"launches {pace}; only the launch calls are timed")
+    print(f"\n{'configuration':<21} {'median ns':>10} {'p90 ns':>10} {'overhead':>9} {'throttled ms':>13}")
     ref = statistics.median(r["launch_ns"] for r in results["bare"])
     for name in names:
         per = [r["launch_ns"] for r in results[name]]
         med = statistics.median(per)
         waited = max((r.get("throttled_ns", 0.0) for r in results[name]), default=0.0) / 1e6
         shown = f"{waited:>13.1f}" if name != "bare" else f"{'-':>13}"
-        print(f"{name:<18} {med:>10.1f} {p90(per):>10.1f} {100 * (med / ref - 1):>8.1f}% {shown}")
-    print("\nthrottled: the most any process of the configuration waited for its limit (0: the cost is the hook's own)")
+        print(f"{name:<21} {med:>10.1f} {p90(per):>10.1f} {100 * (med / ref - 1):>8.1f}% {shown}")
+    print("\nthrottled: the most any process of the row waited for its limit (0: the cost is the hook's own)")
     return 0
 
 

@@ -4,7 +4,12 @@
  * stub driver and bench/bench_launch.py interleaves them over rounds, on the stub or a GPU.
  * Against the stub the kernels take no time (stubSetKernelNs(0)); against a real driver the
  * kernel is an empty PTX one.
- * usage: b_launch LAUNCHES REPEATS
+ * usage: b_launch LAUNCHES REPEATS [BURST]
+ * BURST > 0: launches come in bursts of BURST, each followed by a pause twice as long as the
+ * burst took (the stream drains), and only the bursts are timed: the work then keeps the card busy
+ * for well under half the time, so a cap above that never makes a launch wait and the figure is
+ * the metering's cost alone (a measured empty kernel on an idle stream counts its launch latency
+ * too, a few µs on a GPU, so back-to-back launches can reach even a 99 % cap).
  * prints launch_ns (median of the repeats) and launch_min_ns; with CUDA_DEVICE_MEMORY_SHARED_CACHE
  * set, also the region's throttled_ns and busy_ns for device 0 at the end (time the launches
  * waited for the limit is in launch_ns too, so a run that waited does not measure the hook alone) */
@@ -41,6 +46,8 @@ int main(int argc, char **argv) {
     int launches = argc > 1 ? atoi(argv[1]) : 200000, repeats = argc > 2 ? atoi(argv[2]) : 7;
     if (repeats > 64) repeats = 64;
     if (repeats < 1) repeats = 1;
+    int burst = argc > 3 ? atoi(argv[3]) : 0;
+    if (burst < 0 || burst > launches) burst = 0;
     void (*set_kernel)(unsigned long long) = (void (*)(unsigned long long))dlsym(RTLD_DEFAULT, "stubSetKernelNs");
     CUdevice dev;
     CUcontext ctx;
@@ -59,9 +66,20 @@ int main(int argc, char **argv) {
     for (int r = 0; r < repeats; r++) {
         for (int i = 0; i < 1000; i++) check(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL), "warm");
         check(cuStreamSynchronize(s), "sync");
-        double t0 = now();
-        for (int i = 0; i < launches; i++) check(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL), "launch");
-        ns[r] = (now() - t0) / launches * 1e9;
+        double spent = 0;
+        for (int done = 0; done < launches;) {
+            int n = burst ? (launches - done < burst ? launches - done : burst) : launches;
+            double t0 = now();
+            for (int i = 0; i < n; i++) check(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL), "launch");
+            double took = now() - t0;
+            spent += took;
+            done += n;
+            if (burst) {
+                double until = now() + 2 * took;
+                while (now() < until) {}
+            }
+        }
+        ns[r] = spent / launches * 1e9;
         check(cuStreamSynchronize(s), "sync");
     }
     qsort(ns, (size_t)repeats, sizeof ns[0], cmp);
