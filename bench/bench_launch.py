@@ -129,15 +129,17 @@ def main() -> int:
     if args.burst:
         pace = f"in bursts of {args.burst}, each followed by a pause twice its length"
     print(f"launches {pace}; only the launch calls are timed")
-    print(f"\n{'configuration':<21} {'median ns':>10} {'p90 ns':>10} {'overhead':>9} {'throttled ms':>13}")
+    waited = "throttled ms, median / max"
+    print(f"\n{'configuration':<21} {'median ns':>10} {'p90 ns':>10} {'overhead':>9} {waited:>28}")
     ref = statistics.median(r["launch_ns"] for r in results["bare"])
     for name in names:
         per = [r["launch_ns"] for r in results[name]]
         med = statistics.median(per)
-        waited = max((r.get("throttled_ns", 0.0) for r in results[name]), default=0.0) / 1e6
-        shown = f"{waited:>13.1f}" if name != "bare" else f"{'-':>13}"
+        waits = [r.get("throttled_ns", 0.0) / 1e6 for r in results[name]]
+        shown = f"{statistics.median(waits):.1f} / {max(waits):.1f}" if name != "bare" else "-"
+        shown = f"{shown:>28}"
         print(f"{name:<21} {med:>10.1f} {p90(per):>10.1f} {100 * (med / ref - 1):>8.1f}% {shown}")
-    print("\nthrottled: the most any process of the row waited for its limit (0: the cost is the hook's own)")
+    print("\nthrottled: how long a process of the row waited for its limit (0: the cost is the hook's own)")
     return 0
 
 

@@ -704,21 +704,11 @@ static void fast_refund(const struct launch *l) {
     P.charged -= l->predicted;
 }
 
-/* 0 = forward untouched (no limit, no yield, capture); 1 = measured, call slow_leave after;
- * 2 = sampled path, call fast_refund if the launch fails */
-static inline int enter(struct launch *l, CUstream h, int ptds) {
-    if (__builtin_expect(vgpu_in_hook, 0)) return 0;
-    struct vgpu_region_header *hd = vgpu_header();
-    if (!hd) return 0;
-    int idx = device_index();
-    if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
-    uint32_t limit = vgpu_sm_limit(idx);
-    uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+/* a launch under a cap or an arbiter flag: sampled or measured (out of line: the no-limit path
+ * stays as small as it was) */
+static __attribute__((noinline)) int enter_limited(struct launch *l, struct vgpu_region_header *hd, int idx,
+                                                    uint32_t limit, uint32_t flags, CUstream h, int ptds) {
     int cap = limit > 0 && limit < 100;
-    if (!cap && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {
-        stamp(hd, idx, coarse_ns());
-        return 0;
-    }
     /* a cap and no arbiter flag that needs every launch seen: short kernels are sampled, while the
      * measurements keep up (at most FAST_AHEAD launches' prediction charged since the last came in) */
     int bracket = 0;
@@ -741,6 +731,23 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     uint64_t now = now_ns();
     __atomic_store_n(&hd->last_launch_ns[idx], now, __ATOMIC_RELAXED);
     return slow_enter(l, hd, idx, normal(h, ptds), now, bracket);
+}
+
+/* 0 = forward untouched (no limit, no yield, capture); 1 = measured, call slow_leave after;
+ * 2 = sampled path, call fast_refund if the launch fails */
+static inline int enter(struct launch *l, CUstream h, int ptds) {
+    if (__builtin_expect(vgpu_in_hook, 0)) return 0;
+    struct vgpu_region_header *hd = vgpu_header();
+    if (!hd) return 0;
+    int idx = device_index();
+    if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
+    uint32_t limit = vgpu_sm_limit(idx);
+    uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
+    if ((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {
+        stamp(hd, idx, coarse_ns());
+        return 0;
+    }
+    return enter_limited(l, hd, idx, limit, flags, h, ptds);
 }
 
 #define LAUNCH(name, args, stream, ptds)                        \

