@@ -141,7 +141,7 @@ static __thread struct pending {
     int dev;            /* their device */
     uint32_t count;
     int64_t charged;
-} P;
+} P __attribute__((tls_model("initial-exec"))); /* as vgpu_in_hook: no __tls_get_addr per launch */
 
 static uint64_t next_thread = 1;
 static __thread uint64_t my_thread;
