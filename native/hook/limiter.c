@@ -20,6 +20,17 @@
  *     hold within milliseconds; a priority-0 one at most HIGH_QUEUE_NS, so that it keeps launching
  *     while busy (the monitor sees it active by its launches) rather than sit for seconds in a
  *     sync on a queue the driver holds, looking idle while its work still runs.
+ *   - short kernels (this process's launches on the device average under FAST_MAX_NS, and no
+ *     yield or guard flag) are sampled instead: a thread measures one launch in 32 at random,
+ *     alone between a start and an end event of its own, and that measure stands for the
+ *     thread's unmeasured launches since its previous sample too (its weight), so every launch is
+ *     settled against a measurement and the long-run share holds as before. The unmeasured
+ *     launches make no driver call but the capture check: each is charged the prediction against
+ *     an allowance the process takes from the region's bucket in chunks (CHUNK_LAUNCHES
+ *     launches' worth, through the same gate), with no lock, clock read or shared write beyond a
+ *     coarse last_launch_ns stamp. At most FAST_AHEAD launches' prediction may be charged past
+ *     the last completed measurement (a deep queue, kernels turning long): beyond, every launch
+ *     is measured again.
  * With no limit and no yield or guard flag a launch costs a few relaxed loads and, at most once a
  * millisecond, a store of last_launch_ns[i]. Launches into a capturing stream are forwarded
  * untouched; the limiter's own driver calls run in relaxed capture mode. */
@@ -51,6 +62,11 @@
 #define POOL_MAX 128               /* idle events kept per context */
 #define STREAMS_MAX 1024
 #define POOLS_MAX 32
+#define FAST_MAX_NS 10000LL        /* launches averaging less GPU time than this are metered by sampling */
+#define SAMPLE_SPAN 64             /* a measured launch every 1..63 launches per thread, 32 on average */
+#define CHUNK_LAUNCHES 32          /* the sampled path takes this many launches' time from the bucket at once */
+#define FAST_AHEAD 256             /* launches the sampled path may charge beyond the last measurement */
+#define SAMPLE_HOST_MAX_NS 50000ULL /* a sample whose launch took the host longer stands for itself only */
 
 /* The one clock: CLOCK_MONOTONIC ns, the monitor's clock too. */
 static uint64_t now_ns(void) {
@@ -76,7 +92,9 @@ struct ev {
     CUevent e;
     uint8_t end;       /* 0 start (the stream was idle before it), 1 end of the launches before it */
     uint8_t done;      /* seen complete */
+    uint8_t sealed;    /* the end of one sampled launch, or launches went past it unmeasured: never moved */
     uint32_t launches; /* launches between the previous event and this one */
+    uint32_t weight;   /* launches its measure stands for: the sampled path's since the thread's last sample, and it */
     int64_t predicted; /* ns charged for them in advance */
     uint64_t first_ns; /* when it was first recorded */
 };
@@ -107,6 +125,24 @@ static struct {
     int64_t avg[VGPU_MAX_DEVICES]; /* ns of GPU time per launch, recent; 0 = not measured yet */
 } L = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* The sampled path's allowance per device, in this process only: GPU time taken from the region's
+ * bucket (drawn) against the predictions charged to its launches (charged); mark: charged when
+ * the last measurement came in. Its own cache line: these launches touch nothing shared. */
+static struct allowance {
+    int64_t charged, drawn, mark;
+} __attribute__((aligned(64))) A[VGPU_MAX_DEVICES];
+static pthread_mutex_t draw_mu = PTHREAD_MUTEX_INITIALIZER;
+static int unmeasured[VGPU_MAX_DEVICES]; /* sampled-path launches went by since the last full-path launch */
+
+/* A thread's sampled-path launches since its last measured one: charged their prediction now,
+ * settled by the next launch it measures (their count is that launch's weight). */
+static __thread struct pending {
+    uint32_t left, rng; /* launches until the next sample; xorshift state */
+    int dev;            /* their device */
+    uint32_t count;
+    int64_t charged;
+} P __attribute__((tls_model("initial-exec"))); /* as vgpu_in_hook: no __tls_get_addr per launch */
+
 static uint64_t next_thread = 1;
 static __thread uint64_t my_thread;
 
@@ -123,6 +159,10 @@ static int first_time(int what) { return !__atomic_exchange_n(&told[what], 1, __
 /* after fork the child's CUDA state is not the parent's: forget the events, keep nothing */
 static void child_after_fork(void) {
     pthread_mutex_init(&L.mu, NULL);
+    pthread_mutex_init(&draw_mu, NULL);
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++) A[i].drawn = A[i].mark = A[i].charged; /* the parent's, not ours */
+    P.count = 0; /* the parent settles those */
+    P.charged = 0;
     for (int i = 0; i < L.nstreams; i++) free(L.streams[i]);
     L.nstreams = 0;
     L.npools = 0;
@@ -316,13 +356,16 @@ static int capped(int idx) {
 }
 
 static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, const struct ev *b) {
+    /* a sampled launch's measure stands for the unmeasured launches before it too (weight) */
+    int64_t per = b->launches ? busy / (int64_t)b->launches : 0;
+    int64_t total = b->weight > b->launches && b->launches ? per * (int64_t)b->weight : busy;
     /* the bucket only runs under a cap: work done without one leaves no debt behind */
-    __atomic_add_fetch(&hd->tokens[idx], capped(idx) ? b->predicted - busy : b->predicted, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&hd->busy_ns[idx], (uint64_t)busy, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hd->tokens[idx], capped(idx) ? b->predicted - total : b->predicted, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&hd->busy_ns[idx], (uint64_t)total, __ATOMIC_RELAXED);
+    __atomic_store_n(&A[idx].mark, __atomic_load_n(&A[idx].charged, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
     if (b->launches) {
-        int64_t per = busy / (int64_t)b->launches;
         if (per < 1) per = 1;
-        L.avg[idx] = L.avg[idx] ? (7 * L.avg[idx] + per) / 8 : per;
+        __atomic_store_n(&L.avg[idx], L.avg[idx] ? (7 * L.avg[idx] + per) / 8 : per, __ATOMIC_RELAXED);
     }
 }
 
@@ -427,6 +470,9 @@ struct launch {
     CUstream h;
     uint64_t thread;
     int64_t predicted;
+    int bracket; /* a sampled launch: measured alone, between a start and an end event of its own */
+    int started; /* its start event was recorded */
+    uint64_t start_ns;
 };
 
 static int device_index(void) {
@@ -455,7 +501,15 @@ static CUstream normal(CUstream h, int ptds) {
     return h;
 }
 
-static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, CUstream h, uint64_t now) {
+/* the last event of each of the device's streams is sealed: launches went past it unmeasured */
+static void seal_streams(int idx) {
+    for (int i = 0; i < L.nstreams; i++) {
+        struct stream *s = L.streams[i];
+        if (s->used && s->idx == idx && s->n) s->q[s->n - 1].sealed = 1;
+    }
+}
+
+static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, CUstream h, uint64_t now, int bracket) {
     pthread_once(&fork_once, register_fork);
     vgpu_cuda_ready();
     if (!have_event_api()) {
@@ -478,6 +532,8 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
     l->h = h;
     l->thread = h == CU_STREAM_PER_THREAD ? thread_id() : 0;
     l->predicted = 0;
+    l->bracket = bracket;
+    l->started = 0;
     gate(hd, idx, now);
 
     pthread_mutex_lock(&L.mu);
@@ -500,14 +556,25 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
         pthread_mutex_lock(&L.mu);
         s = stream_find(l->ctx, h, l->thread);
     }
-    if (s && s->used && idle(s, hd) && s->used) {
+    if (!bracket && __atomic_load_n(&unmeasured[idx], __ATOMIC_RELAXED) &&
+        __atomic_exchange_n(&unmeasured[idx], 0, __ATOMIC_RELAXED))
+        seal_streams(idx);
+    /* a start event where the stream is idle; for a sampled launch, or after a sealed end, always
+     * (what ran before it was charged already, so the interval up to it is not counted) */
+    int start = s && s->used && idle(s, hd);
+    if (s && s->used && !start && s->n > 0)
+        start = bracket ? s->n <= QUEUE_MAX - 2 : s->q[s->n - 1].sealed && s->n < QUEUE_MAX;
+    if (s && s->used && start) {
         CUevent e = event_get(l->ctx);
         if (e) {
             rc = real_cuEventRecord(e, h);
-            if (rc == CUDA_SUCCESS)
+            if (rc == CUDA_SUCCESS) {
                 s->q[s->n++] = (struct ev){.e = e, .end = 0, .first_ns = now};
-            else
+                l->started = 1;
+                l->start_ns = now_ns();
+            } else {
                 broken(s, hd, rc);
+            }
         }
     }
     if (s && s->used) {
@@ -522,16 +589,20 @@ static void slow_leave(struct launch *l, CUresult launched) {
     struct vgpu_region_header *hd = l->hd;
     pthread_mutex_lock(&L.mu);
     struct stream *s = stream_find(l->ctx, l->h, l->thread);
-    if (s && launched == CUDA_SUCCESS) {
+    if (s && launched == CUDA_SUCCESS && l->bracket && !l->started) {
+        /* a sampled launch without its own start event is not measured: its prediction stands */
+        if (l->predicted) __atomic_add_fetch(&hd->busy_ns[l->idx], (uint64_t)l->predicted, __ATOMIC_RELAXED);
+    } else if (s && launched == CUDA_SUCCESS) {
         uint64_t now = now_ns();
         struct ev *t = s->n ? &s->q[s->n - 1] : NULL;
         CUresult rc;
         /* never the first event: it is where the next interval starts */
-        if (t && s->n >= 2 && t->end && !t->done &&
+        if (t && s->n >= 2 && t->end && !t->done && !t->sealed && !l->bracket &&
             ((now - t->first_ns < SEAL_NS && t->launches < SEAL_LAUNCHES) || s->n == QUEUE_MAX)) {
             rc = real_cuEventRecord(t->e, l->h); /* the end moves past this launch */
             if (rc == CUDA_SUCCESS) {
                 t->launches++;
+                t->weight++;
                 t->predicted += l->predicted;
                 s->inflight++;
             }
@@ -539,7 +610,17 @@ static void slow_leave(struct launch *l, CUresult launched) {
             CUevent e = event_get(l->ctx);
             rc = e ? real_cuEventRecord(e, l->h) : CUDA_SUCCESS;
             if (e && rc == CUDA_SUCCESS) {
-                s->q[s->n++] = (struct ev){.e = e, .end = 1, .launches = 1, .predicted = l->predicted, .first_ns = now};
+                struct ev end = {.e = e, .end = 1, .launches = 1, .weight = 1, .predicted = l->predicted, .first_ns = now};
+                /* a sample stands for this thread's unmeasured launches before it too, unless the
+                 * thread was held up between its events (preempted): then for itself alone */
+                if (l->bracket && now - l->start_ns <= SAMPLE_HOST_MAX_NS && P.count && P.dev == l->idx) {
+                    end.weight += P.count;
+                    end.predicted += P.charged;
+                    P.count = 0;
+                    P.charged = 0;
+                }
+                end.sealed = (uint8_t)l->bracket;
+                s->q[s->n++] = end;
                 s->inflight++;
             } else if (e) {
                 event_put(l->ctx, e);
@@ -558,7 +639,102 @@ static void slow_leave(struct launch *l, CUresult launched) {
     relaxed_leave(l->relaxed, l->saved);
 }
 
-/* 0 = forward untouched (no limit, no yield, capture); 1 = measured, call slow_leave after */
+/* ---- the sampled path: short kernels under a cap, no driver call but the capture check ---- */
+
+/* 1 when this thread's launch is to be measured: every 1..63 launches (32 on average), at random
+ * so that no periodic pattern of kernels is always or never measured */
+static int sample_now(void) {
+    if (P.left > 1) {
+        P.left--;
+        return 0;
+    }
+    uint32_t x = P.rng ? P.rng : ((uint32_t)thread_id() * 2654435761u) | 1u;
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5; /* xorshift32: never 0 from a non-zero seed */
+    P.rng = x;
+    P.left = 1 + x % (SAMPLE_SPAN - 1);
+    return 1;
+}
+
+/* The allowance ran out: pass the gate (the same gate as every
+ * measured launch: the bucket, the yield flag, a live resize) and take the next chunk. */
+static void draw(struct vgpu_region_header *hd, int idx, uint32_t limit, int64_t avg) {
+    struct allowance *a = &A[idx];
+    pthread_mutex_lock(&draw_mu);
+    while (__atomic_load_n(&a->charged, __ATOMIC_RELAXED) > __atomic_load_n(&a->drawn, __ATOMIC_RELAXED)) {
+        uint64_t now = now_ns();
+        __atomic_store_n(&hd->last_launch_ns[idx], now, __ATOMIC_RELAXED);
+        CUstreamCaptureMode saved;
+        int relaxed = relaxed_enter(&saved); /* the gate may harvest: event queries, never into a capture */
+        gate(hd, idx, now);
+        relaxed_leave(relaxed, saved);
+        int64_t chunk = avg * CHUNK_LAUNCHES, most = burst_of(limit) / 8;
+        if (chunk > most) chunk = most;
+        if (chunk < avg) chunk = avg;
+        __atomic_sub_fetch(&hd->tokens[idx], chunk, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&a->drawn, chunk, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&draw_mu);
+}
+
+/* 0 = forward untouched (a capturing stream); 2 = charged its prediction, refund if it fails */
+static int fast(struct launch *l, struct vgpu_region_header *hd, int idx, uint32_t limit, int64_t avg, CUstream h) {
+    CUstreamCaptureMode saved;
+    int relaxed = relaxed_enter(&saved);
+    CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult rc = real_cuStreamIsCapturing ? real_cuStreamIsCapturing(h, &cs) : CUDA_SUCCESS;
+    relaxed_leave(relaxed, saved);
+    if (rc != CUDA_SUCCESS || cs != CU_STREAM_CAPTURE_STATUS_NONE) return 0;
+    stamp(hd, idx, coarse_ns());
+    if (!__atomic_load_n(&unmeasured[idx], __ATOMIC_RELAXED)) __atomic_store_n(&unmeasured[idx], 1, __ATOMIC_RELAXED);
+    l->idx = idx;
+    l->predicted = avg;
+    P.dev = idx;
+    P.count++;
+    P.charged += avg;
+    if (__atomic_add_fetch(&A[idx].charged, avg, __ATOMIC_RELAXED) > __atomic_load_n(&A[idx].drawn, __ATOMIC_RELAXED))
+        draw(hd, idx, limit, avg);
+    return 2;
+}
+
+static void fast_refund(const struct launch *l) {
+    __atomic_sub_fetch(&A[l->idx].charged, l->predicted, __ATOMIC_RELAXED);
+    P.count--;
+    P.charged -= l->predicted;
+}
+
+/* a launch under a cap or an arbiter flag: sampled or measured (out of line: the no-limit path
+ * stays as small as it was) */
+static __attribute__((noinline)) int enter_limited(struct launch *l, struct vgpu_region_header *hd, int idx,
+                                                    uint32_t limit, uint32_t flags, CUstream h, int ptds) {
+    int cap = limit > 0 && limit < 100;
+    /* a cap and no arbiter flag that needs every launch seen: short kernels are sampled, while the
+     * measurements keep up (at most FAST_AHEAD launches' prediction charged since the last came in) */
+    int bracket = 0;
+    if (cap && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD)) && (!(flags & VGPU_FLAG_ALONE) || vgpu_sm_policy() == 0)) {
+        int64_t avg = __atomic_load_n(&L.avg[idx], __ATOMIC_RELAXED);
+        if (avg > 0 && avg < FAST_MAX_NS) {
+            if (P.count && P.dev != idx) P.count = 0, P.charged = 0; /* another device's: their prediction stands */
+            if (__atomic_load_n(&A[idx].charged, __ATOMIC_RELAXED) - __atomic_load_n(&A[idx].mark, __ATOMIC_RELAXED) <
+                FAST_AHEAD * avg) {
+                if (!sample_now()) return fast(l, hd, idx, limit, avg, normal(h, ptds));
+                bracket = 1;
+            }
+        }
+    }
+    /* a measured launch of a thread with unmeasured ones is measured alone and stands for them too */
+    if (P.count) {
+        if (P.dev == idx) bracket = 1;
+        else P.count = 0, P.charged = 0;
+    }
+    uint64_t now = now_ns();
+    __atomic_store_n(&hd->last_launch_ns[idx], now, __ATOMIC_RELAXED);
+    return slow_enter(l, hd, idx, normal(h, ptds), now, bracket);
+}
+
+/* 0 = forward untouched (no limit, no yield, capture); 1 = measured, call slow_leave after;
+ * 2 = sampled path, call fast_refund if the launch fails */
 static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (__builtin_expect(vgpu_in_hook, 0)) return 0;
     struct vgpu_region_header *hd = vgpu_header();
@@ -571,17 +747,17 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
         stamp(hd, idx, coarse_ns());
         return 0;
     }
-    uint64_t now = now_ns();
-    __atomic_store_n(&hd->last_launch_ns[idx], now, __ATOMIC_RELAXED);
-    return slow_enter(l, hd, idx, normal(h, ptds), now);
+    return enter_limited(l, hd, idx, limit, flags, h, ptds);
 }
 
 #define LAUNCH(name, args, stream, ptds)                        \
     do {                                                        \
         struct launch l_;                                       \
-        if (!enter(&l_, (stream), (ptds))) return CU_REAL(name, args); \
+        int how_ = enter(&l_, (stream), (ptds));                \
+        if (!how_) return CU_REAL(name, args);                  \
         CUresult rc_ = CU_REAL(name, args);                     \
-        slow_leave(&l_, rc_);                                   \
+        if (how_ == 1) slow_leave(&l_, rc_);                    \
+        else if (rc_ != CUDA_SUCCESS) fast_refund(&l_);         \
         return rc_;                                             \
     } while (0)
 

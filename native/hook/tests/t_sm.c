@@ -4,6 +4,7 @@
  *                                         created); THREADS each on its own created stream
  *   phases PATH SPEC                      SPEC = step,step,... with step = SECONDS[:ACTION[+ACTION...]],
  *                                         ACTION: limit=N  flags=N  fresh=0|1 (keep arbiter_ns fresh),
+ *                                         kernel_us=N (the kernels' length from then on),
  *                                         as the node monitor writes them, or steal=1 (fill the
  *                                         bucket on disk as a tenant could); prints each step's share
  *   queue PATH SPEC                       as phases, never syncing: prints each step's deepest queue
@@ -157,6 +158,8 @@ static void *monitor(void *arg) {
                 __atomic_store_n(&hd->flags[0], (uint32_t)atoi(action + 6), __ATOMIC_RELAXED);
             else if (strncmp(action, "fresh=", 6) == 0)
                 fresh = atoi(action + 6);
+            else if (strncmp(action, "kernel_us=", 10) == 0) /* the program's kernels change length */
+                set_kernel((unsigned long long)(atof(action + 10) * 1000));
             else if (strncmp(action, "steal=", 6) == 0 && atoi(action + 6)) {
                 /* a tenant's write into its region: a bucket full for hours, its refill stamp
                  * an hour ahead so it would never be trimmed at a refill */
