@@ -51,6 +51,9 @@ class Spec:
     apiserver_port: int = 0
     product: bool = True
     real_node: bool = False
+    # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
+    # them in a pod on the real node (needs real_node; realnode.scheduler_values).
+    local_scheduler: bool = True
 
     def validate(self) -> None:
         checks = [
@@ -61,6 +64,10 @@ class Spec:
             (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
             (1 <= self.split <= 100, "--split must be between 1 and 100"),
             (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
+            (
+                self.local_scheduler or self.real_node,
+                "--scheduler-in-cluster needs --real-node: the chart's scheduler pod runs there",
+            ),
         ]
         for ok, message in checks:
             if not ok:
