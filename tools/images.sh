@@ -5,10 +5,13 @@
 # docker-archive that `ctr -n k8s.io images import FILE` names by its reference.
 # images/*.Dockerfile say what the images hold; docs/images.md says how these differ.
 #
-#   tools/images.sh [device-plugin|scheduler|sample|pause]...   (default: all four)
+#   tools/images.sh [device-plugin|scheduler|kube-scheduler|sample|pause]...   (default: all five)
 #
 # The images are named as the chart names them, docker.io/vgpu/<name>, tagged dev, or
-# $VGPU_IMAGE_TAG (make images IMAGE_TAG=0.1.0).
+# $VGPU_IMAGE_TAG (make images IMAGE_TAG=0.1.0). kube-scheduler is the chart's other scheduler
+# container: upstream's kube-scheduler at the cluster's version (KUBE_VERSION in
+# tools/versions.env), named as registry.k8s.io names it, from the multi-call `kube` binary
+# tools/build.sh builds.
 #
 # Writes ${VGPU_IMAGE_DIR:-<repo>/.cache/images}/<name>.tar (a stamp beside each: an image is
 # rebuilt only when what it packs changed) and images.json. The Debian base, the dependency
@@ -41,7 +44,12 @@ declare -A REF=(
   [sample]=docker.io/vgpu/sample:$tag
   [pause]=registry.k8s.io/pause:3.10
 )
-ALL=(device-plugin scheduler sample pause)
+# kube-scheduler keeps upstream's name and the cluster's version as its tag, whatever
+# VGPU_IMAGE_TAG says: the chart renders registry.k8s.io/kube-scheduler:<the API server's version>.
+# shellcheck source=versions.env
+. "$here/versions.env"
+REF[kube-scheduler]=registry.k8s.io/kube-scheduler:$KUBE_VERSION
+ALL=(device-plugin scheduler kube-scheduler sample pause)
 
 log() { printf 'images: %s\n' "$*" >&2; }
 die() {
@@ -159,6 +167,17 @@ build_ocipack() {
   [ "$rc" -eq 0 ] || die "building ocipack from Go modules failed (output above); it needs Go >= 1.24 on PATH (GOTOOLCHAIN=local) and the Go module proxy (GOPROXY); see tools/build.sh and tools/ocipack/go.mod"
   ocipack=$(readlink -f "$bin_dir/current/ocipack")
   [ -x "$ocipack" ] || die "no ocipack in $bin_dir/current after tools/build.sh ocipack"
+}
+
+# ---- the multi-call kube binary (tools/build.sh's `kube` piece, cached by version) ----
+kube_bin=
+find_kube() {
+  local out rc=0
+  out=$(VGPU_BIN_DIR=$bin_dir bash "$here/build.sh" kube 2>&1) || rc=$?
+  printf '%s\n' "$out" | sed 's/^setup: /images: /' >&2
+  [ "$rc" -eq 0 ] || die "building kube $KUBE_VERSION from Go modules failed (output above); see tools/build.sh"
+  kube_bin=$bin_dir/kube-$KUBE_VERSION/kube
+  [ -x "$kube_bin" ] || die "no $kube_bin after tools/build.sh kube"
 }
 
 # ---- layers, cached in $image_dir/.layers by the hash of their inputs ----
@@ -295,9 +314,21 @@ make_pause_layer() {
   tar_dir "$stage" "$out"
 }
 
+# kube-scheduler as upstream's image holds it: one static binary on PATH, nothing else (no shell,
+# no libc). Here it is the multi-call kube binary, which runs as kube-scheduler when called by
+# that name, so the chart's `command: [kube-scheduler]` finds the symlink.
+make_kube_scheduler_layer() {
+  local out=$1 stage=$work/kube-scheduler
+  install -D -m 0755 "$kube_bin" "$stage/usr/local/bin/kube"
+  ln -s kube "$stage/usr/local/bin/kube-scheduler"
+  install -d -m 1777 "$stage/tmp"
+  tar_dir "$stage" "$out"
+}
+
 # ---- images ----
 py_env=(-env "PATH=/opt/vgpu/bin:$SYSTEM_PATH" -env PYTHONDONTWRITEBYTECODE=1 -env PYTHONUNBUFFERED=1)
 common_hash=
+kube_hash=
 native_hash=
 py_hash=
 
@@ -305,6 +336,7 @@ inputs_of() {
   case $1 in
     device-plugin) printf '%s' "$common_hash $base_key $py_hash $native_hash" ;;
     scheduler) printf '%s' "$common_hash $base_key $py_hash" ;;
+    kube-scheduler) printf '%s' "$common_hash $kube_hash" ;;
     sample) printf '%s' "$common_hash $base_key $native_hash" ;;
     pause) printf '%s' "$common_hash $(tree_hash tools/images/pause.c)" ;;
   esac
@@ -331,6 +363,14 @@ pack_args() {
         -label org.opencontainers.image.title=vgpu-scheduler
         -label "org.opencontainers.image.description=vgpu scheduler extender and admission webhook"
         -label org.opencontainers.image.licenses=Apache-2.0)
+      ;;
+    kube-scheduler)
+      PACK=(-layer "$(layer kube-scheduler "$kube_hash" make_kube_scheduler_layer)"
+        -entrypoint '["/usr/local/bin/kube-scheduler"]' -user 65532:65532 -env "PATH=$SYSTEM_PATH"
+        -label org.opencontainers.image.title=kube-scheduler
+        -label "org.opencontainers.image.description=kube-scheduler $KUBE_VERSION (the multi-call kube binary of tools/kube)"
+        -label org.opencontainers.image.licenses=Apache-2.0
+        -label "org.opencontainers.image.version=$KUBE_VERSION")
       ;;
     sample)
       stub=$(layer stub "$native_hash" make_stub_layer)
@@ -363,7 +403,7 @@ build_image() {
   local start=$SECONDS
   log "$name: building ${REF[$name]}"
   case $name in device-plugin | scheduler) check_pip ;; esac
-  [ "$name" = pause ] || build_base
+  case $name in pause | kube-scheduler) ;; *) build_base ;; esac
   rm -f "$stamp"
   PACK=()
   pack_args "$name"
@@ -409,8 +449,10 @@ main() {
       exit 2
     }
   done
-  # Every image but pause starts from the debootstrap base and is finished in a chroot.
-  if [ "$(id -u)" -ne 0 ] && [[ " ${names[*]} " != " pause " ]]; then need_root; fi
+  # Every image but pause and kube-scheduler starts from the debootstrap base, finished in a chroot.
+  if [ "$(id -u)" -ne 0 ]; then
+    for n in "${names[@]}"; do case $n in pause | kube-scheduler) ;; *) need_root ;; esac; done
+  fi
   local start=$SECONDS
   mkdir -p "$image_dir" "$layers_dir"
   exec 9>"$image_dir/.lock"
@@ -419,6 +461,11 @@ main() {
   common_hash=$(str_hash "$(sha256sum "$here/images.sh") $ocipack")
   native_hash=$(tree_hash native/hook)
   py_hash=$(tree_hash pyproject.toml requirements.lock vgpu)
+  kube_hash=
+  if [[ " ${names[*]} " == *" kube-scheduler "* ]]; then
+    find_kube
+    kube_hash=$(str_hash "$KUBE_VERSION $(sha256sum <"$kube_bin")")
+  fi
   work=$(mktemp -d "${TMPDIR:-/tmp}/vgpu-images-XXXXXX")
   trap 'rm -rf "$work"' EXIT
   for n in "${names[@]}"; do build_image "$n"; done

@@ -50,6 +50,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="with --real-node: run the device plugin there on this machine's NVIDIA GPUs (real NVML), "
         "handing containers the driver itself; pair with --nodes 0 (docs/sandbox.md)",
     )
+    up.add_argument(
+        "--scheduler-in-cluster",
+        action="store_true",
+        help="with --real-node: no local extender, kube-scheduler or webhook; the chart's scheduler "
+        "Deployment runs them in a pod on the real node once the playbook installs it",
+    )
     restart = sub.add_parser("restart", help="restart the real node's containerd or kubelet")
     restart.add_argument("component", choices=("containerd", "kubelet"))
     sub.add_parser("status", help="what runs, and the nodes").add_argument("--json", action="store_true")
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 product=not args.control_plane_only,
                 real_node=args.real_node,
                 real_gpu=args.real_gpu,
+                local_scheduler=not args.scheduler_in_cluster,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))
             extra = " and the real node real-node-0" if spec.real_node else ""
@@ -129,6 +136,9 @@ _PORTS = {
     "kubelet": ("the real node's kubelet", "https://10.244.200.1:{}"),
     "kubelet-healthz": ("the real node's kubelet health", "http://127.0.0.1:{}/healthz"),
     "real-node-monitor": ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
+    "real-node-extender": ("the chart's extender, on the real node", "https://10.244.200.1:{}"),
+    "real-node-scheduler-metrics": ("the chart's scheduler metrics", "http://10.244.200.1:{}/metrics"),
+    "real-node-kube-scheduler": ("the chart's kube-scheduler (healthz)", "https://10.244.200.1:{}/healthz"),
 }
 
 

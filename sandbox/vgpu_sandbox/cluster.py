@@ -61,6 +61,8 @@ class Sandbox(Handle):
         try:
             self._start_control_plane(spec, found, progress)
             parts = product.available() if spec.product else product.Parts(False, False)
+            if not spec.local_scheduler:  # the chart's scheduler pod on the real node instead
+                parts = product.Parts(extender=False, plugins=parts.plugins)
             if spec.nodes:
                 self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)

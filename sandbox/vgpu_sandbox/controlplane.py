@@ -116,6 +116,9 @@ def apiserver_argv(
         "--allow-privileged=true",
         # Pods asking for nvidia.com/gpu tolerate the taint GPU nodes carry (the real node's).
         "--enable-admission-plugins=ExtendedResourceToleration",
+        # No kube-proxy: the API server calls webhooks behind a Service (the chart's, in a pod on
+        # the real node) at the Service's ready endpoint, not at its unroutable cluster IP.
+        "--enable-aggregator-routing=true",
         "--profiling=false",
         "--max-requests-inflight=800",
         "--max-mutating-requests-inflight=400",

@@ -62,7 +62,7 @@ SYSTEM_BINARIES = {
 }
 CNI_DIRS = (Path("/usr/lib/cni"), Path("/opt/cni/bin"))
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
-IMAGES = ("device-plugin", "scheduler", "sample", "pause")
+IMAGES = ("device-plugin", "scheduler", "kube-scheduler", "sample", "pause")
 COMPONENTS = ("containerd", "kubelet")
 
 
@@ -421,6 +421,45 @@ def chart_values(sandbox: Handle, spec: Spec, lay: NodeLayout, monitor_port: int
     }
 
 
+def scheduler_values(sandbox: Handle) -> dict[str, Any]:
+    """What the chart's scheduler Deployment needs to run on this real node: the extender, its
+    kube-scheduler and the webhook in one pod, TLS and RBAC as the chart makes them.
+
+    The node has no kube-proxy, so the pod runs in the node's network (``hostNetwork``): both
+    containers reach the API server at the 127.0.0.1 it advertises (``KUBERNETES_SERVICE_HOST``
+    and ``_PORT``, the in-cluster client's address), kube-scheduler calls the extender of its own
+    pod (``extender.route=pod``, TLS verified against the release's CA), and the API server
+    calls the webhook at the Service's ready endpoint (``--enable-aggregator-routing``). The
+    pod's three ports are the machine's, so each is a free one the sandbox records."""
+    state = sandbox.state()
+    assert state is not None
+    env = [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(state.ports["apiserver"])},
+    ]
+    return {
+        "webhook": {"enabled": True},
+        "scheduler": {
+            "hostNetwork": True,
+            "nodeSelector": {"kubernetes.io/hostname": NAME},
+            "tolerations": TOLERATIONS,
+            "kubeScheduler": {
+                # the image tools/images.sh built from the cluster's own kube-scheduler, imported
+                "image": {"pullPolicy": "Never"},
+                "port": sandbox.port("real-node-kube-scheduler"),
+                "extraEnv": env,
+            },
+            "extender": {
+                "image": {"tag": "dev", "pullPolicy": "Never"},
+                "port": sandbox.port("real-node-extender"),
+                "route": "pod",
+                "extraEnv": env,
+            },
+            "metrics": {"port": sandbox.port("real-node-scheduler-metrics")},
+        },
+    }
+
+
 SAMPLE_IMAGE = "docker.io/vgpu/sample:dev"
 
 
@@ -618,6 +657,8 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
 
     ctk = binaries.bin_dir() / "nvidia-ctk"
     values = chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
+    if not spec.local_scheduler:
+        values = _merge(values, scheduler_values(sandbox))
     inventory_file(sandbox).write_text(
         yaml.safe_dump(inventory(sandbox, spec, ctk if ctk.exists() else None, values), sort_keys=False)
     )

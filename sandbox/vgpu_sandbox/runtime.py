@@ -54,6 +54,9 @@ class Spec:
     # The real node on this machine's NVIDIA GPUs: the device plugin runs there on real NVML,
     # handing containers the driver itself (driverInject: plugin), instead of the chart on fake cards.
     real_gpu: bool = False
+    # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
+    # them in a pod on the real node (needs real_node; realnode.scheduler_values).
+    local_scheduler: bool = True
 
     def validate(self) -> None:
         checks = [
@@ -66,6 +69,10 @@ class Spec:
             (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
             (1 <= self.split <= 100, "--split must be between 1 and 100"),
             (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
+            (
+                self.local_scheduler or self.real_node,
+                "--scheduler-in-cluster needs --real-node: the chart's scheduler pod runs there",
+            ),
         ]
         for ok, message in checks:
             if not ok:

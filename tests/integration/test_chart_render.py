@@ -287,6 +287,37 @@ def test_extender_extra_env_reaches_only_the_extender_container() -> None:
     assert "env" not in container(pod, "kube-scheduler")
 
 
+def test_without_a_service_proxy_the_scheduler_pod_uses_the_nodes_network_and_its_own_extender() -> None:
+    """scheduler.hostNetwork, kubeScheduler.port/extraEnv and extender.route=pod, as the sandbox's
+    real node runs the chart's scheduler pod: both containers reach the API server at the address
+    given, kube-scheduler serves its health on the port chosen and calls the extender of its own
+    pod at 127.0.0.1, still verifying the release's CA, which the serving certificate names."""
+    objs = render("-f", str(CHART / "ci" / "driverless-node-values.yaml"))
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    ks, ext = container(pod, "kube-scheduler"), container(pod, "extender")
+    assert "--secure-port=20259" in ks["command"]
+    assert [p["containerPort"] for p in ks["ports"]] == [20259]
+    assert ks["livenessProbe"]["httpGet"]["port"] == "healthz"
+    for c in (ks, ext):
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env == {"KUBERNETES_SERVICE_HOST": "10.0.0.10", "KUBERNETES_SERVICE_PORT": "6443"}, c["name"]
+    assert "--listen=0.0.0.0:20443" in ext["command"]
+    (cfg_ext,) = scheduler_config(objs)["extenders"]
+    assert cfg_ext["urlPrefix"] == "https://127.0.0.1:20443"
+    assert cfg_ext["tlsConfig"]["insecure"] is False
+    assert cfg_ext["tlsConfig"]["caData"] == find(objs, "Secret", "vgpu-extender-tls")["data"]["ca.crt"]
+    _, crt = _certs(objs)
+    sans = crt.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "127.0.0.1" in [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    # the default stays: the Service, the standard port, the pod's own network
+    default = find(render(), "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert (
+        "hostNetwork" not in default
+        and "--secure-port=10259" in container(default, "kube-scheduler")["command"]
+    )
+
+
 def test_kube_scheduler_reaches_only_the_ready_extender_through_its_service() -> None:
     objs = render()
     (ext,) = scheduler_config(objs)["extenders"]

@@ -135,6 +135,16 @@ BAD_VALUES = [
         "give scheduler.extender.port another port",
     ),
     (
+        ["--set", "scheduler.kubeScheduler.port=8443"],
+        "scheduler.extender.port and scheduler.kubeScheduler.port are both 8443",
+        "give scheduler.extender.port another port",
+    ),
+    (
+        ["--set", "scheduler.extender.route=pod,scheduler.replicas=2"],
+        "scheduler.extender.route=pod with scheduler.replicas=2",
+        "set scheduler.replicas=1, or scheduler.extender.route=service",
+    ),
+    (
         ["--set", "devicePlugin.nodeOverrides[0].name=n1,devicePlugin.nodeOverrides[1].name=n1"],
         "devicePlugin.nodeOverrides[1].name=n1 repeats an earlier entry",
         "merge the two entries for n1",

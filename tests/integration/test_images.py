@@ -24,6 +24,13 @@ REFS = {
     "sample": "docker.io/vgpu/sample:dev",
     "pause": "registry.k8s.io/pause:3.10",
 }
+# the chart's kube-scheduler: upstream's name at the cluster's version (tools/versions.env)
+KUBE_VERSION = dict(
+    line.split("=", 1)
+    for line in (Path(__file__).resolve().parents[2] / "tools" / "versions.env").read_text().splitlines()
+    if "=" in line and not line.startswith("#")
+)["KUBE_VERSION"]
+REFS["kube-scheduler"] = f"registry.k8s.io/kube-scheduler:{KUBE_VERSION}"
 
 pytestmark = pytest.mark.skipif(
     not all((IMAGE_DIR / f"{name}.tar").exists() for name in REFS)
@@ -148,6 +155,31 @@ def test_the_pause_image_is_one_static_binary_run_as_65535() -> None:
     config = img.config["config"]
     assert (config["Entrypoint"], config["User"]) == (["/pause"], "65535:65535")
     assert img.names(0) == {"pause"}
+
+
+def test_the_kube_scheduler_image_runs_the_multi_call_binary_by_the_name_the_chart_calls() -> None:
+    """The chart's container runs `command: [kube-scheduler]` as 65532: the name must be on PATH
+    and lead to the static kube binary, which dispatches on the name it is called by."""
+    img = image("kube-scheduler")
+    config = img.config["config"]
+    assert config["Entrypoint"] == ["/usr/local/bin/kube-scheduler"] and config["User"] == "65532:65532"
+    path = dict(e.split("=", 1) for e in config["Env"])["PATH"].split(":")
+    assert "/usr/local/bin" in path
+    assert len(img.layers) == 1
+    with tarfile.open(img.path) as archive:
+        blob = archive.extractfile(img.layers[0])
+        assert blob is not None
+        data = blob.read()
+    with tarfile.open(
+        fileobj=io.BytesIO(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    ) as layer:
+        members = {m.name.removeprefix("./"): m for m in layer.getmembers()}
+        link = members["usr/local/bin/kube-scheduler"]
+        assert link.issym() and link.linkname == "kube"
+        binary = members["usr/local/bin/kube"]
+        assert binary.isfile() and binary.mode & 0o005 == 0o005  # others may run it: uid 65532
+        head = layer.extractfile(binary)
+        assert head is not None and head.read(4) == b"\x7fELF"
 
 
 def test_the_debian_base_is_one_layer_shared_by_the_three_debian_images() -> None:

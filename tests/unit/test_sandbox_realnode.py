@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from vgpu_sandbox import realnode
 from vgpu_sandbox.cluster import Sandbox, Spec, State
+from vgpu_sandbox.errors import SandboxError
 
 
 def test_containerd_keeps_every_path_under_the_node_and_sets_what_the_kubelet_needs(tmp_path: Path) -> None:
@@ -75,6 +76,45 @@ def test_the_inventory_adds_the_real_node_and_merges_its_chart_values(tmp_path: 
     assert plugin["deviceSplitCount"] == 4 and plugin["hostNetwork"] is True
     assert {t["key"] for t in plugin["tolerations"]} == {realnode.TAINT["key"], realnode.RESERVED["key"]}
     assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in plugin["extraEnv"]
+
+
+def test_with_the_scheduler_in_cluster_the_charts_scheduler_pod_goes_to_the_real_node(tmp_path: Path) -> None:
+    """The values up --scheduler-in-cluster merges into the inventory: the chart's webhook on, its
+    scheduler pod on the real node's network, each port a free one the sandbox records."""
+    sandbox = Sandbox(tmp_path)
+    started = State(spec=Spec(), ports={"apiserver": 6443})
+    sandbox.layout.state_file.write_text(started.to_json())
+    sandbox.adopt(started)  # as during up: the ports are handed out into its record
+    spec = Spec(nodes=1, real_node=True, local_scheduler=False)
+    lay = realnode.layout_of(sandbox)
+    values = realnode._merge(
+        realnode.chart_values(sandbox, spec, lay, 9555), realnode.scheduler_values(sandbox)
+    )
+    chart = realnode.inventory(sandbox, spec, None, values)["all"]["children"]["kube_control"]["vars"][
+        "vgpu_scheduler_values"
+    ]
+    assert chart["webhook"]["enabled"] is True  # the pod's webhook replaces the sandbox's own
+    assert chart["devicePlugin"]["hostNetwork"] is True  # the plugin's values are kept
+    s = chart["scheduler"]
+    assert s["hostNetwork"] is True and s["extender"]["route"] == "pod"
+    assert s["nodeSelector"] == {"kubernetes.io/hostname": realnode.NAME}
+    assert {t["key"] for t in s["tolerations"]} == {realnode.TAINT["key"], realnode.RESERVED["key"]}
+    api = {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}
+    assert api in s["kubeScheduler"]["extraEnv"] and api in s["extender"]["extraEnv"]
+    assert s["metrics"]["service"]["type"] == "ClusterIP"  # inventory/sandbox.yml's own values are kept
+    state = sandbox.state()
+    assert state is not None
+    ports = [s["kubeScheduler"]["port"], s["extender"]["port"], s["metrics"]["port"]]
+    assert ports == [
+        state.ports[f"real-node-{n}"] for n in ("kube-scheduler", "extender", "scheduler-metrics")
+    ]
+    assert len(set(ports)) == 3
+
+
+def test_the_scheduler_in_cluster_needs_the_real_node() -> None:
+    with pytest.raises(SandboxError, match="--scheduler-in-cluster needs --real-node"):
+        Spec(local_scheduler=False).validate()
+    Spec(local_scheduler=False, real_node=True).validate()
 
 
 def test_without_root_the_reason_names_root(monkeypatch: pytest.MonkeyPatch) -> None:
