@@ -46,7 +46,8 @@ from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
-from vgpu.plugin.paths import HookInstall, HostPaths
+from vgpu.plugin.hooklib import HookInstall
+from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
 

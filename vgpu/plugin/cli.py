@@ -32,6 +32,20 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
         help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
     )
+    parser.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often the folders, grants and hook versions pods gone from the node left are removed (60)",
+    )
+    parser.add_argument(
+        "--sweep-min-age",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="the least time a folder or hook version stays, whatever the pod list says (default 300)",
+    )
     add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
@@ -48,6 +62,7 @@ def settings(args: argparse.Namespace) -> NodeSettings:
         listen=parse_listen(args.monitor_listen, "--monitor-listen"),
         arbiter=arbiter_settings(args),
         hook_library=args.hook_library,
+        sweep=(args.sweep_interval, args.sweep_min_age),
     )
 
 
