@@ -7,7 +7,7 @@ written to a temporary file and renamed into place, never changed after::
 
     lib/<version>/libvgpu.so       <version>: the first 16 hex digits of the library's SHA-256
     lib/<version>/ld.so.preload    names /usr/local/vgpu/libvgpu.so, where Allocate mounts it
-    lib/.lock                      flock: recording a hand-out (shared) against collecting (exclusive)
+    hook.lock                      flock: recording a hand-out (shared) against collecting (exclusive)
     grants/<pod-uid>_<container>.hook   the version Allocate gave the container ("" for none)
 
 Allocate mounts the folder's two files into the container and records the version beside the
@@ -66,8 +66,8 @@ def record_path(paths: HostPaths, folder_name: str) -> Path:
 def _locked(paths: HostPaths, exclusive: bool) -> Iterator[None]:
     """Held across processes (the lock is on the host): a second plugin on the node, as a
     DaemonSet with surge would start, never removes a version the other one is handing out."""
-    paths.lib_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(paths.lib_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    paths.lib_dir.mkdir(parents=True, exist_ok=True)  # lib/ holds the version folders alone
+    fd = os.open(paths.vgpu_dir / "hook.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
