@@ -156,8 +156,11 @@ def handed_out(paths: HostPaths) -> tuple[set[str], list[str]]:
         entries = []
     for entry in entries:
         if entry.name.endswith(RECORD_SUFFIX) and not entry.name.startswith("."):
+            try:
+                version = entry.read_text().strip()
+            except FileNotFoundError:
+                continue  # swept since the listing: its pod is gone
             recorded.add(entry.name[: -len(RECORD_SUFFIX)])
-            version = entry.read_text().strip()
             if version:
                 versions.add(version)
     try:
