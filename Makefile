@@ -89,7 +89,7 @@ images: venv native ## the chart's images, the sample and pause as tarballs for 
 	VGPU_IMAGE_TAG=$(IMAGE_TAG) bash tools/images.sh
 
 images-docker: ## the chart's images from images/*.Dockerfile, with a container engine (docker.io/vgpu/<name>:$(IMAGE_TAG))
-	for f in images/*.Dockerfile; do docker build -f $$f -t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG) . || exit 1; done
+	for f in images/*.Dockerfile; do docker build --build-arg HOOK_VERSION=$(IMAGE_TAG) -f $$f -t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG) . || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VENV)-lock .pytest_cache .mypy_cache .ruff_cache

@@ -20,9 +20,11 @@ ARG HOOK_BUILDER=quay.io/pypa/manylinux2014_x86_64:2024-03-10-4935fcc
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${HOOK_BUILDER} AS hook
+# The version string the hook logs (`make images-docker` passes the image's tag).
+ARG HOOK_VERSION=dev
 WORKDIR /src/native/hook
 COPY native/hook ./
-RUN make clean && make build/libvgpu.so && install -D -m 0755 build/libvgpu.so /out/libvgpu.so
+RUN make clean && make build/libvgpu.so HOOK_VERSION="${HOOK_VERSION}" && install -D -m 0755 build/libvgpu.so /out/libvgpu.so
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src

@@ -267,10 +267,14 @@ make_venv_layer() {
   rm -rf "$root"
 }
 
+# The hook says the image's tag as its version (native/hook/log.c), so images of two tags carry
+# two libraries of different content, which the plugin installs on the host side by side. A tag
+# other than dev builds apart, leaving the checkout's own build/libvgpu.so (dev) as it was.
 make_hook_layer() {
-  local out=$1 stage=$work/hook
-  make -s -C "$repo/native/hook" build/libvgpu.so >&2 || return 1
-  install -D -m 0755 "$repo/native/hook/build/libvgpu.so" "$stage/usr/local/vgpu/libvgpu.so"
+  local out=$1 stage=$work/hook build=build
+  [ "$tag" = dev ] || build=build/version-$tag
+  make -s -C "$repo/native/hook" OUT="$build" HOOK_VERSION="$tag" "$build/libvgpu.so" >&2 || return 1
+  install -D -m 0755 "$repo/native/hook/$build/libvgpu.so" "$stage/usr/local/vgpu/libvgpu.so"
   tar_dir "$stage" "$out"
 }
 
@@ -348,7 +352,7 @@ pack_args() {
   case $1 in
     device-plugin)
       venv=$(layer venv "$py_hash" make_venv_layer)
-      hook=$(layer hook "$native_hash" make_hook_layer)
+      hook=$(layer hook "$native_hash $tag" make_hook_layer)
       PACK=(-layer "$base" -layer "$venv" -layer "$hook"
         -entrypoint '["vgpu"]' -cmd '["device-plugin","--help"]' -user 0:0
         "${py_env[@]}" -env VGPU_HOOK_LIBRARY=/usr/local/vgpu/libvgpu.so

@@ -10,6 +10,14 @@
 
 int vgpu_log_level = VGPU_LOG_WARN;
 
+#ifndef VGPU_HOOK_VERSION
+#define VGPU_HOOK_VERSION "dev"
+#endif
+/* The build's version (make HOOK_VERSION=...; tools/images.sh passes the image's tag): in the
+ * library's bytes, so two builds differ in content and the plugin installs them apart, and in
+ * the first line the hook logs at info. */
+static const char hook_version[] __attribute__((used)) = "libvgpu.so version " VGPU_HOOK_VERSION;
+
 void vgpu_log_init(void) {
     static int done;
     if (done) return;
@@ -19,6 +27,7 @@ void vgpu_log_init(void) {
     static const char *names[] = {"off", "error", "warn", "info", "debug"};
     for (int i = 0; i < 5; i++)
         if (strcmp(v, names[i]) == 0) vgpu_log_level = i;
+    VGPU_LOG(VGPU_LOG_INFO, "%s", hook_version);
 }
 
 void vgpu_log(int level, const char *fmt, ...) {

@@ -18,8 +18,9 @@ from tests.support import FakeKube, bound_pod, short_dir
 from vgpu.core.annotations import PHASE_ANNOTATION
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.daemon import Daemon
+from vgpu.plugin.hooklib import HookInstall
 from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HookInstall, HostPaths
+from vgpu.plugin.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 

@@ -398,6 +398,16 @@ def test_a_new_split_count_changes_the_device_plugin_pod_template() -> None:
     )
 
 
+def test_an_upgrade_replaces_the_device_plugin_pod_without_a_second_one_beside_it() -> None:
+    """The old pod goes before the new one starts: two plugins would both serve kubelet's socket.
+    Running containers are not restarted by it (docs/device-plugin.md, "Upgrading the hook")."""
+    ds = find(render("--set", "devicePlugin.maxUnavailable=3"), "DaemonSet", "vgpu-device-plugin")["spec"]
+    assert ds["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 3, "maxSurge": 0},
+    }
+
+
 def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
     pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "on"}

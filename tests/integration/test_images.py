@@ -112,6 +112,28 @@ def test_the_device_plugin_runs_vgpu_as_root_with_the_hook_library_named() -> No
     assert {"usr/local/vgpu/libvgpu.so", "opt/vgpu/bin/vgpu", "opt/vgpu/bin/python3"} <= names
 
 
+def test_the_device_plugins_hook_carries_the_images_tag_as_its_version() -> None:
+    """Images of two tags hold hooks of different content, which the plugin installs side by side
+    (docs/device-plugin.md, "Upgrading the hook"); the hook logs the tag at VGPU_LOG_LEVEL=info."""
+    img = image("device-plugin")
+    tag = REFS["device-plugin"].rsplit(":", 1)[1]
+    with tarfile.open(img.path) as archive:
+        for member in img.layers:
+            blob = archive.extractfile(member)
+            assert blob is not None
+            data = blob.read()
+            if data[:2] == b"\x1f\x8b":
+                data = gzip.decompress(data)
+            with tarfile.open(fileobj=io.BytesIO(data)) as layer_tar:
+                names = {m.name.removeprefix("./"): m for m in layer_tar.getmembers()}
+                if "usr/local/vgpu/libvgpu.so" in names:
+                    library = layer_tar.extractfile(names["usr/local/vgpu/libvgpu.so"])
+                    assert library is not None
+                    assert f"libvgpu.so version {tag}\0".encode() in library.read()
+                    return
+    raise AssertionError("no layer holds usr/local/vgpu/libvgpu.so")
+
+
 def test_the_scheduler_runs_vgpu_as_uid_65532_without_the_hook() -> None:
     img = image("scheduler")
     config = img.config["config"]

@@ -66,6 +66,21 @@ def test_a_bad_listen_address_is_refused(tmp_path: Path) -> None:
     assert "--monitor-listen" in result.stderr and "HOST:PORT" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--sweep-interval=0", "--sweep-interval: 0 is out of range: give 0 < SECONDS <= 3600"),
+        ("--sweep-min-age=-1", "--sweep-min-age: -1 is out of range: give 0 to 86400 seconds"),
+    ],
+)
+def test_a_bad_sweep_timing_stops_the_plugin_naming_the_flag(tmp_path: Path, flag: str, message: str) -> None:
+    result = start(tmp_path, flag)
+    assert result.returncode == 2
+    assert f"vgpu device-plugin: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert nothing_started(tmp_path) and not (tmp_path / "root/var/lib/vgpu/lib").exists()
+
+
 def test_unreachable_credentials_stop_the_plugin_before_it_serves(tmp_path: Path) -> None:
     result = start(tmp_path)  # the kubeconfig does not exist
     assert result.returncode == 2

@@ -26,7 +26,8 @@ from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Card
-from vgpu.plugin.paths import HostPaths, install_hook
+from vgpu.plugin.hooklib import install_hook
+from vgpu.plugin.paths import HostPaths
 
 NODE = "node-a"
 CARDS = [Card(f"GPU-{c}", i, "H200", 80000) for i, c in enumerate("abcd")]
@@ -120,6 +121,9 @@ def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tm
     preload_host, ro = mounts["/etc/ld.so.preload"]
     assert ro and Path(preload_host).read_text() == "/usr/local/vgpu/libvgpu.so\n"
     assert Path(lib_host).read_bytes() == b"\x7fELF fake hook"
+    # which version it got is recorded beside the grant, out of the container's reach
+    version = Path(lib_host).parent.name
+    assert (record.parent / f"{uid}_main.hook").read_text() == version + "\n"
     assert pods.phase("p") == "allocated"
 
 

@@ -47,7 +47,8 @@ from vgpu.plugin.arrivals import Arrivals
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.driver import DriverFiles
-from vgpu.plugin.paths import HookInstall, HostPaths
+from vgpu.plugin.hooklib import HookInstall
+from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.driver import DriverFiles
-from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HookInstall, HostPaths
+from vgpu.plugin.hooklib import HookInstall, hand_out
+from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HostPaths
 
 
 class PodFailure(Exception):
@@ -96,6 +97,9 @@ def container_response(
         region_path=f"{inside}/{REGION_FILE_NAME}",
     )
     record = write_grant_file(paths, host_dir.name, grant)
+    # Which hook version the container gets, where it cannot reach: the version stays on the
+    # host while the record does (vgpu/plugin/hooklib.py).
+    hand_out(paths, host_dir.name, hook)
     mounts = [
         api_pb2.Mount(container_path=inside, host_path=str(host_dir), read_only=False),
         api_pb2.Mount(container_path=GRANT_PATH_IN_CONTAINER, host_path=str(record), read_only=True),

@@ -50,6 +50,20 @@ def register(parser: argparse.ArgumentParser) -> None:
         default="/",
         help="the same folder as the host names it, e.g. /run/nvidia/driver (default /)",
     )
+    parser.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often the folders, grants and hook versions pods gone from the node left are removed (60)",
+    )
+    parser.add_argument(
+        "--sweep-min-age",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="the least time a folder or hook version stays, whatever the pod list says (default 300)",
+    )
     add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
@@ -69,6 +83,7 @@ def settings(args: argparse.Namespace) -> NodeSettings:
         driver_inject=args.driver_inject,
         driver_root=args.driver_root,
         driver_host_root=args.driver_host_root,
+        sweep=(args.sweep_interval, args.sweep_min_age),
     )
 
 

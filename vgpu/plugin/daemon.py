@@ -19,10 +19,11 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles
+from vgpu.plugin.hooklib import HookInstall, collect
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.service import NodeMonitor
-from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
+from vgpu.plugin.paths import HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
 
@@ -89,6 +90,7 @@ class Daemon:
 
     def start(self) -> None:
         self.paths.containers_dir.mkdir(parents=True, exist_ok=True)
+        self._collect_hooks()  # versions left by earlier plugins that no container uses any more
         if self.arrival_watch is not None:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
@@ -98,7 +100,8 @@ class Daemon:
         self.monitor.start()
 
     def _sweep(self) -> None:
-        """Every ``sweep_s``, remove the region folders of pods that left the node."""
+        """Every ``sweep_s``, remove the region folders, grants and hook records of pods that
+        left the node, then the hook versions no container uses any more."""
         while not self._stop.wait(self.sweep_s):
             try:
                 live = {str(p["metadata"].get("uid")) for p in self.client.list_node_pods(self.node)}
@@ -107,6 +110,17 @@ class Daemon:
                 continue
             for folder in sweep_container_dirs(self.paths, live, self.sweep_min_age_s, time.time()):
                 log.info("removed %s: its pod is gone", folder)
+            self._collect_hooks()
+
+    def _collect_hooks(self) -> None:
+        keep = self.hook.version if self.hook else None
+        try:
+            removed = collect(self.paths, keep, self.sweep_min_age_s, time.time())
+        except OSError as err:
+            log.warning("not removing unused hook versions: %s", err)
+            return
+        for version in removed:
+            log.info("removed hook version %s: no container on the node uses it", version)
 
     def stop(self) -> None:
         self._stop.set()

@@ -29,10 +29,11 @@ from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles, find_driver
+from vgpu.plugin.hooklib import HookInstall, install_hook
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import PodLister
 from vgpu.plugin.monitor.service import NodeMonitor
-from vgpu.plugin.paths import HookInstall, HostPaths, install_hook
+from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class NodeSettings:
     driver_inject: str | None = None  # runtime | plugin; None: the node config's driverInject
     driver_root: Path = Path("/")  # where the plugin reads the host's driver files (driverInject: plugin)
     driver_host_root: str = "/"  # the same folder as the host names it (the Mounts' host paths)
+    sweep: tuple[float, float] = (60.0, 300.0)  # the plugin's sweep interval and minimum age, seconds
 
 
 class Startable(Protocol):
@@ -122,12 +124,17 @@ def build_plugin(settings: NodeSettings) -> Daemon:
     from vgpu.kube.agent import NodeAgentClient
 
     config = _config(settings)
+    interval, min_age = settings.sweep
+    if not 0 < interval <= 3600:
+        raise ConfigError("--sweep-interval", "", f"{interval:g} is out of range: give 0 < SECONDS <= 3600")
+    if not 0 <= min_age <= 86400:
+        raise ConfigError("--sweep-min-age", "", f"{min_age:g} is out of range: give 0 to 86400 seconds")
     paths = HostPaths(settings.root)
     driver = driver_files(settings, config)
     discovery = open_discovery(settings)
     hook = hook_install(settings, paths)
     client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
-    return Daemon(
+    daemon = Daemon(
         settings.node,
         settings.namespace,
         paths,
@@ -139,6 +146,8 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         settings.arbiter,
         driver,
     )
+    daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
+    return daemon
 
 
 class MonitorNode:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,37 +70,6 @@ def priority_record(grants_dir: Path, folder_name: str) -> Path:
     """The granted priority of the container whose folder is ``containers/<folder_name>``, as
     plugins before the grant wrote it; the arbiter still reads it where a container has no grant."""
     return grants_dir / f"{folder_name}.priority"
-
-
-@dataclass(frozen=True)
-class HookInstall:
-    version: str
-    library: Path  # host path of the versioned library
-    preload: Path  # host path of the file mounted over /etc/ld.so.preload
-
-
-def install_hook(source: Path, paths: HostPaths) -> HookInstall:
-    """Copy the hook library to ``lib/<content hash>/`` unless that version is already there.
-
-    A version folder is written once and never changed, so a library mapped by running
-    containers is never overwritten in place; a new build lands in a new folder.
-    """
-    data = Path(source).read_bytes()
-    version = hashlib.sha256(data).hexdigest()[:16]
-    folder = paths.lib_dir / version
-    folder.mkdir(parents=True, exist_ok=True)
-    library = folder / HOOK_LIBRARY_NAME
-    preload = folder / "ld.so.preload"
-    if not library.exists():
-        tmp = folder / f".{HOOK_LIBRARY_NAME}.{os.getpid()}"
-        tmp.write_bytes(data)
-        tmp.chmod(0o755)
-        os.replace(tmp, library)
-    if not preload.exists():
-        tmp = folder / f".ld.so.preload.{os.getpid()}"
-        tmp.write_text(CONTAINER_HOOK_PATH + "\n")
-        os.replace(tmp, preload)
-    return HookInstall(version, library, preload)
 
 
 def _entries(folder: Path) -> list[Path]:
