@@ -20,6 +20,7 @@ from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
+from vgpu.plugin.monitor.enforce import PodActions
 from vgpu.plugin.monitor.service import NodeMonitor
 from vgpu.plugin.paths import HookInstall, HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
@@ -69,6 +70,7 @@ class Daemon:
             list_pods=self.client.list_node_pods,
             listen=self.monitor_listen,
             arbiter=self.arbiter,
+            actions=self.client if isinstance(self.client, PodActions) else None,
         )
         self._stop = threading.Event()  # ends the health and sweep loops
         self._health = Service(
