@@ -4,6 +4,7 @@ acted on as configured; one within its grant never is."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.plugin.config import parse_node_config
 from vgpu.plugin.discovery import GpuProcess
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.monitor.cgroup import start_time
 from vgpu.plugin.monitor.enforce import REASON, Enforcer, HostCollector, decide
 from vgpu.plugin.monitor.hostview import Held, HostView, Owner, View
 from vgpu.plugin.paths import HostPaths
@@ -192,3 +195,28 @@ def test_enforcement_defaults_and_per_node_settings() -> None:
         "x",
     )
     assert (cfg.enforce_memory, cfg.enforce_interval_ms) == ("report", 50)
+
+
+def test_the_fake_backend_reads_the_stub_drivers_process_files_by_host_pid(tmp_path: Path) -> None:
+    procs = tmp_path / "procs"
+    procs.mkdir()
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(
+        f"gpus: [{{uuid: GPU-a, memoryMiB: 1000}}, {{uuid: GPU-b, memoryMiB: 1000}}]\nprocessDir: {procs}\n"
+    )
+    me = os.getpid()
+    (procs / f"{me}@{start_time(me)}").write_text(f"GPU-a {300 * MIB}\n1 {5 * MIB}\n")
+    (procs / f"{me}@1").write_text(f"GPU-a {700 * MIB}\n")  # this PID, another start: a process gone
+    (procs / "junk").write_text("GPU-a 1\n")
+    fake = FakeDiscovery(gpus)
+    assert fake.processes("GPU-a") == [GpuProcess(me, 300 * MIB)]
+    assert fake.processes("GPU-b") == [GpuProcess(me, 5 * MIB)]  # by the card's index
+    assert fake.processes("GPU-c") is None
+
+
+def test_a_bad_process_dir_names_the_field(tmp_path: Path) -> None:
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text("gpus: [{uuid: GPU-a, memoryMiB: 1000}]\nprocessDir: relative/path\n")
+    with pytest.raises(ConfigError) as err:
+        FakeDiscovery(gpus)
+    assert err.value.field == "processDir"

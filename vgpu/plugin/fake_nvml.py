@@ -134,6 +134,7 @@ class FakeDiscovery:
         self.process_dir = parse_process_dir(text, str(self.path))
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
+        self._gone: set[str] = set()  # files of processes found gone: never looked up again
 
     def _file_stamp(self) -> tuple[int, int, int]:
         st = self.path.stat()
@@ -160,7 +161,10 @@ class FakeDiscovery:
         except OSError:
             return []
         found: list[GpuProcess] = []
+        self._gone.intersection_update(names)
         for name in names:
+            if name in self._gone or name.endswith(".tmp"):
+                continue
             pid = self._host_pid(name)
             if pid is None:
                 continue
@@ -190,6 +194,7 @@ class FakeDiscovery:
             if entry.isdigit() and self._matches(int(entry), int(own), int(started)):
                 self._host_pids[name] = int(entry)
                 return int(entry)
+        self._gone.add(name)  # the file is its process's own: once it is not found, it is gone
         return None
 
     def _matches(self, pid: int, own: int, started: int) -> bool:
