@@ -55,7 +55,11 @@ class GpuProcess:
 
 @runtime_checkable
 class ProcessSource(Protocol):
-    """A backend that can tell the processes on each card (both of ours can)."""
+    """A backend that can tell the processes on each card (both of ours can; the fake one only
+    with a ``processDir``, which ``lists_processes`` says)."""
+
+    @property
+    def lists_processes(self) -> bool: ...
 
     def processes(self, uuid: str) -> list[GpuProcess] | None:
         """The processes holding memory on one card; None when the card cannot be read now."""

@@ -148,6 +148,12 @@ class FakeDiscovery:
         with self._lock:
             return self._usage.get(uuid)
 
+    @property
+    def lists_processes(self) -> bool:
+        """Only with a ``processDir``: without one no process is ever listed, so the node
+        monitor runs no enforcer (the sandbox's simulated nodes)."""
+        return self.process_dir is not None
+
     def processes(self, uuid: str) -> list[GpuProcess] | None:
         """What the stub driver's processes hold on one card (``processDir``), by host PID."""
         if self.process_dir is None:

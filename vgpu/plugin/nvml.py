@@ -130,6 +130,10 @@ class NvmlDiscovery:
         except (ValueError, nv.NVMLError):
             return None
 
+    @property
+    def lists_processes(self) -> bool:
+        return True
+
     def processes(self, uuid: str) -> list[GpuProcess] | None:
         """The compute processes on one card with their memory and SM share; None when NVML fails."""
         nv = self._nvml

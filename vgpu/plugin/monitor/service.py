@@ -51,7 +51,7 @@ class NodeMonitor:
             node, state, discovery, paths, list_pods=list_pods, arbiter=self.arbiter
         )
         self.enforcer: Enforcer | None = None
-        if enforce and isinstance(discovery, ProcessSource):
+        if enforce and isinstance(discovery, ProcessSource) and discovery.lists_processes:
             cfg = state.config
             view = HostView(node, paths, discovery, lambda: [c.uuid for c in state.cards()], list_pods)
             self.enforcer = Enforcer(
