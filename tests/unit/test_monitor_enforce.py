@@ -220,3 +220,23 @@ def test_a_bad_process_dir_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         FakeDiscovery(gpus)
     assert err.value.field == "processDir"
+
+
+def test_a_process_gone_between_the_read_and_the_kill_is_not_killed(
+    node: tuple[HostPaths, Path, Source],
+) -> None:
+    paths, proc, source = node
+    killed: list[int] = []
+
+    class Racing(HostView):
+        def read(self) -> View:
+            view = super().read()
+            # after the read, the process exits and another one gets its PID
+            (proc / "201" / "stat").write_text("201 (other) S " + " ".join(["0"] * 18) + " 99999 0 0\n")
+            return view
+
+    source.procs["GPU-a"] = [GpuProcess(201, 2000 * MIB)]
+    view = Racing("n1", paths, source, lambda: ["GPU-a"], None, proc)
+    enforcer = Enforcer("n1", view, "kill", 0, kill=lambda pid, sig: killed.append(pid))
+    [d] = enforcer.run_pass()
+    assert d.pid == 201 and killed == []

@@ -162,6 +162,8 @@ class Enforcer:
         )
         if self.action == "kill":
             try:
+                if not self.view.same_process(d.pid):  # gone since the read, its number maybe reused
+                    raise ProcessLookupError(3, "the process is gone")
                 self._kill(d.pid, signal.SIGKILL)
                 self.killed[d.pid] = time.monotonic()
                 message = f"killed PID {d.pid}: {what}"
@@ -182,9 +184,14 @@ class Enforcer:
         actions, node = self.actions, self.node
 
         def call() -> None:
+            said = message
             if self.action == "evict":
-                actions.evict_pod(o.namespace, o.pod)
-            actions.pod_event(o.namespace, o.pod, o.pod_uid, REASON, message, node)
+                try:
+                    actions.evict_pod(o.namespace, o.pod)
+                except KubeError as err:  # a disruption budget, say: the Event tells it
+                    log.warning("enforcer: %s", err)
+                    said = f"could not evict the pod ({err}): {what}"
+            actions.pod_event(o.namespace, o.pod, o.pod_uid, REASON, said, node)
 
         try:
             self._calls.put_nowait(call)

@@ -134,6 +134,14 @@ class HostView:
         self._refs[pid] = (started, ref)
         return ref
 
+    def same_process(self, pid: int) -> bool:
+        """``pid`` is still the process this view read (not gone, its number not reused since)."""
+        cached = self._refs.get(pid)
+        try:
+            return cached is not None and start_time(pid, self.proc) == cached[0]
+        except OSError:
+            return False
+
     def _relist(self) -> None:
         if self.list_pods is None or time.monotonic() - self._listed_at < self.relist_s:
             return
