@@ -87,6 +87,17 @@ def _running(node: Node, name: str) -> bool:
     return bool(statuses) and "running" in statuses[0]["state"] and statuses[0]["restartCount"] == 0
 
 
+def _diagnose(node: Node, *pods: str) -> None:
+    """What a failed wait needs: the pods' states, the plugin's log, the stub's process files."""
+    for name in pods:
+        out = node.kubectl("get", "pod", "-n", "default", name, "-o", "json", check=False).stdout
+        _log(f"pod {name}: {out[-1500:]}")
+        _log(f"logs {name}: {_logs(node, name)[-800:]}")
+    _log(f"plugin log: {_plugin_log(node)[-4000:]}")
+    for f in sorted(node.lay.stub_procs.iterdir()):
+        _log(f"stub process file {f.name}: {f.read_text()!r}")
+
+
 @pytest.fixture(scope="module")
 def plugin_ready(prepared: Node) -> Node:
     wait_for(lambda: _plugin_running(prepared), "the device-plugin pod", 180, every=1.0, ignore=FLAKY)
@@ -100,43 +111,47 @@ def test_a_process_bypassing_the_hook_past_its_grant_is_killed_within_1s_and_its
     _pod(node, "neighbour", "exec t_bypass 200 900")  # within its 1000 MiB grant
     _pod(node, "greedy", "exec t_bypass 512 3000")  # past 1000 MiB + 256 tolerated
     try:
-        crossed = wait_for(
-            lambda: _crossed_ns(node, "greedy"), "greedy to cross its grant", 180, every=1.0, ignore=FLAKY
-        )
-
-        def killed() -> dict[str, Any] | None:
-            pod = node.get("pod", "-n", "default", "greedy")
-            statuses = pod["status"].get("containerStatuses") or []
-            return statuses[0]["state"].get("terminated") if statuses else None
-
-        terminated = wait_for(killed, "greedy's container to end", 60, every=0.5, ignore=FLAKY)
-        assert terminated["exitCode"] == 137, terminated  # SIGKILL
-        line = wait_for(
-            lambda: next((m for m in KILLED.finditer(_plugin_log(node)) if m.group(2) == "greedy"), None),
-            "the plugin's log line",
-            30,
-            every=1.0,
-            ignore=FLAKY,
-        )
-        seconds = float(line.group(3)) - crossed / 1e9
-        _log(f"crossing to kill: {seconds * 1000:.0f} ms; {line.group(0)[:300]}")
-        assert 0 <= seconds < 1.0, f"killed {seconds:.3f} s after the crossing"
-        for word in ("bytes", "granted 1048576000 bytes"):
-            assert word in line.group(0), line.group(0)
-        [event] = wait_for(
-            lambda: _events(node, "greedy"), "the Event on the pod", 30, every=1.0, ignore=FLAKY
-        )
-        assert event["type"] == "Warning" and f"killed PID {line.group(1)}" in event["message"], event
-        assert (
-            wait_for(lambda: _metric(node, "kill", "greedy"), "the metric", 30, every=1.0, ignore=FLAKY) == 1
-        )
-        # the neighbour within its grant: running, its memory held, never acted on
-        assert "crossed total_mib=900 rc=0" in _logs(node, "neighbour")
-        time.sleep(1.0)
-        assert _running(node, "neighbour") and not _events(node, "neighbour")
-        assert _metric(node, "kill", "neighbour") == 0
+        _killed_within_1s(node)
+    except AssertionError:
+        _diagnose(node, "greedy", "neighbour")
+        raise
     finally:
         node.kubectl("delete", "pod", "-n", "default", "greedy", "neighbour", "--wait=false", check=False)
+
+
+def _killed_within_1s(node: Node) -> None:
+    """greedy crosses its grant, is killed within 1 s, and it is told; its neighbour is not touched."""
+    crossed = wait_for(
+        lambda: _crossed_ns(node, "greedy"), "greedy to cross its grant", 180, every=1.0, ignore=FLAKY
+    )
+
+    def killed() -> dict[str, Any] | None:
+        pod = node.get("pod", "-n", "default", "greedy")
+        statuses = pod["status"].get("containerStatuses") or []
+        return statuses[0]["state"].get("terminated") if statuses else None
+
+    terminated = wait_for(killed, "greedy's container to end", 60, every=0.5, ignore=FLAKY)
+    assert terminated["exitCode"] == 137, terminated  # SIGKILL
+    line = wait_for(
+        lambda: next((m for m in KILLED.finditer(_plugin_log(node)) if m.group(2) == "greedy"), None),
+        "the plugin's log line",
+        30,
+        every=1.0,
+        ignore=FLAKY,
+    )
+    seconds = float(line.group(3)) - crossed / 1e9
+    _log(f"crossing to kill: {seconds * 1000:.0f} ms; {line.group(0)[:300]}")
+    assert 0 <= seconds < 1.0, f"killed {seconds:.3f} s after the crossing"
+    for word in ("bytes", "granted 1048576000 bytes"):
+        assert word in line.group(0), line.group(0)
+    [event] = wait_for(lambda: _events(node, "greedy"), "the Event on the pod", 30, every=1.0, ignore=FLAKY)
+    assert event["type"] == "Warning" and f"killed PID {line.group(1)}" in event["message"], event
+    assert wait_for(lambda: _metric(node, "kill", "greedy"), "the metric", 30, every=1.0, ignore=FLAKY) == 1
+    # the neighbour within its grant: running, its memory held, never acted on
+    assert "crossed total_mib=900 rc=0" in _logs(node, "neighbour")
+    time.sleep(1.0)
+    assert _running(node, "neighbour") and not _events(node, "neighbour")
+    assert _metric(node, "kill", "neighbour") == 0
 
 
 def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready: Node) -> None:
@@ -184,5 +199,8 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
         assert _metric(node, "report", "greedy-report") == 1
         time.sleep(2.0)
         assert _running(node, "greedy-report"), "report must never kill"
+    except AssertionError:
+        _diagnose(node, "greedy-report")
+        raise
     finally:
         node.kubectl("delete", "pod", "-n", "default", "greedy-report", "--wait=false", check=False)

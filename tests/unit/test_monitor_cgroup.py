@@ -76,6 +76,12 @@ def test_a_plain_docker_container_has_an_id_and_no_pod(text: str) -> None:
     assert parse_cgroup(text) == ContainerRef(CID, None, "docker")
 
 
+def test_containerd_without_the_kubelets_pod_cgroups_has_an_id_and_no_pod() -> None:
+    # cgroupsPerQOS: false (the sandbox's real node): containerd's default under its CRI namespace
+    text = f"8:pids:/k8s.io/{CID}\n4:memory:/k8s.io/{CID}\n1:name=systemd:/k8s.io/{CID}\n0::/k8s.io/{CID}\n"
+    assert parse_cgroup(text) == ContainerRef(CID, None, "containerd")
+
+
 @pytest.mark.parametrize(
     "text",
     [

@@ -240,3 +240,20 @@ def test_a_process_gone_between_the_read_and_the_kill_is_not_killed(
     enforcer = Enforcer("n1", view, "kill", 0, kill=lambda pid, sig: killed.append(pid))
     [d] = enforcer.run_pass()
     assert d.pid == 201 and killed == []
+
+
+def test_a_container_whose_cgroup_names_no_pod_is_found_through_the_pods_status(
+    node: tuple[HostPaths, Path, Source],
+) -> None:
+    paths, proc, source = node
+    proc_tree(proc, 401, f"8:pids:/k8s.io/{CID_A}\n0::/k8s.io/{CID_A}\n")  # cgroupsPerQOS: false
+    killed: list[int] = []
+    view = HostView("n1", paths, source, lambda: ["GPU-a"], lambda _node: pods(), proc)
+    enforcer = Enforcer("n1", view, "kill", 0, kill=lambda pid, sig: killed.append(pid))
+    source.procs["GPU-a"] = [GpuProcess(401, 1500 * MIB)]
+    [d] = enforcer.run_pass()
+    assert killed == [401] and (d.held.owner.pod, d.held.owner.container) == ("greedy", "cuda")
+    # without the API server, such a container cannot be named: its memory is unattributed
+    alone = Enforcer("n1", HostView("n1", paths, source, lambda: ["GPU-a"], None, proc), "kill", 0)
+    assert alone.run_pass() == [] and alone.stats.view is not None
+    assert alone.stats.view.unattributed["GPU-a"] == 1500 * MIB

@@ -11,6 +11,9 @@ single ``0::`` line):
 - containerd (or any CRI runtime), cgroupfs driver: ``/kubepods/burstable/pod<uid>/<id>``
 - CRI-O, systemd driver: ``.../kubepods-pod<uid>.slice/crio-<id>.scope`` (``crio-conmon-<id>``
   is the runtime's monitor process, not the container)
+- containerd under a kubelet that makes no pod cgroups (``cgroupsPerQOS: false``, the
+  sandbox's real node): ``/k8s.io/<id>``, containerd's own default under its CRI namespace; no
+  pod UID in it, so only the pod's status names the container
 - Docker: ``/system.slice/docker-<id>.scope`` (systemd) and ``/docker/<id>`` (cgroupfs); under
   cri-dockerd the kubepods forms above with a bare or ``docker-`` id.
 
@@ -28,6 +31,7 @@ from pathlib import Path
 _ID = re.compile(r"^(?:(cri-containerd|crio|docker|containerd)-)?([0-9a-f]{64})(?:\.scope)?$")
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD = re.compile(rf"^(?:kubepods(?:-[a-z]+)?-)?pod({_UID})(?:\.slice)?$")
+_BARE_PARENTS = {"docker": "docker", "k8s.io": "containerd"}  # folders that hold bare container ids
 _RUNTIME = {"cri-containerd": "containerd", "containerd": "containerd", "crio": "cri-o", "docker": "docker"}
 
 
@@ -53,9 +57,10 @@ def parse_path(path: str) -> ContainerRef | None:
         if found is None:
             continue
         prefix = found.group(1)
-        if prefix is None and pod_uid is None and (i == 0 or parts[i - 1] != "docker"):
-            continue  # a bare 64-hex name outside kubepods and /docker: not a container we know
-        runtime = _RUNTIME.get(prefix or "", "docker" if pod_uid is None else "")
+        parent = parts[i - 1] if i else ""
+        if prefix is None and pod_uid is None and parent not in _BARE_PARENTS:
+            continue  # a bare 64-hex name outside kubepods, /docker and /k8s.io: not a container we know
+        runtime = _RUNTIME.get(prefix or "", _BARE_PARENTS.get(parent, "") if pod_uid is None else "")
         return ContainerRef(found.group(2), pod_uid, runtime)
     return None
 
