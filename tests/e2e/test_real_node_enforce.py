@@ -158,6 +158,7 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
     node = plugin_ready
     before = node.plugin_pod()
     assert before is not None
+    registered = node.kubelet_log().count("registration request from device plugin")
     upgraded = subprocess.run(
         [
             str(node.sandbox.bin("helm")),
@@ -182,6 +183,17 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
         return pod if pod and pod["metadata"]["uid"] != before["metadata"]["uid"] else None
 
     wait_for(new_plugin, "the device-plugin pod with enforcement.memory report", 240, every=1.0, ignore=FLAKY)
+    # the kubelet admits a GPU pod only once the new plugin has registered and listed its devices
+    wait_for(
+        lambda: (
+            node.kubelet_log().count("registration request from device plugin") > registered
+            and node.get("node", realnode.NAME)["status"]["allocatable"].get("nvidia.com/gpu") == "4"
+        ),
+        "the new plugin to register with the kubelet",
+        120,
+        every=1.0,
+        ignore=FLAKY,
+    )
     _pod(node, "greedy-report", "exec t_bypass 512 3000")
     try:
         wait_for(lambda: _crossed_ns(node, "greedy-report"), "the crossing", 180, every=1.0, ignore=FLAKY)
