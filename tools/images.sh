@@ -301,8 +301,8 @@ make_stub_layer() {
 
 make_tests_layer() {
   local out=$1 stage=$work/tests t
-  make -s -C "$repo/native/hook" build/tests/t_alloc build/tests/t_hold build/tests/t_info >&2 || return 1
-  for t in t_alloc t_hold t_info; do
+  make -s -C "$repo/native/hook" build/tests/t_alloc build/tests/t_hold build/tests/t_info build/tests/t_bypass >&2 || return 1
+  for t in t_alloc t_hold t_info t_bypass; do
     install -D -m 0755 "$repo/native/hook/build/tests/$t" "$stage/usr/local/bin/$t"
   done
   tar_dir "$stage" "$out"

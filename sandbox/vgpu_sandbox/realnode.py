@@ -113,6 +113,12 @@ class NodeLayout:
         return self.root / "gpus.yaml"
 
     @property
+    def stub_procs(self) -> Path:
+        """Where the stub driver in the sample pods records each process's device memory, which
+        the fake NVML backend reads back (its ``processDir``), as the real driver keeps it for NVML."""
+        return self.root / "stub-procs"
+
+    @property
     def record(self) -> Path:
         """What the sandbox created on the host and how often it restarted what (JSON)."""
         return self.root / "node.json"
@@ -407,13 +413,11 @@ def chart_values(sandbox: Handle, spec: Spec, lay: NodeLayout, monitor_port: int
                 {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                 {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
             ],
-            "extraArgs": ["--fake-nvml=/etc/vgpu/fake-nvml/gpus.yaml"],
+            "extraArgs": [f"--fake-nvml={FAKE_NVML_MOUNT}/gpus.yaml"],
             "extraVolumes": [
                 {"name": "fake-nvml", "hostPath": {"path": str(lay.gpus_file.parent), "type": "Directory"}}
             ],
-            "extraVolumeMounts": [
-                {"name": "fake-nvml", "mountPath": "/etc/vgpu/fake-nvml", "readOnly": True}
-            ],
+            "extraVolumeMounts": [{"name": "fake-nvml", "mountPath": FAKE_NVML_MOUNT, "readOnly": True}],
             "monitor": {"port": monitor_port},
             "deviceSplitCount": spec.split,
             "tolerations": TOLERATIONS,
@@ -461,15 +465,20 @@ def scheduler_values(sandbox: Handle) -> dict[str, Any]:
 
 
 SAMPLE_IMAGE = "docker.io/vgpu/sample:dev"
+FAKE_NVML_MOUNT = "/etc/vgpu/fake-nvml"  # the real node's folder as the device plugin's pod sees it
+STUB_PROCS_IN_POD = "/var/run/vgpu-stub-procs"
 
 
-def sample_pod(name: str, command: str, limits: dict[str, str] | None, card_mib: int) -> dict[str, Any]:
+def sample_pod(
+    name: str, command: str, limits: dict[str, str] | None, card_mib: int, stub_procs: Path | None = None
+) -> dict[str, Any]:
     """A pod of the sample image on the real node, running ``command`` in a shell.
 
     ``card_mib`` is the stub driver's card (the fake NVML describes the same size to the plugin).
     The sandbox keeps its real node to pods that ask for it; the GPU node's own taint is tolerated
     by the API server's ExtendedResourceToleration for pods asking for GPUs, so only a pod without
-    ``limits`` carries that toleration itself."""
+    ``limits`` carries that toleration itself. With ``stub_procs`` (the layout's ``stub_procs``)
+    the stub driver records each process's memory there, for the device plugin's host view."""
     container: dict[str, Any] = {
         "name": "cuda",
         "image": SAMPLE_IMAGE,
@@ -477,6 +486,13 @@ def sample_pod(name: str, command: str, limits: dict[str, str] | None, card_mib:
         "command": ["/bin/sh", "-c", command],
         "env": [{"name": "STUB_CUDA_MEMORY_MIB", "value": str(card_mib)}],
     }
+    spec_extra: dict[str, Any] = {}
+    if stub_procs is not None:
+        container["env"].append({"name": "STUB_CUDA_PROCESS_DIR", "value": STUB_PROCS_IN_POD})
+        container["volumeMounts"] = [{"name": "stub-procs", "mountPath": STUB_PROCS_IN_POD}]
+        spec_extra["volumes"] = [
+            {"name": "stub-procs", "hostPath": {"path": str(stub_procs), "type": "Directory"}}
+        ]
     tolerations = [{"key": RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}]
     if limits:
         container["resources"] = {"limits": limits}
@@ -492,6 +508,7 @@ def sample_pod(name: str, command: str, limits: dict[str, str] | None, card_mib:
             "terminationGracePeriodSeconds": 1,
             "containers": [container],
             "tolerations": tolerations,
+            **spec_extra,
         },
     }
 
@@ -622,7 +639,10 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     record["timings"]["images_import_s"] = round(time.monotonic() - t1, 1)
 
     gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
-    lay.gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(NAME, gpu)}, sort_keys=False))
+    lay.stub_procs.mkdir(exist_ok=True)
+    lay.stub_procs.chmod(0o1777)  # a sample pod's process may run as any user
+    described = {"gpus": nodes.fake_gpus(NAME, gpu), "processDir": f"{FAKE_NVML_MOUNT}/{lay.stub_procs.name}"}
+    lay.gpus_file.write_text(yaml.safe_dump(described, sort_keys=False))
     lay.gpus_file.chmod(0o644)
 
     progress(f"real node: starting the kubelet as {NAME}")

@@ -411,12 +411,27 @@ def test_an_upgrade_replaces_the_device_plugin_pod_without_a_second_one_beside_i
 def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
     pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "on"}
-    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    # the host's PID namespace for the memory enforcer's view of every container; not its network
+    assert not pod.get("hostNetwork") and pod.get("hostPID") is True
     sc = container(pod, "device-plugin")["securityContext"]
     assert not sc.get("privileged") and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"]}
+    # the one capability: KILL, for enforcement.memory kill (the default)
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
     host = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v}
     assert host == {"/var/lib/kubelet/device-plugins": "Directory", "/var/lib/vgpu": "DirectoryOrCreate"}
+
+
+@pytest.mark.parametrize("action", ["kill", "evict", "report"])
+def test_the_memory_enforcement_reaches_the_node_config_with_only_the_rights_it_needs(action: str) -> None:
+    objs = render("--set", f"devicePlugin.enforcement.memory={action}")
+    cfg = node_config(objs, "gpu-node-1")
+    assert (cfg.enforce_memory, cfg.memory_tolerance_mib, cfg.enforce_interval_ms) == (action, 256, 100)
+    sc = container(find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"], "device-plugin")
+    assert sc["securityContext"]["capabilities"].get("add") == (["KILL"] if action == "kill" else None)
+    rules = find(objs, "ClusterRole", "vgpu-kube-system-device-plugin")["rules"]
+    granted = {(r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]}
+    assert ("events", "create") in granted
+    assert (("pods/eviction", "create") in granted) == (action == "evict")
 
 
 def test_the_monitor_and_metrics_services_use_the_contract_ports() -> None:

@@ -5,6 +5,7 @@ resources, its Lease."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 
 from vgpu.kube import lease as leases
 from vgpu.kube.client import Kube, Obj
@@ -44,6 +45,41 @@ class NodeAgentClient(Kube):
         body = {"status": {"phase": "Failed", "reason": reason, "message": message}}
         what = f"mark pod {namespace}/{name} Failed"
         self.merge_patch(what, self.core.patch_namespaced_pod_status, name, namespace, body=body)
+
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, message: str, node: str) -> None:
+        """A Warning Event on a pod from the node monitor (``kubectl describe pod`` shows it)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": namespace,
+                "name": name,
+                "uid": uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning",
+            "source": {"component": "vgpu-monitor", "host": node},
+            "reportingComponent": "vgpu-monitor",
+            "reportingInstance": node,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        what = f"create an event on pod {namespace}/{name}"
+        self._call(what, self.core.create_namespaced_event, namespace, body)
+
+    def evict_pod(self, namespace: str, name: str) -> None:
+        """Evict a pod through the Eviction API (its disruption budget holds; a refusal is a KubeError)."""
+        meta = {"name": name, "namespace": namespace}
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": meta}
+        self._call(
+            f"evict pod {namespace}/{name}", self.core.create_namespaced_pod_eviction, name, namespace, body
+        )
 
     def renew_lease(
         self,

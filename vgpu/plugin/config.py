@@ -11,6 +11,11 @@ The file (``--config``; every key optional)::
     resourceName: nvidia.com/gpu
     driverInject: runtime      # runtime: NVIDIA's container toolkit gives containers the driver;
                                # plugin: Allocate hands them its device nodes and libraries itself
+    enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
+      memory: kill             # a container holding more device memory than granted: kill (SIGKILL
+                               # its process holding the most), evict (the Eviction API) or report
+      memoryToleranceMiB: 256  # allowed past the grant per process on a card (driver context memory)
+      intervalMs: 100          # how often the driver's per-process memory is read (10..500)
     nodes:                     # per-node overrides of the keys above, by node name
       gpu-node-7: {split: 4}
 
@@ -41,6 +46,9 @@ class NodeConfig:
     resource_name: str = "nvidia.com/gpu"
     sm_policy: str = "cap"
     driver_inject: str = "runtime"
+    enforce_memory: str = "kill"  # enforcement.memory
+    memory_tolerance_mib: int = 256  # enforcement.memoryToleranceMiB
+    enforce_interval_ms: int = 100  # enforcement.intervalMs
 
 
 _FIELDS = {
@@ -54,13 +62,54 @@ _FIELDS = {
 }
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("runtime", "plugin")
+MEMORY_ACTIONS = ("kill", "evict", "report")
+_ENFORCEMENT = {
+    "memory": "enforce_memory",
+    "memoryToleranceMiB": "memory_tolerance_mib",
+    "intervalMs": "enforce_interval_ms",
+}
+
+
+def _enforcement(cfg: NodeConfig, doc: Any, source: str, prefix: str) -> NodeConfig:
+    if not isinstance(doc, dict):
+        raise ConfigError(source, prefix, "must be a mapping of memory, memoryToleranceMiB, intervalMs")
+    for key, value in doc.items():
+        path = f"{prefix}.{key}"
+        if key not in _ENFORCEMENT:
+            raise ConfigError(source, path, f"unknown key; known keys: {', '.join(sorted(_ENFORCEMENT))}")
+        if key == "memory" and value not in MEMORY_ACTIONS:
+            raise ConfigError(
+                source,
+                path,
+                f"must be kill (SIGKILL the container's process holding the most), evict (the Eviction "
+                f"API) or report (an Event, a log line and a metric only), got {value!r}",
+            )
+        if key == "memoryToleranceMiB" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65536
+        ):
+            raise ConfigError(source, path, f"must be a whole number of MiB from 0 to 65536, got {value!r}")
+        if key == "intervalMs" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 10 <= value <= 500
+        ):
+            raise ConfigError(
+                source,
+                path,
+                f"must be a whole number of ms from 10 to 500 (to act within 1 s), got {value!r}",
+            )
+        cfg = replace(cfg, **{_ENFORCEMENT[key]: value})
+    return cfg
 
 
 def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> NodeConfig:
     for key, value in doc.items():
         path = f"{prefix}{key}"
+        if key == "enforcement":
+            cfg = _enforcement(cfg, value, source, path)
+            continue
         if key not in _FIELDS:
-            raise ConfigError(source, path, f"unknown key; known keys: {', '.join(sorted(_FIELDS))}, nodes")
+            raise ConfigError(
+                source, path, f"unknown key; known keys: {', '.join(sorted(_FIELDS))}, enforcement, nodes"
+            )
         if key == "split":
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
                 raise ConfigError(source, path, f"must be an integer from 1 to 100, got {value!r}")

@@ -22,6 +22,7 @@ from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, collect
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
+from vgpu.plugin.monitor.enforce import PodActions
 from vgpu.plugin.monitor.service import NodeMonitor
 from vgpu.plugin.paths import HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
@@ -74,6 +75,7 @@ class Daemon:
             list_pods=self.client.list_node_pods,
             listen=self.monitor_listen,
             arbiter=self.arbiter,
+            actions=self.client if isinstance(self.client, PodActions) else None,
         )
         self._stop = threading.Event()  # ends the health and sweep loops
         self._health = Service(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,28 @@ class CardUsage:
     memory_used_mib: int
     memory_total_mib: int
     utilization_percent: int
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process on a card as the driver sees it (the host's view; the hook plays no part)."""
+
+    pid: int  # in the host's PID namespace
+    memory_bytes: int  # device memory the driver says it holds, its context included
+    sm_percent: int | None = None  # its share of the card's SMs in the driver's latest samples
+
+
+@runtime_checkable
+class ProcessSource(Protocol):
+    """A backend that can tell the processes on each card (both of ours can; the fake one only
+    with a ``processDir``, which ``lists_processes`` says)."""
+
+    @property
+    def lists_processes(self) -> bool: ...
+
+    def processes(self, uuid: str) -> list[GpuProcess] | None:
+        """The processes holding memory on one card; None when the card cannot be read now."""
+        ...
 
 
 class Discovery(Protocol):

@@ -13,12 +13,24 @@ The file::
         memoryUsedMiB: 0                                  # what the monitor reports, default 0
         utilization: 0                                    # percent, default 0
 
+    processDir: /var/lib/vgpu-stub/procs                  # optional: per-process memory (below)
+
 The file is watched: edit ``healthy`` and the plugin
 sees a health event within about a second, as it would see an Xid from NVML.
+
+``processDir`` is where the stub driver (native/hook/stub, ``STUB_CUDA_PROCESS_DIR``) records
+each process's device memory, as the real driver keeps it: one file per process, named
+``<pid>@<start time>`` (its PID in its own PID namespace and its start time in clock ticks
+since boot, ``/proc/<pid>/stat`` field 22), one ``<uuid or index> <bytes>`` line per device,
+rewritten on every allocation and free. ``processes(uuid)`` reads them back with the host's
+PID of each (the process whose start time and innermost ``NSpid`` match), as NVML's running
+processes give them; files of processes that are gone are skipped, as the driver frees a dead
+process's memory.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -27,7 +39,7 @@ from typing import Any
 import yaml
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
+from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
 KEYS = {"index", "uuid", "model", "memoryMiB", "numa", "healthy", "links", "memoryUsedMiB", "utilization"}
@@ -91,6 +103,17 @@ def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardU
     return sorted(cards, key=lambda c: c.index), usage
 
 
+def parse_process_dir(text: str, source: str) -> Path | None:
+    """The file's optional ``processDir``; raises ConfigError naming it."""
+    doc = yaml.safe_load(text)
+    value = doc.get("processDir") if isinstance(doc, dict) else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ConfigError(source, "processDir", f"must be an absolute path, got {value!r}")
+    return Path(value)
+
+
 def _int(item: dict[str, Any], key: str, path: str, source: str, minimum: int, default: int | None) -> int:
     value = item.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -106,7 +129,12 @@ class FakeDiscovery:
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self._stamp = self._file_stamp()
-        self._cards, self._usage = parse_fake_gpus(self.path.read_text(), str(self.path))
+        text = self.path.read_text()
+        self._cards, self._usage = parse_fake_gpus(text, str(self.path))
+        self.process_dir = parse_process_dir(text, str(self.path))
+        self.proc = Path("/proc")
+        self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
+        self._gone: set[str] = set()  # files of processes found gone: never looked up again
 
     def _file_stamp(self) -> tuple[int, int, int]:
         st = self.path.stat()
@@ -119,6 +147,74 @@ class FakeDiscovery:
     def usage(self, uuid: str) -> CardUsage | None:
         with self._lock:
             return self._usage.get(uuid)
+
+    @property
+    def lists_processes(self) -> bool:
+        """Only with a ``processDir``: without one no process is ever listed, so the node
+        monitor runs no enforcer (the sandbox's simulated nodes)."""
+        return self.process_dir is not None
+
+    def processes(self, uuid: str) -> list[GpuProcess] | None:
+        """What the stub driver's processes hold on one card (``processDir``), by host PID."""
+        if self.process_dir is None:
+            return []
+        card = next((c for c in self._cards if c.uuid == uuid), None)
+        if card is None:
+            return None
+        keys = {uuid, str(card.index)}
+        try:
+            names = os.listdir(self.process_dir)
+        except OSError:
+            return []
+        found: list[GpuProcess] = []
+        self._gone.intersection_update(names)
+        for name in names:
+            if name in self._gone or name.endswith(".tmp"):
+                continue
+            pid = self._host_pid(name)
+            if pid is None:
+                continue
+            try:
+                lines = (self.process_dir / name).read_text().splitlines()
+            except OSError:
+                continue
+            held = 0
+            for line in lines:
+                key, _, value = line.partition(" ")
+                if key in keys and value.strip().isdigit():
+                    held += int(value)
+            if held:
+                found.append(GpuProcess(pid, held))
+        return found
+
+    def _host_pid(self, name: str) -> int | None:
+        """The host's PID of the live process a file is named after; None when it is gone."""
+        own, _, started = name.partition("@")
+        if not own.isdigit() or not started.isdigit():
+            return None
+        cached = self._host_pids.get(name)
+        if cached is not None and self._matches(cached, int(own), int(started)):
+            return cached
+        self._host_pids.pop(name, None)
+        for entry in os.listdir(self.proc):
+            if entry.isdigit() and self._matches(int(entry), int(own), int(started)):
+                self._host_pids[name] = int(entry)
+                return int(entry)
+        self._gone.add(name)  # the file is its process's own: once it is not found, it is gone
+        return None
+
+    def _matches(self, pid: int, own: int, started: int) -> bool:
+        try:
+            stat = (self.proc / str(pid) / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[19]) != started:
+                return False
+            status = (self.proc / str(pid) / "status").read_text()
+        except (OSError, ValueError, IndexError):
+            return False
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                return line.split()[-1] == str(own)
+        return pid == own  # a kernel without NSpid: no PID namespaces to tell apart
 
     def _reload(self) -> list[HealthEvent]:
         try:

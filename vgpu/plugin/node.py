@@ -173,10 +173,12 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
     config = _config(settings)
     discovery = open_discovery(settings)
     list_pods: PodLister | None = None
+    client = None
     if settings.kube:
         from vgpu.kube.agent import NodeAgentClient
 
-        list_pods = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None).list_node_pods
+        client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
+        list_pods = client.list_node_pods
     state = DeviceState(discovery.cards(), config)
     paths = HostPaths(settings.root)
     monitor = NodeMonitor(
@@ -187,6 +189,7 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
         list_pods=list_pods,
         listen=settings.listen,
         arbiter=settings.arbiter,
+        actions=client,
     )
     return MonitorNode(discovery, state, monitor)
 

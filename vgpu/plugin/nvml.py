@@ -1,15 +1,24 @@
-"""Discovery of the real GPUs through NVML (pynvml): cards, memory, model, NUMA, NVLink, Xid health."""
+"""Discovery of the real GPUs through NVML (pynvml): cards, memory, model, NUMA, NVLink, Xid health,
+and each card's processes (``processes``: the node monitor's host view).
+
+Per process the driver gives its device memory (``nvmlDeviceGetComputeRunningProcesses``, which
+pynvml calls as ``_v3``; the context's own memory included) and its GPU time as utilization
+samples (``nvmlDeviceGetProcessUtilization``: the percent of the sample period a kernel of the
+process ran, per sample the driver keeps, about six a second). Accounting stats
+(``nvmlDeviceGetAccountingStats``) would need accounting mode turned on by root on every card,
+which a plugin should not change, so the samples are used."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
+from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,10 @@ class NvmlDiscovery:
         except pynvml.NVMLError as err:
             log.warning("NVML events unavailable (%s); card health is not watched", err)
         self._static = [self._describe(i, h) for i, h in enumerate(self._handles)]
+        self._samples_at = [0] * len(self._handles)  # the newest utilization sample seen, per card (us)
+        self._sm: list[dict[int, int]] = [{} for _ in self._handles]  # pid -> SM percent, per card
+        self._sampled = [0.0] * len(self._handles)  # when the samples were last read (monotonic s)
+        self._no_memory_told = False
 
     def _numa(self, handle: Any) -> int:
         nv = self._nvml
@@ -121,6 +134,47 @@ class NvmlDiscovery:
             return CardUsage(int(mem.used) // (1 << 20), int(mem.total) // (1 << 20), util)
         except (ValueError, nv.NVMLError):
             return None
+
+    @property
+    def lists_processes(self) -> bool:
+        return True
+
+    def processes(self, uuid: str) -> list[GpuProcess] | None:
+        """The compute processes on one card with their memory and SM share; None when NVML fails."""
+        nv = self._nvml
+        try:
+            index = self._uuids.index(uuid)
+            listed = nv.nvmlDeviceGetComputeRunningProcesses(self._handles[index])
+        except (ValueError, nv.NVMLError):
+            return None
+        sm = self._utilization(index)
+        found: dict[int, int] = {}
+        for p in listed:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None and not self._no_memory_told:
+                # NVML_VALUE_NOT_AVAILABLE: the driver will not say (no permission); counted as 0
+                self._no_memory_told = True
+                log.warning("NVML does not give per-process memory on %s; memory is not enforced", uuid)
+            found[int(p.pid)] = found.get(int(p.pid), 0) + int(used or 0)  # one entry per context
+        return [GpuProcess(pid, used, sm.get(pid)) for pid, used in found.items()]
+
+    def _utilization(self, index: int, every_s: float = 1.0) -> dict[int, int]:
+        """pid -> SM percent from the samples since the last read, read at most every ``every_s``."""
+        nv = self._nvml
+        now = time.monotonic()
+        if now - self._sampled[index] < every_s:
+            return self._sm[index]
+        self._sampled[index] = now
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(self._handles[index], self._samples_at[index])
+        except nv.NVMLError:
+            samples = []  # NOT_FOUND: no sample since the last read
+        sm: dict[int, list[int]] = {}
+        for s in samples:
+            sm.setdefault(int(s.pid), []).append(int(s.smUtil))
+            self._samples_at[index] = max(self._samples_at[index], int(s.timeStamp))
+        self._sm[index] = {pid: sum(v) // len(v) for pid, v in sm.items()}
+        return self._sm[index]
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
         nv = self._nvml

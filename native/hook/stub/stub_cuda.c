@@ -12,14 +12,20 @@
  * pointer is the host pointer (unified addressing).
  * STUB_CUDA_KERNEL_US (2): how long each launch occupies its stream on the simulated GPU
  * timeline (stub_launch.c), also settable with stubSetKernelNs().
+ * STUB_CUDA_PROCESS_DIR: where the stub records this process's device memory as the real driver
+ * keeps it for NVML (the fake NVML backend's processDir, vgpu/plugin/fake_nvml.py): the file
+ * <pid>@<start time> (PID in the process's own namespace, /proc/self/stat field 22), one
+ * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free.
  * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "../api.h"
 
@@ -55,6 +61,44 @@ static struct alloc { unsigned long long key, size; int dev, kind, backed; } *al
 static size_t nallocs, capallocs;
 static unsigned long long next_addr = 0x7f0000000000ULL, next_handle = 1;
 
+/* This process's memory per device into STUB_CUDA_PROCESS_DIR, called with mu held. */
+static void record_usage(void) {
+    static char path[512], started[32];
+    const char *dir = getenv("STUB_CUDA_PROCESS_DIR");
+    if (!dir || !*dir) return;
+    if (!started[0]) {
+        char stat[1024];
+        FILE *f = fopen("/proc/self/stat", "r");
+        size_t n = f ? fread(stat, 1, sizeof stat - 1, f) : 0;
+        if (f) fclose(f);
+        stat[n] = 0;
+        char *p = strrchr(stat, ')');
+        for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+        if (!p) return;
+        snprintf(started, sizeof started, "%llu", strtoull(p + 1, NULL, 10));
+        snprintf(path, sizeof path, "%s/%d@%s", dir, (int)getpid(), started);
+    }
+    char tmp[600];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
+    for (int d = 0; d < ndev; d++) {
+        char key[96];
+        snprintf(key, sizeof key, "%d", d);
+        if (visible && strncmp(visible, "GPU-", 4) == 0) { /* the d-th UUID of the list */
+            const char *v = visible;
+            for (int i = 0; i < d && v; i++) v = strchr(v, ','), v = v ? v + 1 : NULL;
+            if (v) {
+                size_t len = strcspn(v, ",");
+                if (len < sizeof key) memcpy(key, v, len), key[len] = 0;
+            }
+        }
+        fprintf(f, "%s %llu\n", key, dev_used[d]);
+    }
+    if (fclose(f) == 0) rename(tmp, path);
+}
+
 static CUresult take(int dev, unsigned long long size, int kind, unsigned long long *key) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
@@ -79,6 +123,7 @@ static CUresult take(int dev, unsigned long long size, int kind, unsigned long l
     }
     allocs[nallocs++] = (struct alloc){*key, size, dev, kind, backed};
     dev_used[dev] += size;
+    record_usage();
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
@@ -91,6 +136,7 @@ static CUresult give(unsigned long long key, int kind) {
             dev_used[allocs[i].dev] -= allocs[i].size;
             if (allocs[i].backed) munmap((void *)(uintptr_t)allocs[i].key, allocs[i].size);
             allocs[i] = allocs[--nallocs];
+            record_usage();
             pthread_mutex_unlock(&mu);
             return CUDA_SUCCESS;
         }

@@ -1,4 +1,5 @@
-"""The node monitor's running parts for one node: the arbiter thread and ``/metrics``.
+"""The node monitor's running parts for one node: the arbiter thread, the memory enforcer (the
+host's view of every container, ``enforce.py``) and ``/metrics``.
 
 ``vgpu monitor`` runs it alone; the device plugin's ``Daemon`` runs it beside its own parts.
 Both are built from settings by ``vgpu.plugin.node``.
@@ -10,9 +11,11 @@ import logging
 from wsgiref.simple_server import WSGIServer
 
 from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.discovery import Discovery, ProcessSource
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
 from vgpu.plugin.monitor.collector import NodeCollector, PodLister, make_registry, serve_metrics
+from vgpu.plugin.monitor.enforce import MIB, Enforcer, HostCollector, PodActions
+from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
@@ -20,7 +23,9 @@ log = logging.getLogger(__name__)
 
 class NodeMonitor:
     """The arbiter (``arbiter``: its pass interval and activity window in s; None: none) and the
-    collector, served on ``listen`` (HOST, PORT; port 0 picks one, None serves nothing)."""
+    collector, served on ``listen`` (HOST, PORT; port 0 picks one, None serves nothing), and the
+    memory enforcer as the node config's ``enforcement`` says, where the discovery can list each
+    card's processes (``enforce``: False runs none; ``actions``: Events and evictions)."""
 
     def __init__(
         self,
@@ -31,6 +36,8 @@ class NodeMonitor:
         list_pods: PodLister | None = None,
         listen: tuple[str, int] | None = None,
         arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S),
+        actions: PodActions | None = None,
+        enforce: bool = True,
     ) -> None:
         self.listen = listen
         self.arbiter = (
@@ -43,20 +50,45 @@ class NodeMonitor:
         self.collector = NodeCollector(
             node, state, discovery, paths, list_pods=list_pods, arbiter=self.arbiter
         )
+        self.enforcer: Enforcer | None = None
+        if enforce and isinstance(discovery, ProcessSource) and discovery.lists_processes:
+            cfg = state.config
+            view = HostView(node, paths, discovery, lambda: [c.uuid for c in state.cards()], list_pods)
+            self.enforcer = Enforcer(
+                node,
+                view,
+                action=cfg.enforce_memory,
+                tolerance_bytes=cfg.memory_tolerance_mib * MIB,
+                interval_s=cfg.enforce_interval_ms / 1000,
+                actions=actions,
+            )
         self._http: WSGIServer | None = None
         self.port: int | None = None
 
     def start(self) -> None:
         if self.arbiter is not None:
             self.arbiter.start()
+        if self.enforcer is not None:
+            self.enforcer.start()
+            log.info(
+                "memory enforcer: %s past the grant + %d MiB per process, every %.0f ms",
+                self.enforcer.action,
+                self.enforcer.tolerance // MIB,
+                self.enforcer.interval_s * 1000,
+            )
         if self.listen is not None:
             host, port = self.listen
-            self._http = serve_metrics(host, port, make_registry(self.collector))
+            registry = make_registry(self.collector)
+            if self.enforcer is not None:
+                registry.register(HostCollector(self.enforcer))
+            self._http = serve_metrics(host, port, registry)
             self.port = self._http.server_port
             log.info("node monitor on http://%s:%d/metrics", host, self.port)
 
     def stop(self) -> None:
         if self._http is not None:
             self._http.shutdown()
+        if self.enforcer is not None:
+            self.enforcer.stop()
         if self.arbiter is not None:
             self.arbiter.stop()

@@ -1,0 +1,195 @@
+"""The node's second line: a process that bypasses the hook and goes past its grant is killed
+from the host within 1 s, and a neighbour within its grant is never touched.
+
+Real parts throughout: ``t_bypass`` (native/hook/tests) loads the stub driver with dlmopen and
+finds cuMemAlloc_v2 in its ELF symbol table, under libvgpu with a 1000 MiB limit that it never
+meets; the stub records each process's memory where the fake NVML backend reads it, as the real
+driver does for NVML; each process is put into a real cgroup named as the kubelet names a
+container's (``.../kubepods/burstable/pod<uid>/<id>``, the cgroupfs driver's form), and the
+enforcer (``vgpu.plugin.monitor.enforce``) runs on its own thread, reading /proc. Needs root (to
+make cgroups); skipped otherwise, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from hook_harness import Built, build, env
+
+from tests.support import wait_for
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.monitor.enforce import Enforcer
+from vgpu.plugin.monitor.hostview import HostView
+from vgpu.plugin.paths import HostPaths
+
+MIB = 1 << 20
+CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000e2e0"
+GRANT_MIB = 1000
+
+
+def _cgroup_root() -> Path | None:
+    """A cgroup hierarchy this process may make folders in and move processes into."""
+    if os.geteuid() != 0:
+        return None
+    for candidate in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        root = Path(candidate)
+        probe = root / f"vgpu-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+            return root
+        except OSError:
+            continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    return build()
+
+
+class Node:
+    def __init__(self, tmp: Path, cgroups: Path) -> None:
+        self.paths = HostPaths(tmp / "root")
+        self.paths.grants_dir.mkdir(parents=True)
+        self.procs = tmp / "procs"
+        self.procs.mkdir()
+        gpus = tmp / "gpus.yaml"
+        gpus.write_text(
+            yaml.safe_dump({"gpus": [{"uuid": CARD, "memoryMiB": 8192}], "processDir": str(self.procs)})
+        )
+        self.discovery = FakeDiscovery(gpus)
+        self.cgroups = cgroups
+        self.children: list[subprocess.Popen[str]] = []
+
+    def container(self, name: str) -> tuple[str, Path]:
+        """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
+        pod_uid = str(uuid.uuid4())
+        cid = uuid.uuid4().hex * 2
+        write_grant(self.paths.grant(f"{pod_uid}_{name}"), Grant((CARD,), (GRANT_MIB * MIB,)))
+        folder = self.cgroups / "kubepods" / "burstable" / f"pod{pod_uid}" / cid
+        folder.mkdir(parents=True)
+        return pod_uid, folder
+
+    def bypass(self, built: Built, cgroup: Path, below: int, target: int) -> subprocess.Popen[str]:
+        """t_bypass in ``cgroup``, under the hook with the grant's limit in its environment."""
+        environ = env(
+            built,
+            STUB_CUDA_PROCESS_DIR=str(self.procs),
+            NVIDIA_VISIBLE_DEVICES=CARD,
+            CUDA_DEVICE_MEMORY_LIMIT_0=f"{GRANT_MIB}m",
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.procs.parent / f"{cgroup.name}.region"),
+        )
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"'
+        child = subprocess.Popen(
+            ["/bin/sh", "-c", script, built.prog("t_bypass"), str(below), str(target)],
+            env=environ,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.children.append(child)
+        return child
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    root = _cgroup_root()
+    if root is None:
+        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
+    cgroups = root / f"vgpu-test-{os.getpid()}-{tmp_path.name}"
+    made = Node(tmp_path, cgroups)
+    try:
+        yield made
+    finally:
+        for child in made.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait(timeout=10)
+        for folder in sorted(cgroups.rglob("*"), key=lambda p: -len(p.parts)):
+            if folder.is_dir():
+                folder.rmdir()
+        cgroups.rmdir() if cgroups.exists() else None
+        shutil.rmtree(tmp_path / "procs", ignore_errors=True)
+
+
+def _line(child: subprocess.Popen[str], word: str) -> dict[str, str]:
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.startswith(word), line
+    return dict(part.split("=", 1) for part in line.split()[1:])
+
+
+def _died_at(child: subprocess.Popen[str]) -> list[int]:
+    """The CLOCK_MONOTONIC ns at which ``child`` is reaped, filled in by a waiting thread."""
+    when: list[int] = []
+
+    def wait() -> None:
+        child.wait()
+        when.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+
+    threading.Thread(target=wait, daemon=True).start()
+    return when
+
+
+def test_a_bypassing_process_past_its_grant_is_killed_within_1s_and_its_neighbour_is_not(
+    built: Built, node: Node
+) -> None:
+    greedy_uid, greedy_cg = node.container("cuda")
+    neighbour_uid, neighbour_cg = node.container("cuda")
+    view = HostView("n1", node.paths, node.discovery, lambda: [CARD])  # no API server: the grants name them
+    enforcer = Enforcer("n1", view, "kill", 256 * MIB, interval_s=0.1)
+    enforcer.start()
+    try:
+        neighbour = node.bypass(built, neighbour_cg, 200, 900)  # within its 1000 MiB
+        greedy = node.bypass(built, greedy_cg, 512, 3000)  # 3000 past 1000 + 256 tolerated
+        assert _line(neighbour, "below")["rc"] == "0" and _line(greedy, "below")["rc"] == "0"
+        assert _line(neighbour, "crossed")["rc"] == "0"
+        died = _died_at(greedy)
+        crossed = _line(greedy, "crossed")
+        assert crossed["rc"] == "0", "the hook stopped the bypass: it did not bypass it"
+        wait_for(lambda: died, "the greedy process to be killed", 5, every=0.01)
+        seconds = (died[0] - int(crossed["mono_ns"])) / 1e9
+        print(
+            f"crossing to kill: {seconds * 1000:.0f} ms "
+            f"(enforcer pass {enforcer.stats.last_pass_s * 1000:.1f} ms)"
+        )
+        assert greedy.returncode == -9
+        assert seconds < 1.0, f"killed {seconds:.3f} s after crossing"
+        time.sleep(0.5)  # more passes: the neighbour, within its grant, is never touched
+        assert neighbour.poll() is None
+        acted = enforcer.stats.actions or {}
+        assert acted == {("kill", "", "", "cuda"): 1}, acted
+        view_now = enforcer.stats.view
+        assert view_now is not None
+        [held] = [h for h in view_now.held if h.owner.pod_uid == neighbour_uid]
+        assert held.total == 900 * MIB and held.granted == GRANT_MIB * MIB
+        assert all(h.owner.pod_uid != greedy_uid for h in view_now.held)  # its memory went with it
+    finally:
+        enforcer.stop()
+
+
+def test_with_report_nothing_is_killed_but_the_crossing_is_reported_once(built: Built, node: Node) -> None:
+    _, greedy_cg = node.container("cuda")
+    view = HostView("n1", node.paths, node.discovery, lambda: [CARD])
+    enforcer = Enforcer("n1", view, "report", 256 * MIB, interval_s=0.1)
+    enforcer.start()
+    try:
+        greedy = node.bypass(built, greedy_cg, 512, 3000)
+        _line(greedy, "below")
+        _line(greedy, "crossed")
+        wait_for(lambda: enforcer.stats.actions, "the crossing to be reported", 5, every=0.05)
+        time.sleep(1.0)
+        assert greedy.poll() is None, "report must never kill"
+        assert enforcer.stats.actions == {("report", "", "", "cuda"): 1}
+    finally:
+        enforcer.stop()

@@ -1,0 +1,224 @@
+"""The host's view of every container on the node's cards: the driver's word, not the hook's.
+
+The hook's region is written by the container's own processes, so what it says a container
+holds can be lied about or simply bypassed (a process that reaches the driver without the
+dynamic linker). The driver cannot be: per card it lists each process and the device memory it
+holds (NVML's running compute processes, ``Discovery.processes``). This module maps each of
+those processes to its pod and container and puts the container's grant beside it:
+
+1. PID -> container: the process's cgroup path (``vgpu.plugin.monitor.cgroup``), set by the
+   kubelet and the runtime, out of the tenant's reach. It gives the runtime's container id and
+   the pod's UID. Kept per (PID, start time), so a reused PID is read again.
+2. container id -> container name: the pod's ``status.containerStatuses[].containerID``, which
+   the kubelet reports from the runtime (the node's pods from the API server, listed again at
+   most every ``relist_s`` when an unknown id shows up). Where the API server cannot say yet
+   (a container started a moment ago, the API server away), a pod with a single grant on the
+   node is unambiguous: the cgroup's pod UID and that grant name the container.
+3. container -> grant: ``/var/lib/vgpu/grants/<pod-uid>_<container>.limits``, which the device
+   plugin wrote at Allocate and only root on the host can change.
+
+Memory of processes that map to no granted container (the host's, a pod without a vGPU, a
+container whose grant is gone) is the card's *unattributed* memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vgpu.core.errors import KubeError
+from vgpu.hookabi.grant import GRANT_SUFFIX, Grant, GrantError, read_grant
+from vgpu.plugin.discovery import ProcessSource
+from vgpu.plugin.monitor.cgroup import ContainerRef, container_of, start_time
+from vgpu.plugin.paths import HostPaths
+
+log = logging.getLogger(__name__)
+
+PodLister = Callable[[str], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A vGPU container: its pod and name, as the grant's folder name and the API server give them."""
+
+    pod_uid: str
+    container: str
+    namespace: str = ""  # "" until the API server said
+    pod: str = ""
+
+    @property
+    def folder(self) -> str:
+        return f"{self.pod_uid}_{self.container}"
+
+
+@dataclass
+class Held:
+    """What one container's processes hold on one card, by the driver, and what it was granted."""
+
+    owner: Owner
+    uuid: str
+    granted: int  # device bytes granted on this card; 0: no limit
+    pids: dict[int, int] = field(default_factory=dict)  # host PID -> bytes
+    sm_percent: int = 0  # the processes' SM shares in the driver's latest samples, summed
+
+    @property
+    def total(self) -> int:
+        return sum(self.pids.values())
+
+
+@dataclass
+class View:
+    held: list[Held]
+    unattributed: dict[str, int]  # card UUID -> bytes of processes of no vGPU container
+    seconds: float = 0.0  # how long reading it took
+
+
+def device_grant(grant: Grant, index: int) -> int:
+    """The device memory a grant allows on its ``index``-th card (0: no limit). With spilling, the
+    part beyond ``budget`` lives in host memory, which the driver does not count on the card."""
+    limit = grant.limits[index] if index < len(grant.limits) else 0
+    budget = grant.budgets[index] if index < len(grant.budgets) else 0
+    if limit and budget:
+        return min(limit, budget)
+    return limit
+
+
+def container_ids(pod: dict[str, Any]) -> Iterable[tuple[str, str]]:
+    """(runtime container id, container name) of a pod's started containers."""
+    status = pod.get("status") or {}
+    for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
+        for s in status.get(key) or []:
+            cid = str(s.get("containerID") or "")
+            if cid:
+                yield cid.rpartition("://")[2], str(s.get("name", ""))
+
+
+class HostView:
+    """Reads the host's view of the node's cards on demand (``read``); the enforcer calls it."""
+
+    def __init__(
+        self,
+        node: str,
+        paths: HostPaths,
+        source: ProcessSource,
+        uuids: Callable[[], list[str]],
+        list_pods: PodLister | None = None,
+        proc: Path = Path("/proc"),
+        relist_s: float = 1.0,
+    ) -> None:
+        self.node = node
+        self.paths = paths
+        self.source = source
+        self.uuids = uuids
+        self.list_pods = list_pods
+        self.proc = proc
+        self.relist_s = relist_s
+        self._refs: dict[int, tuple[int, ContainerRef | None]] = {}  # pid -> (start time, container)
+        self._by_id: dict[str, tuple[str, str]] = {}  # container id -> (pod uid, container name)
+        self._pods: dict[str, tuple[str, str]] = {}  # pod uid -> (namespace, name)
+        self._listed_at = -1e9
+
+    def _ref(self, pid: int) -> ContainerRef | None:
+        try:
+            started = start_time(pid, self.proc)
+            cached = self._refs.get(pid)
+            if cached is not None and cached[0] == started:
+                return cached[1]
+            ref = container_of(pid, self.proc)
+        except OSError:
+            return None  # gone: its memory goes with it
+        self._refs[pid] = (started, ref)
+        return ref
+
+    def same_process(self, pid: int) -> bool:
+        """``pid`` is still the process this view read (not gone, its number not reused since)."""
+        cached = self._refs.get(pid)
+        try:
+            return cached is not None and start_time(pid, self.proc) == cached[0]
+        except OSError:
+            return False
+
+    def _relist(self) -> None:
+        if self.list_pods is None or time.monotonic() - self._listed_at < self.relist_s:
+            return
+        self._listed_at = time.monotonic()
+        try:
+            pods = self.list_pods(self.node)
+        except KubeError as err:
+            log.warning(
+                "host view: cannot list the pods of %s (%s); naming containers by their grant", self.node, err
+            )
+            return
+        self._by_id = {}
+        self._pods = {}
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            uid = str(meta.get("uid", ""))
+            self._pods[uid] = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+            for cid, name in container_ids(pod):
+                self._by_id[cid] = (uid, name)
+
+    def _grants_of(self, pod_uid: str) -> list[str]:
+        try:
+            return [
+                p.name[: -len(GRANT_SUFFIX)] for p in self.paths.grants_dir.glob(f"{pod_uid}_*{GRANT_SUFFIX}")
+            ]
+        except OSError:
+            return []
+
+    def owner(self, ref: ContainerRef) -> Owner | None:
+        """The vGPU container ``ref`` is, or None when it is none (or cannot be told yet)."""
+        if ref.container_id not in self._by_id:
+            self._relist()
+        known = self._by_id.get(ref.container_id)
+        if known is not None:
+            uid, name = known
+        elif ref.pod_uid is not None:
+            grants = self._grants_of(ref.pod_uid)
+            if len(grants) != 1:
+                return None
+            uid, _, name = grants[0].partition("_")
+        else:
+            return None
+        namespace, pod = self._pods.get(uid, ("", ""))
+        return Owner(uid, name, namespace, pod)
+
+    def read(self) -> View:
+        """Every card's processes, grouped by the container they belong to."""
+        started = time.monotonic()
+        held: dict[tuple[str, str], Held] = {}
+        grants: dict[str, Grant | None] = {}
+        unattributed: dict[str, int] = {}
+        live: set[int] = set()
+        for uuid in self.uuids():
+            unattributed[uuid] = 0
+            for proc in self.source.processes(uuid) or []:
+                live.add(proc.pid)
+                ref = self._ref(proc.pid)
+                owner = self.owner(ref) if ref is not None else None
+                grant = None
+                if owner is not None:
+                    if owner.folder not in grants:
+                        grants[owner.folder] = self._grant(owner.folder)
+                    grant = grants[owner.folder]
+                if owner is None or grant is None or uuid not in grant.uuids:
+                    unattributed[uuid] += proc.memory_bytes
+                    continue
+                entry = held.get((owner.folder, uuid))
+                if entry is None:
+                    granted = device_grant(grant, grant.uuids.index(uuid))
+                    entry = held[(owner.folder, uuid)] = Held(owner, uuid, granted)
+                entry.pids[proc.pid] = entry.pids.get(proc.pid, 0) + proc.memory_bytes
+                entry.sm_percent += proc.sm_percent or 0
+        self._refs = {pid: v for pid, v in self._refs.items() if pid in live}
+        return View(list(held.values()), unattributed, time.monotonic() - started)
+
+    def _grant(self, folder: str) -> Grant | None:
+        try:
+            return read_grant(self.paths.grant(folder))
+        except GrantError:
+            return None
