@@ -221,8 +221,11 @@ def test_a_pytorch_pod_on_the_real_gpu_is_held_to_3000_mib(sandbox: Sandbox) -> 
         return done.stdout + done.stderr
 
     def status() -> str:
+        # The Lease carries the usage of the plugin's last renewal (every 10 s): wait for one made
+        # after the pod took its memory, not the one from before (``using 0 MiB``).
         out = status_text()
-        return out if using.search(out) else ""
+        found = using.search(out)
+        return out if found and int(found.group(1)) > 0 else ""
 
     try:
         shown = status_text() if crashed else _wait("vgpu status to show the pod's usage", status, 60, 2.0)
