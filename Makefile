@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
 PYTEST_ARGS ?=
-# pytest-xdist workers for test, unit and e2e: tests that share a host path, the real node or the
+# pytest-xdist workers for test and e2e: tests that share a host path, the real node or the
 # session's sandbox are in one xdist_group and never run at once (tests/README.md). 0: no workers.
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
@@ -54,7 +54,7 @@ test: setup ## unit, integration and e2e tests (no GPU)
 	$(BIN)/pytest -m 'not gpu' $(XDIST) $(PYTEST_ARGS)
 
 unit: venv
-	$(BIN)/pytest tests/unit $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 e2e: setup
 	$(BIN)/pytest -m e2e $(XDIST) $(PYTEST_ARGS)

@@ -5,12 +5,13 @@ once two tests that share something (tests/README.md, "Parallel runs").
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import subprocess
 
 import pytest
 
-from tests.support.groups import REAL_NODE, SANDBOX
+from tests.support.groups import REAL_NODE, SANDBOX, starts_real_node
 
 # Where a worker starts: the longest groups first, so that none is left to run alone at the end.
 _FIRST = (REAL_NODE, SANDBOX)
@@ -34,17 +35,42 @@ def group_of(item: pytest.Item) -> str | None:
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
 
 
+def uses_real_node(item: pytest.Item) -> bool:
+    """Whether the test's module, or a module one of its fixtures is defined in, starts the real
+    node or reads its images (tests.support.groups.real_node_uses)."""
+    files = {str(getattr(getattr(item, "module", None), "__file__", "") or "")}
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            try:
+                files.add(inspect.getsourcefile(fixturedef.func) or "")
+            except TypeError:  # a builtin
+                pass
+    return any(f.endswith(".py") and starts_real_node(f) for f in files)
+
+
 def _group(items: list[pytest.Item]) -> None:
-    """Every test without a group of its own gets one: ``sandbox`` where its module uses the
-    session's sandbox (one sandbox per run, not one per worker: two cores do not carry two), else
-    its module's path, so that a module's own fixtures (module scope: a server, a build, a release)
-    are set up once, on one worker."""
+    """Every test gets a group unless it has one: ``realnode`` where it uses the real node;
+    ``sandbox`` where its module uses the session's sandbox (one sandbox per run, not one per
+    worker: two cores do not carry two); else its module's path, so that a module's own fixtures
+    (module scope: a server, a build, a release) are set up once, on one worker. A module marked
+    ``xdist_spread`` (long tests that share nothing) gets none: pytest-xdist hands its tests out
+    one by one."""
     uses_sandbox: set[str] = set()
     for item in items:
         if "sandbox" in getattr(item, "fixturenames", ()):
             uses_sandbox.add(item.nodeid.split("::")[0])
     for item in items:
-        if group_of(item) is not None:
+        own = group_of(item)
+        if uses_real_node(item):
+            if own not in (None, REAL_NODE):
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses the real node but is in the xdist group {own!r}: "
+                    f"only {REAL_NODE!r} keeps it apart from the other real-node tests (tests/README.md)"
+                )
+            item.add_marker(pytest.mark.xdist_group(REAL_NODE))
+            continue
+        if own is not None or item.get_closest_marker("xdist_spread"):
             continue
         module = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(SANDBOX if module in uses_sandbox else module))
