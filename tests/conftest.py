@@ -8,8 +8,14 @@ from __future__ import annotations
 import inspect
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 import pytest
+
+try:
+    from _pytest.nodeid import NodeId
+except ImportError:  # pytest before 9.2: pytest-xdist's own renaming of the test ids works there
+    NodeId = None  # type: ignore[assignment,misc]
 
 from tests.support.groups import REAL_NODE, SANDBOX, starts_real_node
 
@@ -28,11 +34,13 @@ def _has_gpu() -> bool:
 
 
 def group_of(item: pytest.Item) -> str | None:
-    """The ``xdist_group`` a test carries (its own mark or its module's), if any."""
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return None
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    """The ``xdist_group`` a test carries (its own marks and its module's), as pytest-xdist names
+    it: the names, sorted, joined by ``_``."""
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names)) or None
 
 
 def uses_real_node(item: pytest.Item) -> bool:
@@ -76,12 +84,35 @@ def _group(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(SANDBOX if module in uses_sandbox else module))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _name_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker under ``--dist loadgroup``: each test's id ends in ``@GROUP``,
+    which is how the scheduler sees groups. pytest-xdist 3.8 writes that into ``item._nodeid``,
+    which pytest 9.2 no longer reads (the id is ``item._id``), so without this every test would be
+    scheduled on its own, groups ignored."""
+    if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
+        return
+    for item in items:
+        group = group_of(item)
+        if group is None or item.nodeid.endswith(f"@{group}"):
+            continue
+        if NodeId is None:
+            raise pytest.UsageError(f"cannot name the xdist group of {item.nodeid} with this pytest")
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(wrapper=True)  # around every other plugin's hook, pytest-xdist's included
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     _group(items)
     if hasattr(config, "workerinput"):
         # a pytest-xdist worker: the scheduler hands out groups in this order; a plain run keeps its own
         items.sort(key=lambda item: _FIRST.index(g) if (g := group_of(item)) in _FIRST else len(_FIRST))
+    _skip_gpu_tests(items)
+    result = yield
+    _name_groups(config, items)
+    return result
+
+
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     if _has_gpu():
