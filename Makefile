@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 export VGPU_BIN_DIR ?= $(CURDIR)/.cache/bin
 PYTEST_ARGS ?=
+# pytest-xdist workers for test and e2e: tests that share a host path, the real node or the
+# session's sandbox are in one xdist_group and never run at once (tests/README.md). 0: no workers.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: setup venv lock tools native fuzz-tools node-tools images-docker test unit e2e gpu-test lint proto demo bench images fuzz clean
 
@@ -47,13 +51,13 @@ fuzz-tools: ## clang with libFuzzer for the native harnesses (apt-get, as root, 
 	@bash fuzz/install-tools.sh
 
 test: setup ## unit, integration and e2e tests (no GPU)
-	$(BIN)/pytest -m 'not gpu' $(PYTEST_ARGS)
+	$(BIN)/pytest -m 'not gpu' $(XDIST) $(PYTEST_ARGS)
 
 unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 e2e: setup
-	$(BIN)/pytest -m e2e $(PYTEST_ARGS)
+	$(BIN)/pytest -m e2e $(XDIST) $(PYTEST_ARGS)
 
 FUZZ_SECONDS ?= 20
 fuzz: venv ## every fuzz harness for FUZZ_SECONDS each (docs/fuzzing.md); fails on any crash

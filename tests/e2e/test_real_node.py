@@ -30,6 +30,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 
 from playbooks import play, play_recap
 from tests.support import wait_for
+from tests.support.groups import REAL_NODE
 
 VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME
@@ -37,7 +38,7 @@ CARD_MIB = 8192
 SPLIT = 4
 NAMESPACE = "kube-system"
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 
 
 def _log(message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import time
@@ -25,7 +26,11 @@ class Built:
 
 
 def build() -> Built:
-    subprocess.run(["make", "-s", "-C", str(HOOK_DIR)], check=True, capture_output=True, timeout=300)
+    # One make at a time: pytest-xdist workers (make test) each build beside the others' tests.
+    BUILD.mkdir(exist_ok=True)
+    with (BUILD / ".tests-build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["make", "-s", "-C", str(HOOK_DIR)], check=True, capture_output=True, timeout=300)
     return Built(BUILD / "libvgpu.so", BUILD / "stub", BUILD / "tests")
 
 

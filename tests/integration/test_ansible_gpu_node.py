@@ -12,6 +12,7 @@ on its own copy.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import http.server
 import json
@@ -38,6 +39,7 @@ TOOLKIT_VERSION = "1.17.8-1"
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="a chroot test host needs root (chroot, debootstrap)"),
     pytest.mark.timeout(600),
+    pytest.mark.xdist_spread,  # each test plays on a copy of its own: workers share none (tests/README.md)
 ]
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
@@ -123,6 +125,15 @@ def _base_root() -> Path:
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist workers (make test) each ask for it: one builds, the others wait and then use it
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").exists():
+            return target
+        return _build_root(target)
+
+
+def _build_root(target: Path) -> Path:
     work = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     result = subprocess.run(

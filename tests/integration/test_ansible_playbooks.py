@@ -21,6 +21,8 @@ PLAYBOOKS = sorted(p.name for p in (ROOT / "playbooks").glob("*.yml"))
 INVENTORIES = sorted(p.name for p in (ROOT / "inventory").glob("*.yml"))
 ROLES = ("gpu_node", "vgpu_scheduler")
 
+pytestmark = pytest.mark.xdist_spread  # each test runs ansible alone: workers share nothing (tests/README.md)
+
 
 def _env() -> dict[str, str]:
     env = dict(

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from vgpu_sandbox import realnode
 
+from tests.support.groups import REAL_NODE
+
 IMAGE_DIR = realnode.image_dir()  # make images writes there (VGPU_IMAGE_DIR, else <repo>/.cache/images)
 REFS = {
     "device-plugin": "docker.io/vgpu/device-plugin:dev",
@@ -32,11 +34,14 @@ KUBE_VERSION = dict(
 )["KUBE_VERSION"]
 REFS["kube-scheduler"] = f"registry.k8s.io/kube-scheduler:{KUBE_VERSION}"
 
-pytestmark = pytest.mark.skipif(
-    not all((IMAGE_DIR / f"{name}.tar").exists() for name in REFS)
-    or not (IMAGE_DIR / "images.json").exists(),
-    reason=f"no images in {IMAGE_DIR}: run `make images` first (needs root and debootstrap)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not all((IMAGE_DIR / f"{name}.tar").exists() for name in REFS)
+        or not (IMAGE_DIR / "images.json").exists(),
+        reason=f"no images in {IMAGE_DIR}: run `make images` first (needs root and debootstrap)",
+    ),
+    pytest.mark.xdist_group(REAL_NODE),  # the real node imports these archives: one reader at a time
+]
 
 
 @dataclass(frozen=True)
