@@ -10,7 +10,7 @@
 # down after it with `.venv/bin/vgpu sandbox down`). Prints each command, its wall time and its
 # result as a table at the end and exits non-zero if any failed. docs/fresh-machine.md says more.
 #
-#   sudo tools/fresh-machine-check.sh [--ref REF] [--dir DIR] [--phases LIST] [--no-lock] [--keep]
+#   sudo tools/fresh-machine-check.sh [--ref REF] [--dir DIR] [--phases LIST] [--no-lock] [--reuse DIR] [--keep]
 #
 #   --ref REF      the commit to clone (default: HEAD of the checkout holding this script)
 #   --dir DIR      where the roots go (default: $VGPU_FRESH_DIR or /var/tmp/vgpu-fresh); each run
@@ -22,6 +22,9 @@
 #                  lock is on by default: the real node the tests start shares this machine's
 #                  network namespace (bridge vgpu-sbx0, 10.244.200.1) and cgroups with every other
 #                  real node on it.
+#   --reuse DIR    no new root: run the phases again in DIR/root of an earlier run (kept), its clone
+#                  moved to --ref with its build outputs left as they are (to show a fix without
+#                  starting from nothing again; the table says so)
 #   --keep         keep the root after a run that passed (a failed run's root is always kept, for
 #                  looking at; remove it with `rm -rf --one-file-system DIR/<stamp>`)
 #
@@ -50,6 +53,7 @@ ref=HEAD
 phases=user-demo,root-demo,root-test
 lock=${VGPU_FRESH_LOCK:-1}
 keep=0
+reuse=
 
 log() { printf 'fresh: %s\n' "$*" >&2; }
 die() {
@@ -64,6 +68,7 @@ while [ $# -gt 0 ]; do
     --phases) phases=${2:?--phases needs a value}; shift 2 ;;
     --no-lock) lock=0; shift ;;
     --keep) keep=1; shift ;;
+    --reuse) reuse=${2:?--reuse needs a value}; shift 2 ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
@@ -74,9 +79,15 @@ for p in "${wanted[@]}"; do
 done
 
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot and mounts); run it with sudo"
-for tool in git chroot mount umount flock go; do
+for tool in git chroot mount umount flock; do
   command -v "$tool" >/dev/null || die "$tool is missing on this machine"
 done
+# The Go toolchain to copy: VGPU_FRESH_GOROOT, else `go env GOROOT` of the go on PATH, else
+# /usr/local/go (sudo's PATH often lacks it).
+goroot=${VGPU_FRESH_GOROOT:-$(go env GOROOT 2>/dev/null || true)}
+[ -n "$goroot" ] || goroot=/usr/local/go
+go=$goroot/bin/go
+[ -x "$go" ] || die "no Go toolchain at $goroot; set VGPU_FRESH_GOROOT to one (Go 1.25 or newer)"
 sha=$(git -C "$repo" rev-parse --verify "$ref^{commit}") || die "--ref $ref is not a commit of $repo"
 abs_base=$(realpath -m "$base")
 case $abs_base/ in "$(realpath "$repo")"/*) die "--dir $base is inside the clone $repo; pick a folder outside it" ;; esac
@@ -91,10 +102,14 @@ if [ -z "$debootstrap" ]; then
   debootstrap=$(command -v debootstrap || echo /usr/sbin/debootstrap)
 fi
 
-stamp=$(date -u +%Y%m%dT%H%M%SZ)
-top=$abs_base/$stamp
+if [ -n "$reuse" ]; then
+  top=$(realpath "$reuse") && [ -d "$top/root/home/$PLAIN_USER/vgpu/.git" ] || die "--reuse $reuse: no earlier run's root with a clone there"
+  keep=1
+else
+  top=$abs_base/$(date -u +%Y%m%dT%H%M%SZ)
+  mkdir -p "$top" || die "cannot make $top"
+fi
 root=$top/root
-mkdir -p "$top" || die "cannot make $top"
 
 # ---- clean-up on any exit: processes whose root is ours (we started them), then the mounts ----
 mounts_under() {
@@ -185,8 +200,8 @@ prepare_root() {
   log "apt-get install $FRESH_PACKAGES"
   in_root root env DEBIAN_FRONTEND=noninteractive sh -c "apt-get update -q && apt-get install -y -q $FRESH_PACKAGES" \
     >"$top/apt.log" 2>&1 || { tail -n 20 "$top/apt.log" >&2; return 1; }
-  log "Go: $(go env GOROOT) ($(go env GOVERSION)) to /usr/local/go"
-  cp -a "$(go env GOROOT)/." "$root/usr/local/go/" || return 1
+  log "Go: $goroot ($("$go" env GOVERSION)) to /usr/local/go"
+  mkdir -p "$root/usr/local/go" && cp -a "$goroot/." "$root/usr/local/go/" || return 1
   chroot "$root" useradd -m -u "$PLAIN_UID" -s /bin/bash "$PLAIN_USER" || return 1
   log "git clone $repo at $sha into /home/$PLAIN_USER/vgpu"
   local clone=$root/home/$PLAIN_USER/vgpu
@@ -206,8 +221,8 @@ copy_registry_config() {
     /etc/apt/trusted.gpg.d/* /etc/apt/keyrings/* /etc/apt/trusted.gpg; do
     [ -f "$f" ] && install -D -m "$(stat -c %a "$f")" "$f" "$root$f"
   done
-  for f in /etc/apt/apt.conf.d/*; do # how apt reaches the archive: proxies, checks, mirrors
-    [ -f "$f" ] && grep -q '^[[:space:]]*Acquire' "$f" && cp "$f" "$root/etc/apt/apt.conf.d/"
+  for f in /etc/apt/apt.conf.d/*; do # how apt reaches the archive: proxies, checks, retries
+    [ -f "$f" ] && grep -v IndexTargets "$f" | grep -q '^[[:space:]]*Acquire' && cp "$f" "$root/etc/apt/apt.conf.d/"
   done
   # a sources file naming a keyring that neither this machine nor the root has would stop apt
   local key
@@ -238,7 +253,7 @@ copy_registry_config() {
   {
     local v
     for v in GOPROXY GOSUMDB GONOSUMDB GOPRIVATE GONOPROXY GOINSECURE GOFLAGS; do
-      printf '%s=%s\n' "$v" "$(go env "$v")"
+      printf '%s=%s\n' "$v" "$("$go" env "$v")"
     done
     env | grep -E '^(PIP_(INDEX_URL|EXTRA_INDEX_URL|TRUSTED_HOST|CERT|CLIENT_CERT|DEFAULT_TIMEOUT|DISABLE_PIP_VERSION_CHECK|RETRIES)|(http|https|ftp|no|all)_proxy|(HTTP|HTTPS|FTP|NO|ALL)_PROXY|SSL_CERT_FILE|SSL_CERT_DIR|REQUESTS_CA_BUNDLE|CURL_CA_BUNDLE|GIT_SSL_CAINFO)='
   } >"$top/registry.env"
@@ -279,9 +294,22 @@ phase_demo() { # USER: make demo, then the sandbox it leaves up taken down
   in_clone "$who" '[ ! -x .venv/bin/vgpu ] || .venv/bin/vgpu sandbox down' || log "vgpu sandbox down as $who failed"
   return "$rc"
 }
+# --reuse: the clone at the commit asked for, its build outputs (.venv, .cache) kept
+update_clone() {
+  mount_all || return 1
+  local clone=$root/home/$PLAIN_USER/vgpu
+  git -c safe.directory="$clone" -C "$clone" fetch -q "$repo" "$sha" &&
+    chown -R "$PLAIN_UID:$PLAIN_UID" "$clone/.git" &&
+    in_clone "$PLAIN_USER" "git stash -q --include-untracked 2>/dev/null; git checkout -q -B main $sha && git log --oneline -1"
+}
+
 t0=$(date +%s)
 log "fresh-machine check of $sha ($ref) in $root"
-shown_cmd="debootstrap $SUITE; apt-get install ...; Go; git clone" run_phase prepare root prepare_root || {
+if [ -n "$reuse" ]; then
+  shown_cmd="(reused root) git checkout $(git -C "$repo" rev-parse --short "$sha")" run_phase prepare root update_clone
+else
+  shown_cmd="debootstrap $SUITE; apt-get install ...; Go; git clone" run_phase prepare root prepare_root
+fi || {
   table
   exit 1
 }
