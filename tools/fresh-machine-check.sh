@@ -261,7 +261,10 @@ copy_registry_config() {
 }
 
 mount_all() {
-  mount -t proc proc "$root/proc" &&
+  # The root a mount point of its own: runc's pivot_root refuses a root that is not one (the
+  # state a plain chroot leaves), and private, as this machine's / is here.
+  mount --bind "$root" "$root" && mount --make-private "$root" &&
+    mount -t proc proc "$root/proc" &&
     mount --rbind /sys "$root/sys" && mount --make-rslave "$root/sys" &&
     mount --rbind /dev "$root/dev" && mount --make-rslave "$root/dev" &&
     mkdir -p "$root/run/shm" && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$root/run" &&
