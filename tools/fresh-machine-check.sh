@@ -40,6 +40,9 @@
 #     checksum settings (`go env`), *_proxy variables, the CA bundle and /etc/resolv.conf.
 #     No ~/.cache/vgpu, Go module or build cache, pip cache or apt archives.
 set -uo pipefail
+# One block to the end: bash reads all of it before running any, so a run of an hour is safe from
+# edits to this file (a checkout moving on under it).
+{
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 
@@ -338,3 +341,4 @@ done
 table
 log "all phases: $(fmt $(($(date +%s) - t0)))"
 exit "$failed"
+}
