@@ -58,7 +58,7 @@ lock=${VGPU_FRESH_LOCK:-1}
 keep=0
 reuse=
 
-log() { printf 'fresh: %s\n' "$*" >&2; }
+log() { printf 'fresh: %s %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() {
   log "FAILED: $*"
   exit 1
@@ -328,7 +328,11 @@ for p in "${wanted[@]}"; do
       if [ "$lock" = 1 ]; then
         exec 8>/tmp/vgpu-realnode.lock
         log "waiting for /tmp/vgpu-realnode.lock (the real node shares this machine's network and cgroups)"
+        waited=$(date +%s)
         flock 8
+        waited=$(($(date +%s) - waited))
+        rows+=("lock-wait|root|flock /tmp/vgpu-realnode.lock (waiting for other real nodes)|$waited|0")
+        log "got /tmp/vgpu-realnode.lock after $(fmt "$waited")"
         shown_cmd="flock /tmp/vgpu-realnode.lock make test" run_phase root-test root in_clone root 'make test' 8>&-
         flock -u 8
         exec 8>&-
