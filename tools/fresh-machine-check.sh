@@ -32,6 +32,9 @@
 #   - Debian 12 `--variant=minbase` (required packages and apt) from $VGPU_DEBIAN_MIRROR
 #     (default http://deb.debian.org/debian), then the README's prerequisites from Debian:
 #     python3.11 python3.11-venv gcc libc6-dev make git (FRESH_PACKAGES).
+#   - Every command runs in the root as in a machine of its own: a mount namespace whose root is
+#     the root (pivot_root, not chroot: runc exec needs it) and a PID namespace; it shares this
+#     machine's network and cgroups.
 #   - Go: Debian 12's Go (1.19) is older than tools/*/go.mod ask for, and the README names Go as
 #     given, so this machine's toolchain (`go env GOROOT`) is copied to /usr/local/go in the root.
 #   - How this machine reaches the registries, never what it fetched from them: apt's sources,
@@ -285,7 +288,22 @@ in_root() {
   fi
   local envs=()
   [ -f "$top/registry.env" ] && mapfile -t envs <"$top/registry.env"
-  chroot --userspec="$who:$who" "$root" /usr/bin/env -i HOME="$home" USER="$who" LOGNAME="$who" \
+  # Not a plain chroot: there the root of the mount namespace stays this machine's /, and a process
+  # that joins a container's mount namespace (runc exec: kubectl exec) lands in it, not in the
+  # container's file system. So a mount namespace whose root is the root (pivot_root), as a
+  # machine's own, and a PID namespace with a /proc of its own, whose end ends every process the
+  # command left behind (a sandbox, containerd's shims).
+  unshare --mount --pid --fork --kill-child --propagation private -- /bin/sh -c '
+    set -e
+    cd "$1"
+    shift
+    mkdir -p .fresh-oldroot
+    pivot_root . .fresh-oldroot
+    umount -l /.fresh-oldroot
+    rmdir /.fresh-oldroot
+    mount -t proc -o nosuid,nodev,noexec proc /proc
+    exec "$@"' fresh-root "$root" \
+    chroot --userspec="$who:$who" / /usr/bin/env -i HOME="$home" USER="$who" LOGNAME="$who" \
     PATH="$path" LANG=C.UTF-8 TERM=dumb SHELL=/bin/bash "${envs[@]}" "$@"
 }
 in_clone() { # USER SHELL-COMMAND
@@ -293,12 +311,10 @@ in_clone() { # USER SHELL-COMMAND
   in_root "$who" bash -c "cd /home/$PLAIN_USER/vgpu && $2"
 }
 
-phase_demo() { # USER: make demo, then the sandbox it leaves up taken down
-  local who=$1 rc
-  in_clone "$who" 'echo "+ $(id -un): make demo" && make demo'
-  rc=$?
-  in_clone "$who" '[ ! -x .venv/bin/vgpu ] || .venv/bin/vgpu sandbox down' || log "vgpu sandbox down as $who failed"
-  return "$rc"
+phase_demo() { # USER: make demo, then the sandbox it leaves up taken down (in the same namespaces)
+  in_clone "$1" 'echo "+ $(id -un): make demo"; make demo; rc=$?
+    [ ! -x .venv/bin/vgpu ] || .venv/bin/vgpu sandbox down || echo "fresh: vgpu sandbox down failed" >&2
+    exit $rc'
 }
 # --reuse: the clone at the commit asked for, its build outputs (.venv, .cache) kept
 update_clone() {
