@@ -147,9 +147,13 @@ unmount_all() {
   [ -z "$(mounts_under)" ]
 }
 failed=0
+tabled=0
+declare -a rows=()
 cleanup() {
   local rc=$?
   [ -d "$root" ] || exit "$rc"
+  # stopped half-way (a signal, an error): what ran so far
+  [ "$tabled" = 1 ] || [ ${#rows[@]} -eq 0 ] || table
   stop_our_processes
   if ! unmount_all; then
     log "could not unmount everything under $root; left as it is:"
@@ -168,7 +172,6 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # ---- the phases: a table of what ran ----
-declare -a rows=()
 run_phase() { # NAME USER COMMAND...
   local name=$1 who=$2 start rc
   shift 2
@@ -186,6 +189,7 @@ run_phase() { # NAME USER COMMAND...
 fmt() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 table() {
   local total=0 r name who cmd secs rc
+  tabled=1
   printf '\nfresh-machine check of %s (%s), root %s\n' "$sha" "$ref" "$root"
   printf '%-12s %-6s %-58s %9s  %s\n' phase user command time result
   for r in "${rows[@]}"; do
