@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: setup venv lock tools native fuzz-tools node-tools images-docker test unit e2e gpu-test lint proto demo bench images fuzz clean
+.PHONY: setup venv lock tools native fuzz-tools node-tools images-docker test unit e2e gpu-test lint proto demo bench images fuzz fresh-check clean
 
 # The real node's images need root (debootstrap, chroot); elsewhere setup leaves them out and the
 # real-node tests skip, naming why.
@@ -94,6 +94,11 @@ images: venv native ## the chart's images, the sample and pause as tarballs for 
 
 images-docker: ## the chart's images from images/*.Dockerfile, with a container engine (docker.io/vgpu/<name>:$(IMAGE_TAG))
 	for f in images/*.Dockerfile; do docker build --build-arg HOOK_VERSION=$(IMAGE_TAG) -f $$f -t docker.io/vgpu/$$(basename $$f .Dockerfile):$(IMAGE_TAG) . || exit 1; done
+
+# The README's two commands from nothing in a clean Debian 12 root (docs/fresh-machine.md): root,
+# about an hour on two cores. FRESH_ARGS passes options, e.g. FRESH_ARGS='--ref main --keep'.
+fresh-check: ## make demo (as a plain user and as root) and make test (as root) in a clean Debian root
+	bash tools/fresh-machine-check.sh $(FRESH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV)-lock .pytest_cache .mypy_cache .ruff_cache

@@ -13,7 +13,10 @@ repo=$(dirname "$here")
 . "$here/versions.env"
 bin_dir=${VGPU_BIN_DIR:-$repo/.cache/bin}
 mkdir -p "$bin_dir/current"
-export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+# -buildvcs=false: the versions go in with -ldflags, and stamping the clone's git state would make
+# `sudo make test` in a clone that a plain user owns fail (git refuses a repository of another
+# owner: "error obtaining VCS status").
+export CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the sandbox's real node needs (vgpu sandbox up --real-node; tests/e2e/test_real_node.py):
-# containerd, runc and the CNI plugins from Debian's packages, and the kubelet, crictl and
+# containerd, runc, the CNI plugins and iproute2 from Debian's packages, and the kubelet, crictl and
 # nvidia-ctk built from Go modules (tools/build.sh). The images come from `make images`.
 #
 # A real node needs root. Elsewhere this says so and exits 0: the real-node tests then skip,
@@ -18,6 +18,10 @@ missing=()
 command -v containerd >/dev/null || missing+=(containerd)
 command -v runc >/dev/null || [ -x /usr/sbin/runc ] || missing+=(runc)
 [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || missing+=(containernetworking-plugins)
+# The sandbox makes the pods' bridge with ip(8); a minimal Debian (debootstrap, container images)
+# has neither iproute2 nor, at times, util-linux's unshare and setpriv, which the tests use.
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing+=(iproute2)
+command -v unshare >/dev/null && command -v setpriv >/dev/null || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
     echo "node-setup: ${missing[*]} missing and there is no apt-get; install them with your package manager" >&2
