@@ -577,12 +577,16 @@ def _kubelet_argv(sandbox: Handle, lay: NodeLayout) -> list[str]:
 
 
 def _wait_containerd(sandbox: Handle, lay: NodeLayout) -> None:
-    sandbox.wait_for(
-        "containerd to answer on its socket",
-        lambda: _ctr(lay, "version", timeout=10).returncode == 0,
-        60,
-        "containerd",
-    )
+    def answers() -> bool:
+        if _ctr(lay, "version", timeout=10).returncode != 0:
+            return False
+        # The CRI (what the kubelet and crictl speak) is a plugin that comes up after containerd's
+        # own API: right after a restart `ctr version` answers while `crictl ps` still fails.
+        if (binaries.bin_dir() / "crictl").exists():
+            return _crictl(lay, "version", timeout=30).returncode == 0
+        return True
+
+    sandbox.wait_for("containerd and its CRI to answer on its socket", answers, 60, "containerd")
 
 
 def _wait_kubelet(sandbox: Handle, healthz_port: int) -> None:
