@@ -23,16 +23,14 @@ from __future__ import annotations
 import os
 import selectors
 import subprocess
-import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import wait_for
-from vgpu.hookabi.grant import Grant, write_grant
+from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container, reaped_at
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.nvml import NvmlDiscovery
@@ -49,22 +47,6 @@ TOLERANCE = 256 * MIB
 BELOW_MIB = 200  # the bypasser's first step: a context and this, within the grant
 TARGET_MIB = 3000  # then up to this: far past the grant and the tolerance
 NEIGHBOUR_MIB = 200  # through the hook, which charges its context reserve (640 MiB) against the limit
-
-
-def _cgroup_root() -> Path | None:
-    """A cgroup hierarchy this process may make folders in and move processes into."""
-    if os.geteuid() != 0:
-        return None
-    for candidate in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        root = Path(candidate)
-        probe = root / f"vgpu-probe-{os.getpid()}"
-        try:
-            probe.mkdir()
-            probe.rmdir()
-            return root
-        except OSError:
-            continue
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +89,7 @@ class Node:
 
     def container(self, name: str) -> tuple[str, Path]:
         """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
-        pod_uid = str(uuid.uuid4())
-        cid = uuid.uuid4().hex * 2
-        write_grant(self.paths.grant(f"{pod_uid}_{name}"), Grant((self.card,), (GRANT_MIB * MIB,)))
-        folder = self.cgroups / "kubepods" / "burstable" / f"pod{pod_uid}" / cid
-        folder.mkdir(parents=True)
-        return pod_uid, folder
+        return granted_container(self.paths, self.cgroups, name, self.card, GRANT_MIB * MIB)
 
     def start(self, cgroup: Path, program: str, *args: str) -> subprocess.Popen[str]:
         """``program`` in ``cgroup``, under the hook with the grant's limit in its environment; on
@@ -146,22 +123,19 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path, built: Path, nvml: NvmlDiscovery) -> Iterator[Node]:
-    root = _cgroup_root()
+    root = cgroup_root()
     if root is None:
         pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
     cgroups = root / f"vgpu-gpu-test-{os.getpid()}-{tmp_path.name}"
-    made = Node(tmp_path, cgroups, nvml, built)
-    try:
-        yield made
-    finally:
-        for child in made.children:
-            if child.poll() is None:
-                child.kill()
-            child.wait(timeout=30)
-        for folder in sorted(cgroups.rglob("*"), key=lambda p: -len(p.parts)):
-            if folder.is_dir():
-                folder.rmdir()
-        cgroups.rmdir() if cgroups.exists() else None
+    with cgroup_folder(cgroups):
+        made = Node(tmp_path, cgroups, nvml, built)
+        try:
+            yield made
+        finally:
+            for child in made.children:
+                if child.poll() is None:
+                    child.kill()
+                child.wait(timeout=30)
 
 
 def _line(child: subprocess.Popen[str], word: str, timeout: float = 60) -> dict[str, str]:
@@ -181,18 +155,6 @@ def _line(child: subprocess.Popen[str], word: str, timeout: float = 60) -> dict[
             f"expected {word!r}, got {line!r} (exit {child.returncode}); stderr: {err[-2000:]}"
         )
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
-def _died_at(child: subprocess.Popen[str]) -> list[int]:
-    """The CLOCK_MONOTONIC ns at which ``child`` is reaped, filled in by a waiting thread."""
-    when: list[int] = []
-
-    def wait() -> None:
-        child.wait()
-        when.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
-
-    threading.Thread(target=wait, daemon=True).start()
-    return when
 
 
 def _seen(node: Node, pid: int) -> None:
@@ -230,7 +192,7 @@ def test_a_bypassing_process_past_its_grant_is_killed_within_1s_and_its_neighbou
         assert below["rc"] == "0", below
         # t_bypass waits 1 s before crossing: the enforcer's passes meanwhile see it within its grant
         neighbour_mib, greedy_below_mib = node.driver_mib(neighbour.pid), node.driver_mib(greedy.pid)
-        died = _died_at(greedy)
+        died = reaped_at(greedy)
         crossed = _line(greedy, "crossed")  # none if it were killed before crossing
         assert crossed["rc"] == "0", (
             "the bypass could not allocate (the hook stopped it, or the card is full)"

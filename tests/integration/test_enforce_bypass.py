@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import yaml
 from hook_harness import Built, build, env
 
 from tests.support import wait_for
-from vgpu.hookabi.grant import Grant, write_grant
+from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container, reaped_at
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
@@ -35,22 +33,6 @@ from vgpu.plugin.paths import HostPaths
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000e2e0"
 GRANT_MIB = 1000
-
-
-def _cgroup_root() -> Path | None:
-    """A cgroup hierarchy this process may make folders in and move processes into."""
-    if os.geteuid() != 0:
-        return None
-    for candidate in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        root = Path(candidate)
-        probe = root / f"vgpu-probe-{os.getpid()}"
-        try:
-            probe.mkdir()
-            probe.rmdir()
-            return root
-        except OSError:
-            continue
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +56,7 @@ class Node:
 
     def container(self, name: str) -> tuple[str, Path]:
         """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
-        pod_uid = str(uuid.uuid4())
-        cid = uuid.uuid4().hex * 2
-        write_grant(self.paths.grant(f"{pod_uid}_{name}"), Grant((CARD,), (GRANT_MIB * MIB,)))
-        folder = self.cgroups / "kubepods" / "burstable" / f"pod{pod_uid}" / cid
-        folder.mkdir(parents=True)
-        return pod_uid, folder
+        return granted_container(self.paths, self.cgroups, name, CARD, GRANT_MIB * MIB)
 
     def bypass(self, built: Built, cgroup: Path, below: int, target: int) -> subprocess.Popen[str]:
         """t_bypass in ``cgroup``, under the hook with the grant's limit in its environment."""
@@ -103,22 +80,19 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    root = _cgroup_root()
+    root = cgroup_root()
     if root is None:
         pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
     cgroups = root / f"vgpu-test-{os.getpid()}-{tmp_path.name}"
-    made = Node(tmp_path, cgroups)
-    try:
-        yield made
-    finally:
-        for child in made.children:
-            if child.poll() is None:
-                child.kill()
-            child.wait(timeout=10)
-        for folder in sorted(cgroups.rglob("*"), key=lambda p: -len(p.parts)):
-            if folder.is_dir():
-                folder.rmdir()
-        cgroups.rmdir() if cgroups.exists() else None
+    with cgroup_folder(cgroups):
+        made = Node(tmp_path, cgroups)
+        try:
+            yield made
+        finally:
+            for child in made.children:
+                if child.poll() is None:
+                    child.kill()
+                child.wait(timeout=10)
         shutil.rmtree(tmp_path / "procs", ignore_errors=True)
 
 
@@ -127,18 +101,6 @@ def _line(child: subprocess.Popen[str], word: str) -> dict[str, str]:
     line = child.stdout.readline()
     assert line.startswith(word), line
     return dict(part.split("=", 1) for part in line.split()[1:])
-
-
-def _died_at(child: subprocess.Popen[str]) -> list[int]:
-    """The CLOCK_MONOTONIC ns at which ``child`` is reaped, filled in by a waiting thread."""
-    when: list[int] = []
-
-    def wait() -> None:
-        child.wait()
-        when.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
-
-    threading.Thread(target=wait, daemon=True).start()
-    return when
 
 
 def test_a_bypassing_process_past_its_grant_is_killed_within_1s_and_its_neighbour_is_not(
@@ -154,7 +116,7 @@ def test_a_bypassing_process_past_its_grant_is_killed_within_1s_and_its_neighbou
         greedy = node.bypass(built, greedy_cg, 512, 3000)  # 3000 past 1000 + 256 tolerated
         assert _line(neighbour, "below")["rc"] == "0" and _line(greedy, "below")["rc"] == "0"
         assert _line(neighbour, "crossed")["rc"] == "0"
-        died = _died_at(greedy)
+        died = reaped_at(greedy)
         crossed = _line(greedy, "crossed")
         assert crossed["rc"] == "0", "the hook stopped the bypass: it did not bypass it"
         wait_for(lambda: died, "the greedy process to be killed", 5, every=0.01)

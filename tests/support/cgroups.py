@@ -1,0 +1,71 @@
+"""Processes in cgroups named as the kubelet names a container's, for the node enforcer's tests
+(tests/integration/test_enforce_bypass.py on the stub driver, tests/gpu/test_enforce_gpu.py on a
+real one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.plugin.paths import HostPaths
+
+
+def cgroup_root() -> Path | None:
+    """A cgroup hierarchy this process may make folders in and move processes into."""
+    if os.geteuid() != 0:
+        return None
+    for candidate in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        root = Path(candidate)
+        probe = root / f"vgpu-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+            return root
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def cgroup_folder(folder: Path) -> Iterator[Path]:
+    """``folder`` for the test's cgroups; removed, deepest first, at the end (their processes gone)."""
+    try:
+        yield folder
+    finally:
+        for sub in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
+            if sub.is_dir():
+                sub.rmdir()
+        if folder.exists():
+            folder.rmdir()
+
+
+def granted_container(
+    paths: HostPaths, cgroups: Path, name: str, card: str, grant_bytes: int
+) -> tuple[str, Path]:
+    """A pod with one container granted ``grant_bytes`` of ``card``: its UID and its cgroup folder,
+    named as the kubelet's cgroupfs driver names it."""
+    pod_uid = str(uuid.uuid4())
+    cid = uuid.uuid4().hex * 2
+    write_grant(paths.grant(f"{pod_uid}_{name}"), Grant((card,), (grant_bytes,)))
+    folder = cgroups / "kubepods" / "burstable" / f"pod{pod_uid}" / cid
+    folder.mkdir(parents=True)
+    return pod_uid, folder
+
+
+def reaped_at(child: subprocess.Popen[str]) -> list[int]:
+    """The CLOCK_MONOTONIC ns at which ``child`` is reaped, filled in by a waiting thread."""
+    when: list[int] = []
+
+    def wait() -> None:
+        child.wait()
+        when.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+
+    threading.Thread(target=wait, daemon=True).start()
+    return when
