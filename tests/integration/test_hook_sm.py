@@ -31,6 +31,26 @@ def share(r: Result, key: str = "share") -> float:
     return float(r.values[key])
 
 
+def _shares_of_two(built: Built, environ: dict[str, str], *argv: str) -> list[float]:
+    """Two t_sm processes with ``argv`` under one region at once: the share each measured."""
+    procs = [
+        subprocess.Popen(
+            [built.prog("t_sm"), *argv],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    shares = []
+    for p in procs:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err
+        shares.append(float(parse(out)[0]["share"]))
+    return shares
+
+
 @pytest.mark.parametrize("limit", [25, 50, 75])
 def test_the_busy_share_holds_to_the_limit_and_the_region_counts_it(
     built: Built, tmp_path: Path, limit: int
@@ -83,21 +103,7 @@ def test_threads_on_their_own_streams_share_one_limit(built: Built, tmp_path: Pa
 
 def test_two_processes_of_one_container_get_the_limit_together(built: Built, tmp_path: Path) -> None:
     environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="50")
-    procs = [
-        subprocess.Popen(
-            [built.prog("t_sm"), "link", "rate", "kernel", "2"],
-            env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    shares = []
-    for p in procs:
-        out, err = p.communicate(timeout=30)
-        assert p.returncode == 0, err
-        shares.append(float(parse(out)[0]["share"]))
+    shares = _shares_of_two(built, environ, "link", "rate", "kernel", "2")
     assert 0.42 <= sum(shares) <= 0.56, shares
     assert min(shares) >= 0.12  # neither process is starved
 
@@ -263,21 +269,7 @@ def test_short_kernels_are_sampled_and_still_held_to_the_limit(
 
 def test_short_kernels_of_two_processes_of_two_threads_share_one_limit(built: Built, tmp_path: Path) -> None:
     environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30", **SHORT)
-    procs = [
-        subprocess.Popen(
-            [built.prog("t_sm"), "link", "rate", "kernel", "2", "created", "2"],
-            env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    shares = []
-    for p in procs:
-        out, err = p.communicate(timeout=30)
-        assert p.returncode == 0, err
-        shares.append(float(parse(out)[0]["share"]))
+    shares = _shares_of_two(built, environ, "link", "rate", "kernel", "2", "created", "2")
     assert 0.22 <= sum(shares) <= 0.34, shares
     assert min(shares) >= 0.07, shares
 
