@@ -60,7 +60,7 @@ _TYPES = {f.name: f.ctype for f in GRANT}
 _FRAME = ("magic", "version", "size", "seq", "checksum")  # not payload: written by _change itself
 
 
-_PLURAL = {"limit": "limits", "sm_limit": "sm_limits", "budget": "budgets"}
+_PLURAL = {"limit": "limits", "sm_limit": "sm_limits", "budget": "budgets", "hold_until_ns": "hold_until"}
 
 
 class GrantError(RegionError):
@@ -80,20 +80,23 @@ class Grant:
     oversubscribe: bool = False
     region_path: str = ""
     context_reserve: int = DEFAULT_CONTEXT_RESERVE
+    # the node's compute gate per device: no launch before this CLOCK_MONOTONIC ns (0 = open);
+    # written only by the node monitor (vgpu.plugin.monitor.compute), never at Allocate
+    hold_until: tuple[int, ...] = ()
     seq: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.uuids)
         if not 1 <= n <= MAX_DEVICES:
             raise GrantError(f"a grant holds 1..{MAX_DEVICES} devices, not {n}")
-        for name in ("limits", "sm_limits", "budgets"):
+        for name in ("limits", "sm_limits", "budgets", "hold_until"):
             values = getattr(self, name)
             if len(values) > n:
                 raise GrantError(f"{name} has {len(values)} entries for {n} devices")
             object.__setattr__(self, name, tuple(values) + (0,) * (n - len(values)))  # one entry per device
         if any(not 0 <= p <= 100 for p in self.sm_limits):
             raise GrantError(f"sm_limits {self.sm_limits} must be percents 0..100")
-        if any(v < 0 for v in (*self.limits, *self.budgets, self.context_reserve)):
+        if any(v < 0 for v in (*self.limits, *self.budgets, *self.hold_until, self.context_reserve)):
             raise GrantError("limits and budgets must be bytes >= 0")
         if self.priority not in (0, 1) or self.sm_policy not in (0, 1):
             raise GrantError(f"priority {self.priority} / sm_policy {self.sm_policy} must be 0 or 1")
@@ -105,7 +108,7 @@ class Grant:
             raise GrantError(f"region_path is {PATH_BYTES} bytes or longer")
 
     def value(self, name: str, index: int) -> int:
-        """Device ``index``'s ``limit``, ``sm_limit`` or ``budget`` word."""
+        """Device ``index``'s ``limit``, ``sm_limit``, ``budget`` or ``hold_until_ns`` word."""
         values: tuple[int, ...] = getattr(self, _PLURAL[name])
         return values[index]
 
@@ -145,7 +148,7 @@ def encode(grant: Grant, seq: int = 0) -> bytes:
     _pack(buf, "context_reserve", grant.context_reserve)
     for i, uuid in enumerate(grant.uuids):
         _put_str(buf, "uuid", uuid, i, UUID_BYTES)
-        for name in ("limit", "sm_limit", "budget"):
+        for name in ("limit", "sm_limit", "budget", "hold_until_ns"):
             _pack(buf, name, grant.value(name, i), i)
     _put_str(buf, "region_path", grant.region_path)
     _pack(buf, "checksum", fnv1a64(bytes(buf[GRANT_PAYLOAD:])))
@@ -199,6 +202,7 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
             oversubscribe=_word(data, "oversubscribe") != 0,
             region_path=_cstr(data, _G["region_path"], PATH_BYTES),
             context_reserve=_word(data, "context_reserve"),
+            hold_until=tuple(_word(data, "hold_until_ns", i) for i in range(n)),
             seq=_word(data, "seq"),
         )
     except GrantError as err:
@@ -253,8 +257,10 @@ def update_grant(
     limit: int | None = None,
     sm_limit: int | None = None,
     budget: int | None = None,
+    hold_until: int | None = None,
 ) -> Grant:
-    """Live resize of one device's words in place; returns the grant as written."""
+    """Live resize of one device's words (or the node's compute gate, ``hold_until``) in place;
+    returns the grant as written."""
 
     def changed(old: Grant) -> Grant:
         if not 0 <= device < len(old.uuids):
@@ -269,6 +275,7 @@ def update_grant(
             limits=put(old.limits, limit),
             sm_limits=put(old.sm_limits, sm_limit),
             budgets=put(old.budgets, budget),
+            hold_until=put(old.hold_until, hold_until),
         )
 
     return _change(Path(path), changed)
