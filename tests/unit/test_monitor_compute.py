@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vgpu.core.errors import ConfigError
-from vgpu.hookabi.grant import Grant, read_grant, write_grant
+from vgpu.hookabi.grant import Grant, encode, read_grant, update_grant, write_grant
 from vgpu.plugin.config import parse_node_config
 from vgpu.plugin.discovery import SmSample
 from vgpu.plugin.monitor.compute import MARGIN, ComputeCollector, ComputeEnforcer
@@ -179,3 +179,19 @@ def test_a_bad_compute_action_names_the_field(text: str, field: str) -> None:
 def test_the_compute_action_defaults_to_throttle() -> None:
     assert parse_node_config("", "n1", "x").enforce_compute == "throttle"
     assert parse_node_config("enforcement: {compute: report}", "n1", "x").enforce_compute == "report"
+
+
+def test_a_layout_1_grant_of_an_older_container_is_read_and_resized_but_never_gated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = Sim(tmp_path)
+    path = sim.container(101, 30, 100)
+    v2 = path.read_bytes()
+    old = bytearray(encode(read_grant(path), version=1))  # as an older plugin wrote it
+    assert len(old) < len(v2)
+    path.write_bytes(bytes(old))
+    e, _ = run(sim, "report", 3)
+    assert e.gate_writes == 0 and path.read_bytes() == bytes(old)
+    assert sum("cannot hold" in r.message for r in caplog.records) == 1
+    update_grant(path, 0, sm_limit=40)  # live resize keeps its layout
+    assert read_grant(path).sm_limits == (40,) and len(path.read_bytes()) == len(old)

@@ -94,6 +94,7 @@ class Account:
     acted_at: int = 0  # when the last action was taken for this crossing (0: none yet)
     freezer: Freezer | None = None
     frozen: bool = False
+    no_gate: bool = False  # its grant cannot take the gate (layout 1: a container from an older plugin)
     seen: int = 0
 
     @property
@@ -244,12 +245,20 @@ class ComputeEnforcer:
                 acct.closures.append([now, hold])
         elif last is not None and last[1] > now:
             last[1] = now  # opened early
-        if (hold == 0) == (acct.hold_until == 0) and abs(hold - acct.hold_until) <= REWRITE_NS:
+        if acct.no_gate or (
+            (hold == 0) == (acct.hold_until == 0) and abs(hold - acct.hold_until) <= REWRITE_NS
+        ):
             return
         try:
             update_grant(acct.grant, acct.index, hold_until=hold)
         except GrantError as err:
-            log.warning("compute gate: cannot write %s: %s", acct.grant, err)
+            log.warning(
+                "compute gate: cannot hold %s through %s (%s); only the second line holds it",
+                acct.owner.folder,
+                acct.grant,
+                err,
+            )
+            acct.no_gate = True
             return
         acct.hold_until = hold
         with self._lock:
