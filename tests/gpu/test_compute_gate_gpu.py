@@ -66,18 +66,24 @@ def nvml() -> Iterator[NvmlDiscovery]:
         discovery.close()
 
 
-def _as_nobody() -> list[str]:
-    """``setpriv`` to nobody where nobody can run PyTorch from here, else nothing (the loop then
-    runs as this user: the grant is root's 0644 either way, so only root could write it)."""
+def _as_nobody(paths: HostPaths) -> list[str]:
+    """``setpriv`` to nobody where nobody can run PyTorch from here and reach the grants and the
+    container folders, else nothing (the loop then runs as this user: the grant is root's 0644
+    either way, so only root could write it)."""
     setpriv = shutil.which("setpriv")
     if os.geteuid() != 0 or setpriv is None:
         return []
+    probe_file = paths.grants_dir / "probe"
+    probe_file.write_text("")
+    probe_file.chmod(0o644)
+    paths.containers_dir.mkdir(parents=True, exist_ok=True)
+    paths.containers_dir.chmod(0o777)
     prefix = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = subprocess.run(
-        [*prefix, sys.executable, "-c", f"import torch, runpy; open({str(LOOPS)!r})"],
-        capture_output=True,
-        timeout=120,
+    code = (
+        f"import torch; open({str(LOOPS)!r}); open({str(probe_file)!r}); "
+        f"open({str(paths.containers_dir / 'probe')!r}, 'w')"
     )
+    probe = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, timeout=120)
     return prefix if probe.returncode == 0 else []
 
 
@@ -135,7 +141,7 @@ class Node:
         self.paths.grants_dir.mkdir(parents=True)
         self.cgroups = cgroups
         self.children: list[Child] = []
-        self.demote = _as_nobody()
+        self.demote = _as_nobody(self.paths)
 
     def enforcer(self) -> ComputeEnforcer:
         view = HostView("n1", self.paths, self.discovery, lambda: [self.card])

@@ -195,3 +195,41 @@ def test_a_layout_1_grant_of_an_older_container_is_read_and_resized_but_never_ga
     assert sum("cannot hold" in r.message for r in caplog.records) == 1
     update_grant(path, 0, sm_limit=40)  # live resize keeps its layout
     assert read_grant(path).sm_limits == (40,) and len(path.read_bytes()) == len(old)
+
+
+class _Sample:
+    def __init__(self, pid: int, stamp_us: int, sm: int) -> None:
+        self.pid, self.timeStamp, self.smUtil = pid, stamp_us, sm
+
+
+def test_nvml_samples_become_gpu_time_over_the_cards_usual_gap() -> None:
+    """NvmlDiscovery.sm_samples over what pynvml returns (NVML cannot run here): the first read
+    only learns the gaps, later samples cover the time since the card's previous one, an idle
+    stretch counts as one usual gap, and the wall-clock stamps land on CLOCK_MONOTONIC."""
+    from types import SimpleNamespace
+
+    from vgpu.plugin.nvml import NvmlDiscovery
+
+    now_us = time.time_ns() // 1000
+    batches = [
+        [_Sample(7, now_us - 500_000 + i * 100_000, 50) for i in range(4)],  # history: gaps of 100 ms
+        [_Sample(7, now_us - 100_000, 40), _Sample(8, now_us - 100_000, 10)],
+        [_Sample(7, now_us + 2_000_000, 100)],  # after 2.1 s of no sample: one usual gap, not 2.1 s
+    ]
+
+    class Error(Exception):
+        value = 0
+
+    nv = SimpleNamespace(NVMLError=Error, NVML_ERROR_NOT_FOUND=6)
+    nv.nvmlDeviceGetProcessUtilization = lambda handle, last: [
+        s for s in batches.pop(0) if s.timeStamp > last
+    ]
+    d = object.__new__(NvmlDiscovery)
+    d._nvml, d._uuids, d._handles = nv, ["GPU-a"], [object()]
+    d._sm_cursor, d._sm_gaps = [0], [[]]
+    assert d.sm_samples("GPU-a") == []
+    got = d.sm_samples("GPU-a") or []
+    assert [(s.pid, s.period_ns, s.sm_percent) for s in got] == [(7, 100_000_000, 40), (8, 100_000_000, 10)]
+    assert abs(got[0].end_ns - (time.monotonic_ns() - 100_000_000)) < 50_000_000
+    [late] = d.sm_samples("GPU-a") or []
+    assert late.period_ns == 150_000_000  # at most 1.5 usual gaps

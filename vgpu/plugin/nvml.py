@@ -197,15 +197,18 @@ class NvmlDiscovery:
             if getattr(err, "value", None) == getattr(nv, "NVML_ERROR_NOT_FOUND", -1):
                 return []  # no sample since the cursor
             return None
-        # the samples' clock is the wall clock in us; the gate's is CLOCK_MONOTONIC
-        offset_ns = time.monotonic_ns() - time.time_ns()
+        # the samples' clock is the CPU's in us (the wall clock; the monotonic one where a driver
+        # gives that); the gate's is CLOCK_MONOTONIC
+        newest = max((int(s.timeStamp) for s in samples), default=0)
+        wall = abs(newest * 1000 - time.time_ns()) < abs(newest * 1000 - time.monotonic_ns())
+        offset_ns = time.monotonic_ns() - time.time_ns() if wall else 0
+        first = self._sm_cursor[index] == 0
         last = self._sm_cursor[index]
         out: list[SmSample] = []
         for stamp in sorted({int(s.timeStamp) for s in samples if int(s.timeStamp) > last}):
             gaps = self._sm_gaps[index]
-            usual = (
-                sorted(gaps)[len(gaps) // 2] if gaps else PERIOD_US
-            )  # the median: idle stretches do not move it
+            # the median gap: idle stretches (no process busy, no sample) do not move it
+            usual = sorted(gaps)[len(gaps) // 2] if gaps else PERIOD_US
             gap = stamp - last if last else usual
             if last and 0 < gap < 1_000_000:
                 gaps[:] = [*gaps[-15:], gap]
@@ -217,7 +220,7 @@ class NvmlDiscovery:
                     )
             last = stamp
         self._sm_cursor[index] = last
-        return out
+        return [] if first else out  # the first read only learns the history's gaps: from now on
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
         nv = self._nvml
