@@ -206,6 +206,7 @@ class ComputeEnforcer:
         for busy_on in self._card_busy.values():
             for folder in [f for f, at in busy_on.items() if at <= now - int(FORGET_S * 1e9)]:
                 del busy_on[folder]
+        self.view.keep_only({pid for a in self.accounts.values() for _, pid, _ in a.samples})
         with self._lock:
             self.passes += 1
 
@@ -289,7 +290,7 @@ class ComputeEnforcer:
         elif self.action == "kill":
             pid = self._top_pid(acct)
             try:
-                if not self.view.same_process(pid):
+                if pid <= 0 or not self.view.same_process(pid):
                     raise ProcessLookupError(3, "the process is gone")
                 self._kill(pid, signal.SIGKILL)
                 message = f"killed PID {pid}: {what}"
@@ -342,8 +343,9 @@ class ComputeEnforcer:
             acct.frozen = freeze
         except OSError as err:
             log.warning("compute throttle: cannot write %s: %s", acct.freezer.file, err)
-            if not freeze:
-                acct.frozen = False
+            acct.freezer, acct.frozen = None, False
+            if isinstance(err, FileNotFoundError):
+                acct.acted_at = 0  # its cgroup is gone (the container restarted): found again next pass
 
     def _release(self, acct: Account, why: str) -> None:
         if acct.escaping:

@@ -194,6 +194,10 @@ class HostView:
         grant = self._grant(owner.folder) if owner is not None else None
         return None if owner is None or grant is None else (owner, grant)
 
+    def keep_only(self, pids: set[int]) -> None:
+        """Forget the cached mapping of every PID but these (the compute gate's, which never reads)."""
+        self._refs = {pid: v for pid, v in self._refs.items() if pid in pids}
+
     def read(self) -> View:
         """Every card's processes, grouped by the container they belong to."""
         started = time.monotonic()
