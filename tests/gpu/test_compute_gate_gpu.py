@@ -81,6 +81,7 @@ def _as_nobody(paths: HostPaths) -> list[str]:
     prefix = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
     code = (
         f"import torch; open({str(LOOPS)!r}); open({str(probe_file)!r}); "
+        f"open({str(HOOK / 'build' / 'libvgpu.so')!r}, 'rb'); "
         f"open({str(paths.containers_dir / 'probe')!r}, 'w')"
     )
     probe = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, timeout=120)
