@@ -18,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import yaml
 from hook_harness import Built, build, env
 
 from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container
-from vgpu.hookabi.grant import Grant, read_grant, write_grant
+from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
 from vgpu.hookabi.layout import HEADER_LAYOUT
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
@@ -268,3 +269,41 @@ def test_report_acts_on_nothing_but_reports_the_bypass_once(built: Built, node: 
     held_to = 30 + MARGIN + 5
     assert figures["total"] > held_to, f"report must not hold the process: {figures['total']:.1f} %"
     assert all(a.freezer is None and not a.frozen for a in enforcer.accounts.values())
+
+
+@pytest.mark.parametrize("kernel_us", ["1000", "4"], ids=["measured-path", "sampled-path"])
+def test_the_hook_starts_no_launch_before_the_grants_hold_until(
+    built: Built, tmp_path: Path, kernel_us: str
+) -> None:
+    """The gate word itself, without the node: written 1 s ahead half a second into a run, it
+    holds every launch on both of the hook's paths (1 ms kernels are measured, 4 µs ones sampled
+    by then) under a 99 % cap, whose own bucket barely waits."""
+    region, grant = tmp_path / "region", tmp_path / "grant"
+    write_grant(grant, Grant(("0",), (0,), sm_limits=(99,), region_path=str(region)))
+    environ = env(
+        built,
+        STUB_CUDA_KERNEL_US=kernel_us,
+        VGPU_GRANT_FILE=str(grant),
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region),
+        VGPU_LOG_LEVEL="info",
+    )
+    child = subprocess.Popen(
+        [built.prog("t_sm"), "link", "rate", "kernel", "2.5"],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 10
+    while not region.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.5)
+    update_grant(grant, 0, hold_until=time.monotonic_ns() + 1_000_000_000)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    values = _values(out)
+    share, throttled = float(values["share"]), int(values["throttled_ns"]) / 1e9
+    print(json.dumps({"test": "gate_word", "kernel_us": kernel_us, "share": share, "throttled_s": throttled}))
+    assert "the node measured this container past its compute limit" in err
+    assert throttled >= 0.9, throttled
+    assert share <= 0.99 * 1.5 / 2.5 + 0.05, share
