@@ -29,6 +29,10 @@ static struct {
     uint64_t bad_seq;           /* the seq last reported bad, so each damage is logged once */
 } G;
 
+/* the read-only map for the launch path: set once, before the first launch can look (the grant is
+ * loaded with the config, before the region attaches) */
+const struct vgpu_grant *vgpu_grant_mapped;
+
 uint64_t vgpu_fnv1a64(const void *data, size_t len) {
     const unsigned char *p = data;
     uint64_t h = 0xcbf29ce484222325ULL;
@@ -150,6 +154,7 @@ int vgpu_grant_load(struct vgpu_config *cfg) {
         return -1;
     }
     G.g = map;
+    __atomic_store_n(&vgpu_grant_mapped, G.g, __ATOMIC_RELEASE);
     struct vgpu_grant copy;
     uint64_t seq = 0;
     if (stable_copy(&copy, &seq) != 0 || (bad = check(&copy, why, sizeof why)) != NULL) {

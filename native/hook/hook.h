@@ -77,6 +77,9 @@ HIDDEN int vgpu_grant_state(void);                   /* 1: valid, 0: no grant, -
 HIDDEN uint64_t vgpu_grant_seq(void);                /* the even seq whose checksum last held: a new one is a live resize */
 HIDDEN const struct vgpu_grant *vgpu_grant(void);    /* the read-only map, NULL without a grant */
 HIDDEN const char *vgpu_grant_path(void);
+/* the same map as vgpu_grant(), as a variable: the limiter reads the node's gate (hold_until_ns)
+ * with one load per launch, no call */
+HIDDEN extern const struct vgpu_grant *vgpu_grant_mapped;
 HIDDEN uint64_t vgpu_fnv1a64(const void *data, size_t len);
 /* grant.c calls nothing in region.c: region.c reads the grant and keeps its own copy following it */
 

@@ -152,7 +152,7 @@ static uint64_t thread_id(void) {
 }
 
 /* once-only log lines */
-enum { TOLD_LIMIT, TOLD_YIELD, TOLD_EVENTS, TOLD_BROKEN, TOLD_STREAMS, TOLD_NO_EVENTS, TOLD_TAMPER, TOLD_MAX };
+enum { TOLD_LIMIT, TOLD_YIELD, TOLD_EVENTS, TOLD_BROKEN, TOLD_STREAMS, TOLD_NO_EVENTS, TOLD_TAMPER, TOLD_HELD, TOLD_MAX };
 static int told[TOLD_MAX];
 static int first_time(int what) { return !__atomic_exchange_n(&told[what], 1, __ATOMIC_RELAXED); }
 
@@ -704,11 +704,37 @@ static void fast_refund(const struct launch *l) {
     P.charged -= l->predicted;
 }
 
+/* ---- the node's gate: the grant's hold_until_ns, written by the node monitor ---- */
+
+/* The node measures the container's share of the card from the driver (NVML), where nothing the
+ * container writes counts, and closes this gate while the container ran past its grant (its
+ * region's bucket was written, say). No launch starts before the word's time; the host may move
+ * it either way while we wait, so it is read again every few ms. Never closed for a container the
+ * node sees within its grant, so an honest container only ever pays the load. */
+static __attribute__((noinline)) void node_gate(struct vgpu_region_header *hd, int idx, const struct vgpu_grant *g) {
+    uint64_t t0 = now_ns(), now = t0;
+    for (;;) {
+        uint64_t until = __atomic_load_n(&g->hold_until_ns[idx], __ATOMIC_RELAXED);
+        if (until <= now || until - now > 10 * VGPU_ARBITER_STALE_NS) break; /* open, or nonsense: never frozen */
+        if (first_time(TOLD_HELD))
+            VGPU_LOG(VGPU_LOG_INFO, "device %d: the node measured this container past its compute limit; launches "
+                     "wait for the node's gate (the grant's hold_until_ns)", idx);
+        uint64_t wait = until - now;
+        sleep_ns(wait < WAIT_MAX_NS ? wait : WAIT_MAX_NS);
+        now = now_ns();
+    }
+    if (now > t0) __atomic_add_fetch(&hd->throttled_ns[idx], now - t0, __ATOMIC_RELAXED);
+}
+
 /* a launch under a cap or an arbiter flag: sampled or measured (out of line: the no-limit path
  * stays as small as it was) */
 static __attribute__((noinline)) int enter_limited(struct launch *l, struct vgpu_region_header *hd, int idx,
                                                     uint32_t limit, uint32_t flags, CUstream h, int ptds) {
     int cap = limit > 0 && limit < 100;
+    /* the node's gate, before either path: one aligned load; closed only for a container over its grant */
+    const struct vgpu_grant *g = __atomic_load_n(&vgpu_grant_mapped, __ATOMIC_RELAXED);
+    if (g && __builtin_expect(__atomic_load_n(&g->hold_until_ns[idx], __ATOMIC_RELAXED) != 0, 0))
+        node_gate(hd, idx, g);
     /* a cap and no arbiter flag that needs every launch seen: short kernels are sampled, while the
      * measurements keep up (at most FAST_AHEAD launches' prediction charged since the last came in) */
     int bracket = 0;

@@ -418,7 +418,11 @@ def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
     # the one capability: KILL, for enforcement.memory kill (the default)
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
     host = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v}
-    assert host == {"/var/lib/kubelet/device-plugins": "Directory", "/var/lib/vgpu": "DirectoryOrCreate"}
+    assert host == {
+        "/var/lib/kubelet/device-plugins": "Directory",
+        "/var/lib/vgpu": "DirectoryOrCreate",
+        "/sys/fs/cgroup": "Directory",  # enforcement.compute: throttle (the default), the freezer
+    }
 
 
 @pytest.mark.parametrize("action", ["kill", "evict", "report"])
@@ -432,6 +436,32 @@ def test_the_memory_enforcement_reaches_the_node_config_with_only_the_rights_it_
     granted = {(r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]}
     assert ("events", "create") in granted
     assert (("pods/eviction", "create") in granted) == (action == "evict")
+
+
+@pytest.mark.parametrize("action", ["throttle", "evict", "kill", "report"])
+def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it_needs(action: str) -> None:
+    objs = render(
+        "--set",
+        "devicePlugin.enforcement.memory=report",
+        "--set",
+        f"devicePlugin.enforcement.compute={action}",
+    )
+    assert node_config(objs, "gpu-node-1").enforce_compute == action
+    pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    sc = container(pod, "device-plugin")["securityContext"]
+    assert sc["capabilities"].get("add") == (["KILL"] if action == "kill" else None)
+    mounts = {m["mountPath"]: m for m in container(pod, "device-plugin")["volumeMounts"]}
+    host = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert ("/host/sys/fs/cgroup" in mounts) == ("/sys/fs/cgroup" in host) == (action == "throttle")
+    rules = find(objs, "ClusterRole", "vgpu-kube-system-device-plugin")["rules"]
+    granted = {(r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]}
+    assert ("events", "create") in granted
+    assert (("pods/eviction", "create") in granted) == (action == "evict")
+
+
+def test_a_bad_compute_enforcement_value_is_refused_by_the_schema() -> None:
+    result = template("--set", "devicePlugin.enforcement.compute=freeze")
+    assert result.returncode != 0 and "compute" in result.stderr, result.stderr
 
 
 def test_the_monitor_and_metrics_services_use_the_contract_ports() -> None:

@@ -55,12 +55,16 @@ GRANT_SUFFIX = ".limits"
 # VGPU_CONTEXT_RESERVE default; measured on an H200 with CUDA 13, see docs/hook.md).
 DEFAULT_CONTEXT_RESERVE = 640 << 20
 GRANT_SIZE = GRANT_LAYOUT.size
+# Grant layout 1 (before the node's compute gate): the same words without hold_until_ns at the
+# end. A container started by an older plugin keeps its layout-1 grant (and the hook that reads
+# it) for its life: read and changed in place as such, never given a gate.
+_SIZES = {GRANT_VERSION: GRANT_SIZE, 1: GRANT_LAYOUT.offsets["hold_until_ns"]}
 _G = GRANT_LAYOUT.offsets
 _TYPES = {f.name: f.ctype for f in GRANT}
 _FRAME = ("magic", "version", "size", "seq", "checksum")  # not payload: written by _change itself
 
 
-_PLURAL = {"limit": "limits", "sm_limit": "sm_limits", "budget": "budgets"}
+_PLURAL = {"limit": "limits", "sm_limit": "sm_limits", "budget": "budgets", "hold_until_ns": "hold_until"}
 
 
 class GrantError(RegionError):
@@ -80,20 +84,23 @@ class Grant:
     oversubscribe: bool = False
     region_path: str = ""
     context_reserve: int = DEFAULT_CONTEXT_RESERVE
+    # the node's compute gate per device: no launch before this CLOCK_MONOTONIC ns (0 = open);
+    # written only by the node monitor (vgpu.plugin.monitor.compute), never at Allocate
+    hold_until: tuple[int, ...] = ()
     seq: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.uuids)
         if not 1 <= n <= MAX_DEVICES:
             raise GrantError(f"a grant holds 1..{MAX_DEVICES} devices, not {n}")
-        for name in ("limits", "sm_limits", "budgets"):
+        for name in ("limits", "sm_limits", "budgets", "hold_until"):
             values = getattr(self, name)
             if len(values) > n:
                 raise GrantError(f"{name} has {len(values)} entries for {n} devices")
             object.__setattr__(self, name, tuple(values) + (0,) * (n - len(values)))  # one entry per device
         if any(not 0 <= p <= 100 for p in self.sm_limits):
             raise GrantError(f"sm_limits {self.sm_limits} must be percents 0..100")
-        if any(v < 0 for v in (*self.limits, *self.budgets, self.context_reserve)):
+        if any(v < 0 for v in (*self.limits, *self.budgets, *self.hold_until, self.context_reserve)):
             raise GrantError("limits and budgets must be bytes >= 0")
         if self.priority not in (0, 1) or self.sm_policy not in (0, 1):
             raise GrantError(f"priority {self.priority} / sm_policy {self.sm_policy} must be 0 or 1")
@@ -105,7 +112,7 @@ class Grant:
             raise GrantError(f"region_path is {PATH_BYTES} bytes or longer")
 
     def value(self, name: str, index: int) -> int:
-        """Device ``index``'s ``limit``, ``sm_limit`` or ``budget`` word."""
+        """Device ``index``'s ``limit``, ``sm_limit``, ``budget`` or ``hold_until_ns`` word."""
         values: tuple[int, ...] = getattr(self, _PLURAL[name])
         return values[index]
 
@@ -131,12 +138,17 @@ def _put_str(buf: bytearray, name: str, text: str, index: int = 0, width: int = 
     buf[start : start + len(raw)] = raw
 
 
-def encode(grant: Grant, seq: int = 0) -> bytes:
-    """The file's bytes, checksum included."""
+def encode(grant: Grant, seq: int = 0, version: int = GRANT_VERSION) -> bytes:
+    """The file's bytes, checksum included (``version`` 1: an older container's layout, no gate)."""
+    size = _SIZES[version]
+    if size < GRANT_SIZE and any(grant.hold_until):
+        raise GrantError(
+            f"grant layout {version} has no compute gate (hold_until_ns); the container predates it"
+        )
     buf = bytearray(GRANT_SIZE)
     _pack(buf, "magic", GRANT_MAGIC)
-    _pack(buf, "version", GRANT_VERSION)
-    _pack(buf, "size", GRANT_SIZE)
+    _pack(buf, "version", version)
+    _pack(buf, "size", size)
     _pack(buf, "seq", seq)
     _pack(buf, "num_devices", len(grant.uuids))
     _pack(buf, "priority", grant.priority)
@@ -145,9 +157,10 @@ def encode(grant: Grant, seq: int = 0) -> bytes:
     _pack(buf, "context_reserve", grant.context_reserve)
     for i, uuid in enumerate(grant.uuids):
         _put_str(buf, "uuid", uuid, i, UUID_BYTES)
-        for name in ("limit", "sm_limit", "budget"):
+        for name in ("limit", "sm_limit", "budget", "hold_until_ns"):
             _pack(buf, name, grant.value(name, i), i)
     _put_str(buf, "region_path", grant.region_path)
+    del buf[size:]
     _pack(buf, "checksum", fnv1a64(bytes(buf[GRANT_PAYLOAD:])))
     return bytes(buf)
 
@@ -167,19 +180,22 @@ def _cstr(data: bytes, start: int, width: int) -> str:
 
 def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
     """A grant from the file's bytes; ``GrantError`` naming what is wrong otherwise."""
-    if len(data) < GRANT_SIZE:
+    small = _SIZES[1]
+    if len(data) < small:
         raise GrantError(f"{path} holds {len(data)} bytes, a grant needs {GRANT_SIZE}; rewrite it")
     magic = _word(data, "magic")
     if magic != GRANT_MAGIC:
         raise GrantError(f"{path} is not a vgpu grant (magic 0x{magic:016x}, expected 0x{GRANT_MAGIC:016x})")
     version = _word(data, "version")
-    if version != GRANT_VERSION or _word(data, "size") != GRANT_SIZE:
+    size = _SIZES.get(version, -1)
+    if _word(data, "size") != size or len(data) < size:
         raise GrantError(
             f"{path} is grant layout {version} of {_word(data, 'size')} bytes, this vgpu reads "
-            f"{GRANT_VERSION} of {GRANT_SIZE}; upgrade the device plugin and the hook together"
+            f"{GRANT_VERSION} of {GRANT_SIZE} (and 1 of {small}); upgrade the device plugin and the hook "
+            "together"
         )
     want = _word(data, "checksum")
-    got = fnv1a64(data[GRANT_PAYLOAD:GRANT_SIZE])
+    got = fnv1a64(data[GRANT_PAYLOAD:size])
     if want != got:
         raise GrantError(
             f"{path} is damaged (checksum 0x{got:016x}, the file says 0x{want:016x}); "
@@ -199,6 +215,7 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
             oversubscribe=_word(data, "oversubscribe") != 0,
             region_path=_cstr(data, _G["region_path"], PATH_BYTES),
             context_reserve=_word(data, "context_reserve"),
+            hold_until=tuple(_word(data, "hold_until_ns", i) for i in range(n)) if size == GRANT_SIZE else (),
             seq=_word(data, "seq"),
         )
     except GrantError as err:
@@ -222,8 +239,8 @@ def read_grant(path: str | os.PathLike[str], attempts: int = 1000) -> Grant:
             raise GrantError(f"{path} is not a regular file")
         for _ in range(attempts):
             data = os.pread(fd, GRANT_SIZE, 0)
-            seq = _word(data, "seq") if len(data) >= GRANT_SIZE else 0
-            if seq % 2 == 0 and (len(data) < GRANT_SIZE or os.pread(fd, 8, _G["seq"]) == data[16:24]):
+            seq = _word(data, "seq") if len(data) >= _SIZES[1] else 0
+            if seq % 2 == 0 and (len(data) < _SIZES[1] or os.pread(fd, 8, _G["seq"]) == data[16:24]):
                 return decode(data, path)
             time.sleep(0.0001)
         raise GrantError(f"{path}: a writer held the grant mid-change for too long; try again")
@@ -253,8 +270,10 @@ def update_grant(
     limit: int | None = None,
     sm_limit: int | None = None,
     budget: int | None = None,
+    hold_until: int | None = None,
 ) -> Grant:
-    """Live resize of one device's words in place; returns the grant as written."""
+    """Live resize of one device's words (or the node's compute gate, ``hold_until``) in place;
+    returns the grant as written."""
 
     def changed(old: Grant) -> Grant:
         if not 0 <= device < len(old.uuids):
@@ -269,6 +288,7 @@ def update_grant(
             limits=put(old.limits, limit),
             sm_limits=put(old.sm_limits, sm_limit),
             budgets=put(old.budgets, budget),
+            hold_until=put(old.hold_until, hold_until),
         )
 
     return _change(Path(path), changed)
@@ -279,9 +299,11 @@ def _change(path: Path, change: Callable[[Grant], Grant]) -> Grant:
     fd = _open(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        new = change(decode(os.pread(fd, GRANT_SIZE, 0), path))
-        image = encode(new)
-        with mmap.mmap(fd, GRANT_SIZE, access=mmap.ACCESS_WRITE) as m:
+        data = os.pread(fd, GRANT_SIZE, 0)
+        new = change(decode(data, path))
+        version = _word(data, "version")
+        image = encode(new, version=version)  # an older container's grant keeps its layout
+        with mmap.mmap(fd, len(image), access=mmap.ACCESS_WRITE) as m:
             u32 = memoryview(m).cast("I")
             u64 = memoryview(m).cast("Q")
             try:
@@ -292,6 +314,8 @@ def _change(path: Path, change: Callable[[Grant], Grant]) -> Grant:
                         continue
                     size = CTYPES[f.ctype][1]
                     start, total = _G[f.name], size * f.count * f.count2
+                    if start >= len(image):  # past an older layout's end
+                        continue
                     if f.ctype == "char":  # read once, at attach: bytes suffice
                         if m[start : start + total] != image[start : start + total]:
                             m[start : start + total] = image[start : start + total]

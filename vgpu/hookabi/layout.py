@@ -82,11 +82,11 @@ SLOT: tuple[Field, ...] = (
     Field("spilled", "uint64_t", MAX_DEVICES, doc="of those, bytes served from mapped host memory"),
 )
 
-# The grant (layout 1): what the device plugin granted one container, written on the host and
+# The grant (layout 2): what the device plugin granted one container, written on the host and
 # mounted read-only into the container at GRANT_PATH_IN_CONTAINER, so no process there can raise
 # its own limits. The region's limit words are only a mirror of it (see vgpu/hookabi/grant.py).
 GRANT_MAGIC = int.from_bytes(b"VGPUGRNT", "little")
-GRANT_VERSION = 1
+GRANT_VERSION = 2  # 2: hold_until_ns, the node's compute gate
 PATH_BYTES = 256
 GRANT_PATH_IN_CONTAINER = "/etc/vgpu/limits"
 GRANT: tuple[Field, ...] = (
@@ -105,6 +105,13 @@ GRANT: tuple[Field, ...] = (
     Field("budget", "uint64_t", MAX_DEVICES, doc="device bytes before spilling; 0 = card's free memory"),
     Field("uuid", "char", MAX_DEVICES, UUID_BYTES, doc="device UUID per index, NUL-terminated"),
     Field("region_path", "char", PATH_BYTES, doc="the container's region file, NUL-terminated"),
+    # grant layout 2: the node's compute gate (vgpu/plugin/monitor/compute.py)
+    Field(
+        "hold_until_ns",
+        "uint64_t",
+        MAX_DEVICES,
+        doc="the node's gate: no launch on the device before this CLOCK_MONOTONIC ns; 0 = open",
+    ),
 )
 
 # bits of the header's flags[] word, written only by the node monitor

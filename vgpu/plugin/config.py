@@ -49,6 +49,7 @@ class NodeConfig:
     enforce_memory: str = "kill"  # enforcement.memory
     memory_tolerance_mib: int = 256  # enforcement.memoryToleranceMiB
     enforce_interval_ms: int = 100  # enforcement.intervalMs
+    enforce_compute: str = "throttle"  # enforcement.compute
 
 
 _FIELDS = {
@@ -63,8 +64,10 @@ _FIELDS = {
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("runtime", "plugin")
 MEMORY_ACTIONS = ("kill", "evict", "report")
+COMPUTE_ACTIONS = ("throttle", "evict", "kill", "report")
 _ENFORCEMENT = {
     "memory": "enforce_memory",
+    "compute": "enforce_compute",
     "memoryToleranceMiB": "memory_tolerance_mib",
     "intervalMs": "enforce_interval_ms",
 }
@@ -72,7 +75,9 @@ _ENFORCEMENT = {
 
 def _enforcement(cfg: NodeConfig, doc: Any, source: str, prefix: str) -> NodeConfig:
     if not isinstance(doc, dict):
-        raise ConfigError(source, prefix, "must be a mapping of memory, memoryToleranceMiB, intervalMs")
+        raise ConfigError(
+            source, prefix, "must be a mapping of memory, compute, memoryToleranceMiB, intervalMs"
+        )
     for key, value in doc.items():
         path = f"{prefix}.{key}"
         if key not in _ENFORCEMENT:
@@ -83,6 +88,14 @@ def _enforcement(cfg: NodeConfig, doc: Any, source: str, prefix: str) -> NodeCon
                 path,
                 f"must be kill (SIGKILL the container's process holding the most), evict (the Eviction "
                 f"API) or report (an Event, a log line and a metric only), got {value!r}",
+            )
+        if key == "compute" and value not in COMPUTE_ACTIONS:
+            raise ConfigError(
+                source,
+                path,
+                f"must be throttle (freeze the container's cgroup for part of the time), evict (the "
+                f"Eviction API), kill (SIGKILL its process with the most GPU time) or report (an Event, a "
+                f"log line and a metric only), got {value!r}",
             )
         if key == "memoryToleranceMiB" and (
             isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65536

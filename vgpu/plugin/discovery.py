@@ -54,6 +54,27 @@ class GpuProcess:
     sm_percent: int | None = None  # its share of the card's SMs in the driver's latest samples
 
 
+@dataclass(frozen=True)
+class SmSample:
+    """One of the driver's per-process utilization samples (``nvmlDeviceGetProcessUtilization``):
+    for ``period_ns`` up to ``end_ns`` (CLOCK_MONOTONIC), a kernel of process ``pid`` (the
+    host's PID) ran ``sm_percent`` of the time. GPU time: ``sm_percent / 100 * period_ns``."""
+
+    pid: int
+    end_ns: int
+    period_ns: int
+    sm_percent: int
+
+
+@runtime_checkable
+class SmSource(Protocol):
+    """A backend that gives the driver's per-process GPU time samples (the node's compute gate)."""
+
+    def sm_samples(self, uuid: str) -> list[SmSample] | None:
+        """The samples of one card taken since the previous call; None when it cannot be read."""
+        ...
+
+
 @runtime_checkable
 class ProcessSource(Protocol):
     """A backend that can tell the processes on each card (both of ours can; the fake one only

@@ -26,6 +26,11 @@ rewritten on every allocation and free. ``processes(uuid)`` reads them back with
 PID of each (the process whose start time and innermost ``NSpid`` match), as NVML's running
 processes give them; files of processes that are gone are skipped, as the driver frees a dead
 process's memory.
+
+The stub also records each process's GPU time there (``<pid>@<start time>.sm``: per device the
+kernel time ever queued and the end of each stream still busy). ``sm_samples(uuid)`` turns it
+into what ``nvmlDeviceGetProcessUtilization`` gives: per live process, the percent of the time
+since the previous call that its kernels ran (a whole percent, as NVML's ``smUtil``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 import yaml
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent
+from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
 KEYS = {"index", "uuid", "model", "memoryMiB", "numa", "healthy", "links", "memoryUsedMiB", "utilization"}
@@ -121,6 +126,16 @@ def _int(item: dict[str, Any], key: str, path: str, source: str, minimum: int, d
     return value
 
 
+def _busy_at(lines: list[str], keys: set[str], now: int) -> int | None:
+    """GPU time a stub ``.sm`` file says its process used on a card (``keys``) up to ``now``."""
+    for line in lines:
+        words = line.split()
+        if len(words) < 2 or words[0] not in keys or not all(w.isdigit() for w in words[1:]):
+            continue
+        return int(words[1]) - sum(max(0, int(end) - now) for end in words[2:])
+    return None
+
+
 class FakeDiscovery:
     """Discovery from a YAML file, re-read when it changes (health, usage)."""
 
@@ -135,6 +150,7 @@ class FakeDiscovery:
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again
+        self._sm_seen: dict[tuple[str, str], tuple[int, int]] = {}  # (file, card) -> (ns, busy ns) last read
 
     def _file_stamp(self) -> tuple[int, int, int]:
         st = self.path.stat()
@@ -185,6 +201,47 @@ class FakeDiscovery:
                     held += int(value)
             if held:
                 found.append(GpuProcess(pid, held))
+        return found
+
+    def sm_samples(self, uuid: str) -> list[SmSample] | None:
+        """One sample per live process with GPU time recorded on the card: its share of the time
+        since the previous call (the first call for a process only sets where it starts)."""
+        if self.process_dir is None:
+            return []
+        card = next((c for c in self._cards if c.uuid == uuid), None)
+        if card is None:
+            return None
+        keys = {uuid, str(card.index)}
+        try:
+            names = [n for n in os.listdir(self.process_dir) if n.endswith(".sm")]
+        except OSError:
+            return []
+        found: list[SmSample] = []
+        seen: dict[tuple[str, str], tuple[int, int]] = {}
+        for name in names:
+            stem = name[: -len(".sm")]
+            if stem in self._gone:
+                continue
+            pid = self._host_pid(stem)
+            if pid is None:
+                continue
+            try:
+                lines = (self.process_dir / name).read_text().splitlines()
+            except OSError:
+                continue
+            now = time.monotonic_ns()  # CLOCK_MONOTONIC, the stub's clock
+            busy = _busy_at(lines, keys, now)
+            if busy is None:
+                continue
+            key = (stem, uuid)
+            seen[key] = (now, busy)
+            before = self._sm_seen.get(key)
+            if before is None or now <= before[0]:
+                continue
+            period = now - before[0]
+            percent = round(100 * max(0, busy - before[1]) / period)
+            found.append(SmSample(pid, now, period, min(100, percent)))
+        self._sm_seen = {k: v for k, v in self._sm_seen.items() if k[1] != uuid} | seen
         return found
 
     def _host_pid(self, name: str) -> int | None:

@@ -6,7 +6,13 @@ pynvml calls as ``_v3``; the context's own memory included) and its GPU time as 
 samples (``nvmlDeviceGetProcessUtilization``: the percent of the sample period a kernel of the
 process ran, per sample the driver keeps, about six a second). Accounting stats
 (``nvmlDeviceGetAccountingStats``) would need accounting mode turned on by root on every card,
-which a plugin should not change, so the samples are used."""
+which a plugin should not change, so the samples are used.
+
+``sm_samples`` gives the node's compute gate (``vgpu.plugin.monitor.compute``) every sample
+once, with its own cursor: the driver samples a card every sixth of a second or so and keeps a
+short history; each sample's ``smUtil`` covers the time since the card's previous sample, which
+is taken here as the gap between the card's distinct sample times (at most 1.5 times the usual
+gap, so a card idle for a while does not make its next sample count for the idle time)."""
 
 from __future__ import annotations
 
@@ -18,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent
+from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
 
 log = logging.getLogger(__name__)
 
 # Xids caused by the application, not the card (as NVIDIA's own plugin treats them): no health change.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+PERIOD_US = 166_667  # the driver's usual gap between utilization samples, until a card shows its own
 
 
 def _text(value: Any) -> str:
@@ -65,6 +72,8 @@ class NvmlDiscovery:
         self._sm: list[dict[int, int]] = [{} for _ in self._handles]  # pid -> SM percent, per card
         self._sampled = [0.0] * len(self._handles)  # when the samples were last read (monotonic s)
         self._no_memory_told = False
+        self._sm_cursor = [0] * len(self._handles)  # sm_samples: the newest sample time seen (us)
+        self._sm_gaps: list[list[int]] = [[] for _ in self._handles]  # the card's recent gaps (us)
 
     def _numa(self, handle: Any) -> int:
         nv = self._nvml
@@ -175,6 +184,43 @@ class NvmlDiscovery:
             self._samples_at[index] = max(self._samples_at[index], int(s.timeStamp))
         self._sm[index] = {pid: sum(v) // len(v) for pid, v in sm.items()}
         return self._sm[index]
+
+    def sm_samples(self, uuid: str) -> list[SmSample] | None:
+        """The card's per-process utilization samples since the previous call, oldest first."""
+        nv = self._nvml
+        try:
+            index = self._uuids.index(uuid)
+            samples = nv.nvmlDeviceGetProcessUtilization(self._handles[index], self._sm_cursor[index])
+        except ValueError:
+            return None
+        except nv.NVMLError as err:
+            if getattr(err, "value", None) == getattr(nv, "NVML_ERROR_NOT_FOUND", -1):
+                return []  # no sample since the cursor
+            return None
+        # the samples' clock is the CPU's in us (the wall clock; the monotonic one where a driver
+        # gives that); the gate's is CLOCK_MONOTONIC
+        newest = max((int(s.timeStamp) for s in samples), default=0)
+        wall = abs(newest * 1000 - time.time_ns()) < abs(newest * 1000 - time.monotonic_ns())
+        offset_ns = time.monotonic_ns() - time.time_ns() if wall else 0
+        first = self._sm_cursor[index] == 0
+        last = self._sm_cursor[index]
+        out: list[SmSample] = []
+        for stamp in sorted({int(s.timeStamp) for s in samples if int(s.timeStamp) > last}):
+            gaps = self._sm_gaps[index]
+            # the median gap: idle stretches (no process busy, no sample) do not move it
+            usual = sorted(gaps)[len(gaps) // 2] if gaps else PERIOD_US
+            gap = stamp - last if last else usual
+            if last and 0 < gap < 1_000_000:
+                gaps[:] = [*gaps[-15:], gap]
+            period_us = min(gap, usual * 3 // 2)
+            for s in samples:
+                if int(s.timeStamp) == stamp:
+                    out.append(
+                        SmSample(int(s.pid), stamp * 1000 + offset_ns, period_us * 1000, int(s.smUtil))
+                    )
+            last = stamp
+        self._sm_cursor[index] = last
+        return [] if first else out  # the first read only learns the history's gaps: from now on
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
         nv = self._nvml

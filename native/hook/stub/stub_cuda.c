@@ -15,7 +15,9 @@
  * STUB_CUDA_PROCESS_DIR: where the stub records this process's device memory as the real driver
  * keeps it for NVML (the fake NVML backend's processDir, vgpu/plugin/fake_nvml.py): the file
  * <pid>@<start time> (PID in the process's own namespace, /proc/self/stat field 22), one
- * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free.
+ * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free;
+ * and its GPU time in <pid>@<start time>.sm (stub_launch.c), as the driver samples it for
+ * nvmlDeviceGetProcessUtilization.
  * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
@@ -61,11 +63,16 @@ static struct alloc { unsigned long long key, size; int dev, kind, backed; } *al
 static size_t nallocs, capallocs;
 static unsigned long long next_addr = 0x7f0000000000ULL, next_handle = 1;
 
-/* This process's memory per device into STUB_CUDA_PROCESS_DIR, called with mu held. */
-static void record_usage(void) {
+/* This process's file in STUB_CUDA_PROCESS_DIR (<pid>@<start time>), or NULL when none is asked for. */
+static const char *proc_path(void) {
     static char path[512], started[32];
+    static int none; /* no directory asked for: the launch path asks every time */
+    if (__atomic_load_n(&none, __ATOMIC_RELAXED)) return NULL;
     const char *dir = getenv("STUB_CUDA_PROCESS_DIR");
-    if (!dir || !*dir) return;
+    if (!dir || !*dir) {
+        __atomic_store_n(&none, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
     if (!started[0]) {
         char stat[1024];
         FILE *f = fopen("/proc/self/stat", "r");
@@ -74,26 +81,38 @@ static void record_usage(void) {
         stat[n] = 0;
         char *p = strrchr(stat, ')');
         for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
-        if (!p) return;
+        if (!p) return NULL;
         snprintf(started, sizeof started, "%llu", strtoull(p + 1, NULL, 10));
         snprintf(path, sizeof path, "%s/%d@%s", dir, (int)getpid(), started);
     }
+    return path;
+}
+
+/* How NVML would name device d: the d-th UUID of NVIDIA_VISIBLE_DEVICES, else its index. */
+static void device_key(int d, char *key, size_t len) {
+    snprintf(key, len, "%d", d);
+    const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
+    if (visible && strncmp(visible, "GPU-", 4) == 0) {
+        const char *v = visible;
+        for (int i = 0; i < d && v; i++) v = strchr(v, ','), v = v ? v + 1 : NULL;
+        if (v) {
+            size_t n = strcspn(v, ",");
+            if (n < len) memcpy(key, v, n), key[n] = 0;
+        }
+    }
+}
+
+/* This process's memory per device into STUB_CUDA_PROCESS_DIR, called with mu held. */
+static void record_usage(void) {
+    const char *path = proc_path();
+    if (!path) return;
     char tmp[600];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "w");
     if (!f) return;
-    const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
     for (int d = 0; d < ndev; d++) {
         char key[96];
-        snprintf(key, sizeof key, "%d", d);
-        if (visible && strncmp(visible, "GPU-", 4) == 0) { /* the d-th UUID of the list */
-            const char *v = visible;
-            for (int i = 0; i < d && v; i++) v = strchr(v, ','), v = v ? v + 1 : NULL;
-            if (v) {
-                size_t len = strcspn(v, ",");
-                if (len < sizeof key) memcpy(key, v, len), key[len] = 0;
-            }
-        }
+        device_key(d, key, sizeof key);
         fprintf(f, "%s %llu\n", key, dev_used[d]);
     }
     if (fclose(f) == 0) rename(tmp, path);

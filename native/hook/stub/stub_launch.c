@@ -11,7 +11,15 @@
  * per thread. Stream capture is switched on by the tests (stubStreamSetCapturing, global mode):
  * launches into a capturing stream are recorded, not run, and a cuEventQuery from a thread not in
  * relaxed capture mode counts as a violation (the real driver fails the call and invalidates the
- * capture). */
+ * capture).
+ *
+ * With STUB_CUDA_PROCESS_DIR, the process's GPU time goes to <pid>@<start time>.sm there, as the
+ * driver keeps it for nvmlDeviceGetProcessUtilization (the fake NVML backend turns it into
+ * samples, vgpu/plugin/fake_nvml.py): one "<uuid or index> <launched ns> <end ns>..." line per
+ * device, the kernel time ever queued and the CLOCK_MONOTONIC end of each stream still busy, so
+ * that a reader at time t counts launched - sum(end - t, for each end past t). Rewritten (write,
+ * rename) by a launch when 2 ms went by or 1 ms of kernel time was queued since the last write,
+ * so what a process that stops launching leaves out is under 1 ms. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -31,6 +39,7 @@ HID CUresult stub_current_ctx(CUcontext *ctx);
 
 struct CUstream_st {
     uint64_t end;      /* ns at which the last queued kernel ends */
+    int dev;           /* the device of its last launch */
     uint64_t launched; /* ns of kernels ever queued */
     int capturing;
     int destroyed;
@@ -54,6 +63,9 @@ static uint64_t kernel_ns = 2000;
 static int global_captures, fail_events;
 static unsigned long long launches, captured_launches, events_on_capturing, capture_violations, events_live;
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
+static uint64_t dev_launched[MAX_DEV];            /* kernel ns ever queued per device (under tl) */
+static uint64_t written_at, written_launched;     /* the .sm file's last write (under tl) */
+static pthread_mutex_t sm_file = PTHREAD_MUTEX_INITIALIZER;
 
 static void read_env(void) {
     const char *us = getenv("STUB_CUDA_KERNEL_US");
@@ -89,6 +101,28 @@ static struct CUstream_st *resolve_locked(CUstream h, int ptds) {
     return h;
 }
 
+/* The .sm file from a snapshot taken under tl (ends[d][k]: busy streams' ends), written outside it. */
+#define SM_ENDS 16
+static void record_sm(const uint64_t *launched, uint64_t ends[][SM_ENDS], const int *nends) {
+    const char *path = proc_path();
+    if (!path || pthread_mutex_trylock(&sm_file) != 0) return; /* another thread writes it now */
+    char file[600], tmp[620];
+    snprintf(file, sizeof file, "%s.sm", path);
+    snprintf(tmp, sizeof tmp, "%s.sm.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (f) {
+        for (int d = 0; d < ndev; d++) {
+            char key[96];
+            device_key(d, key, sizeof key);
+            fprintf(f, "%s %llu", key, (unsigned long long)launched[d]);
+            for (int k = 0; k < nends[d]; k++) fprintf(f, " %llu", (unsigned long long)ends[d][k]);
+            fputc('\n', f);
+        }
+        if (fclose(f) == 0) rename(tmp, file);
+    }
+    pthread_mutex_unlock(&sm_file);
+}
+
 static CUresult launch(CUstream h, int ptds, int ok) {
     pthread_once(&env_once, read_env);
     CUcontext ctx;
@@ -101,15 +135,31 @@ static CUresult launch(CUstream h, int ptds, int ok) {
         pthread_mutex_unlock(&tl);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    int write = 0;
+    uint64_t launched[MAX_DEV], ends[MAX_DEV][SM_ENDS];
+    int nends[MAX_DEV] = {0};
     if (s->capturing) {
         captured_launches++;
     } else {
         uint64_t now = now_ns(), start = s->end > now ? s->end : now;
         s->end = start + kernel_ns;
         s->launched += kernel_ns;
+        s->dev = ctx->dev;
+        dev_launched[ctx->dev] += kernel_ns;
         launches++;
+        uint64_t total = 0;
+        for (int d = 0; d < ndev; d++) total += dev_launched[d];
+        if (proc_path() && (now - written_at >= 2000000ULL || total - written_launched >= 1000000ULL)) {
+            written_at = now;
+            written_launched = total;
+            write = 1;
+            memcpy(launched, dev_launched, sizeof launched);
+            for (struct CUstream_st *o = streams; o; o = o->next)
+                if (o->end > now && nends[o->dev] < SM_ENDS) ends[o->dev][nends[o->dev]++] = o->end;
+        }
     }
     pthread_mutex_unlock(&tl);
+    if (write) record_sm(launched, ends, nends);
     return CUDA_SUCCESS;
 }
 

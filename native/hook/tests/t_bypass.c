@@ -7,7 +7,13 @@
  *   t_bypass BELOW_MIB TARGET_MIB
  * allocates BELOW_MIB, says "below total_mib=..." and waits 1 s (the enforcer sees it within its
  * grant), allocates up to TARGET_MIB and says "crossed total_mib=... mono_ns=..." (CLOCK_MONOTONIC,
- * the same clock in every container of the host), then holds until killed. */
+ * the same clock in every container of the host), then holds until killed.
+ *
+ *   t_bypass launch SECONDS
+ * launches 1 ms kernels (the stub's STUB_CUDA_KERNEL_US) on the legacy stream, waiting for the
+ * queue every 16 launches, for SECONDS of wall time, as a program that bypasses the compute limit
+ * would: says "started mono_ns=...", then "second=N share=..." (the stub's busy time over each
+ * wall second) and at the end "share=... wall_ns=...". Only the node's freezer can hold it. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
@@ -56,8 +62,46 @@ static void *own_symbol(struct link_map *lm, const char *name) {
     return found;
 }
 
+static long long mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int launch_for(struct link_map *lm, double seconds) {
+    __typeof__(&cuModuleLoadData) load = own_symbol(lm, "cuModuleLoadData");
+    __typeof__(&cuModuleGetFunction) get_function = own_symbol(lm, "cuModuleGetFunction");
+    __typeof__(&cuLaunchKernel) launch = own_symbol(lm, "cuLaunchKernel");
+    __typeof__(&cuStreamSynchronize) sync = own_symbol(lm, "cuStreamSynchronize");
+    unsigned long long (*busy)(void) = own_symbol(lm, "stubBusyNs");
+    CUmodule mod;
+    CUfunction fn;
+    if (load(&mod, "stub") != CUDA_SUCCESS || get_function(&fn, mod, "k") != CUDA_SUCCESS) fail("function");
+    long long t0 = mono_ns(), mark = t0, end = t0 + (long long)(seconds * 1e9);
+    unsigned long long b0 = busy(), bmark = b0;
+    printf("started mono_ns=%lld\n", t0);
+    fflush(stdout);
+    for (unsigned long n = 1; mono_ns() < end; n++) {
+        if (launch(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS) fail("launch");
+        if (n % 16 == 0) sync(NULL);
+        long long now = mono_ns();
+        if (now - mark >= 1000000000LL) {
+            unsigned long long b = busy();
+            printf("second=%lld share=%.4f\n", (now - t0) / 1000000000LL, (double)(b - bmark) / (double)(now - mark));
+            fflush(stdout);
+            mark = now;
+            bmark = b;
+        }
+    }
+    sync(NULL);
+    long long wall = mono_ns() - t0;
+    printf("share=%.4f wall_ns=%lld\n", (double)(busy() - b0) / (double)wall, wall);
+    fflush(stdout);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3) fail("usage: t_bypass BELOW_MIB TARGET_MIB");
+    if (argc != 3) fail("usage: t_bypass BELOW_MIB TARGET_MIB | t_bypass launch SECONDS");
     unsigned long long below = strtoull(argv[1], NULL, 10) << 20, target = strtoull(argv[2], NULL, 10) << 20;
     void *handle = dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!handle) fail("dlmopen libcuda.so.1");
@@ -71,6 +115,7 @@ int main(int argc, char **argv) {
     CUcontext ctx;
     if (init(0) != CUDA_SUCCESS || device_get(&dev, 0) != CUDA_SUCCESS || ctx_create(&ctx, 0, dev) != CUDA_SUCCESS)
         fail("context");
+    if (strcmp(argv[1], "launch") == 0) return launch_for(lm, atof(argv[2]));
     CUdeviceptr p;
     CUresult rc = alloc(&p, below);
     printf("below total_mib=%llu rc=%d\n", below >> 20, (int)rc);

@@ -187,6 +187,17 @@ class HostView:
         namespace, pod = self._pods.get(uid, ("", ""))
         return Owner(uid, name, namespace, pod)
 
+    def resolve(self, pid: int) -> tuple[Owner, Grant] | None:
+        """The vGPU container of a host PID and its grant; None for a process of none."""
+        ref = self._ref(pid)
+        owner = self.owner(ref) if ref is not None else None
+        grant = self._grant(owner.folder) if owner is not None else None
+        return None if owner is None or grant is None else (owner, grant)
+
+    def keep_only(self, pids: set[int]) -> None:
+        """Forget the cached mapping of every PID but these (the compute gate's, which never reads)."""
+        self._refs = {pid: v for pid, v in self._refs.items() if pid in pids}
+
     def read(self) -> View:
         """Every card's processes, grouped by the container they belong to."""
         started = time.monotonic()

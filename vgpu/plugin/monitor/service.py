@@ -11,9 +11,10 @@ import logging
 from wsgiref.simple_server import WSGIServer
 
 from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Discovery, ProcessSource
+from vgpu.plugin.discovery import Discovery, ProcessSource, SmSource
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
 from vgpu.plugin.monitor.collector import NodeCollector, PodLister, make_registry, serve_metrics
+from vgpu.plugin.monitor.compute import ComputeCollector, ComputeEnforcer
 from vgpu.plugin.monitor.enforce import MIB, Enforcer, HostCollector, PodActions
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.paths import HostPaths
@@ -51,9 +52,11 @@ class NodeMonitor:
             node, state, discovery, paths, list_pods=list_pods, arbiter=self.arbiter
         )
         self.enforcer: Enforcer | None = None
+        self.compute: ComputeEnforcer | None = None
         if enforce and isinstance(discovery, ProcessSource) and discovery.lists_processes:
             cfg = state.config
-            view = HostView(node, paths, discovery, lambda: [c.uuid for c in state.cards()], list_pods)
+            uuids = lambda: [c.uuid for c in state.cards()]  # noqa: E731 - one line, used twice
+            view = HostView(node, paths, discovery, uuids, list_pods)
             self.enforcer = Enforcer(
                 node,
                 view,
@@ -62,6 +65,18 @@ class NodeMonitor:
                 interval_s=cfg.enforce_interval_ms / 1000,
                 actions=actions,
             )
+            if isinstance(discovery, SmSource):
+                # its own view: the two enforcers' threads never share the view's caches
+                compute_view = HostView(node, paths, discovery, uuids, list_pods)
+                self.compute = ComputeEnforcer(
+                    node,
+                    compute_view,
+                    discovery,
+                    uuids,
+                    action=cfg.enforce_compute,
+                    interval_s=cfg.enforce_interval_ms / 1000,
+                    actions=actions,
+                )
         self._http: WSGIServer | None = None
         self.port: int | None = None
 
@@ -76,11 +91,16 @@ class NodeMonitor:
                 self.enforcer.tolerance // MIB,
                 self.enforcer.interval_s * 1000,
             )
+        if self.compute is not None:
+            self.compute.start()
+            log.info("compute gate: on; past it, enforcement.compute is %s", self.compute.action)
         if self.listen is not None:
             host, port = self.listen
             registry = make_registry(self.collector)
             if self.enforcer is not None:
                 registry.register(HostCollector(self.enforcer))
+            if self.compute is not None:
+                registry.register(ComputeCollector(self.compute))
             self._http = serve_metrics(host, port, registry)
             self.port = self._http.server_port
             log.info("node monitor on http://%s:%d/metrics", host, self.port)
@@ -90,5 +110,7 @@ class NodeMonitor:
             self._http.shutdown()
         if self.enforcer is not None:
             self.enforcer.stop()
+        if self.compute is not None:
+            self.compute.stop()
         if self.arbiter is not None:
             self.arbiter.stop()

@@ -1,0 +1,309 @@
+"""The node's compute gate over the stub driver: the driver's measure of each container's GPU time
+holds a container that rewrites its region's bucket, the freezer holds one that bypasses the hook,
+and a container within its grant is never touched.
+
+Real parts throughout: the hook (libvgpu.so) under a grant file, the stub driver recording each
+process's GPU time where the fake NVML backend turns it into ``nvmlDeviceGetProcessUtilization``
+samples, real cgroups named as the kubelet names a container's (for the PID -> container mapping
+and the freezer), and the compute enforcer (``vgpu.plugin.monitor.compute``) on its own thread.
+Needs root (cgroups); skipped otherwise, saying why. Each test prints its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from hook_harness import Built, build, env
+
+from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container
+from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
+from vgpu.hookabi.layout import HEADER_LAYOUT
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
+from vgpu.plugin.monitor.hostview import HostView
+from vgpu.plugin.paths import HostPaths
+
+MIB = 1 << 20
+CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000c0de"
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    return build()
+
+
+class Node:
+    def __init__(self, tmp: Path, cgroups: Path) -> None:
+        self.tmp = tmp
+        self.paths = HostPaths(tmp / "root")
+        self.paths.grants_dir.mkdir(parents=True)
+        self.procs = tmp / "procs"
+        self.procs.mkdir()
+        gpus = tmp / "gpus.yaml"
+        gpus.write_text(
+            yaml.safe_dump({"gpus": [{"uuid": CARD, "memoryMiB": 8192}], "processDir": str(self.procs)})
+        )
+        self.discovery = FakeDiscovery(gpus)
+        self.cgroups = cgroups
+        self.children: list[subprocess.Popen[str]] = []
+
+    def container(self, sm_limit: int) -> tuple[Path, Path, Path]:
+        """A pod with one container granted ``sm_limit`` % of the card: (cgroup, grant, region)."""
+        pod_uid, cgroup = granted_container(self.paths, self.cgroups, "cuda", CARD, 4096 * MIB)
+        grant = self.paths.grant(f"{pod_uid}_cuda")
+        region = self.tmp / f"{pod_uid}.region"
+        write_grant(grant, Grant((CARD,), (4096 * MIB,), sm_limits=(sm_limit,), region_path=str(region)))
+        return cgroup, grant, region
+
+    def start(
+        self, built: Built, cgroup: Path, grant: Path, *argv: str, **extra: str
+    ) -> subprocess.Popen[str]:
+        """A program in ``cgroup`` under the hook and ``grant``, 1 ms kernels on the stub."""
+        environ = env(
+            built,
+            **extra,
+            STUB_CUDA_PROCESS_DIR=str(self.procs),
+            STUB_CUDA_KERNEL_US="1000",
+            NVIDIA_VISIBLE_DEVICES=CARD,
+            VGPU_GRANT_FILE=str(grant),
+        )
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"'
+        child = subprocess.Popen(
+            ["/bin/sh", "-c", script, *argv], env=environ, stdout=subprocess.PIPE, text=True
+        )
+        self.children.append(child)
+        return child
+
+    def enforcer(self, action: str = "throttle") -> ComputeEnforcer:
+        view = HostView("n1", self.paths, self.discovery, lambda: [CARD])
+        return ComputeEnforcer("n1", view, self.discovery, lambda: [CARD], action=action, interval_s=0.1)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    root = cgroup_root()
+    if root is None:
+        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
+    cgroups = root / f"vgpu-test-{os.getpid()}-{tmp_path.name}"
+    with cgroup_folder(cgroups):
+        made = Node(tmp_path, cgroups)
+        try:
+            yield made
+        finally:
+            for child in made.children:
+                if child.poll() is None:
+                    child.kill()
+                child.wait(timeout=10)
+            for freeze in cgroups.rglob("cgroup.freeze"):
+                freeze.write_text("0")
+        shutil.rmtree(tmp_path / "procs", ignore_errors=True)
+
+
+def _values(out: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
+
+
+class BucketWriter:
+    """A second process of the container as the attack has it: the region's compute bucket written
+    full every millisecond (here a thread of the test, writing through its own map of the file)."""
+
+    def __init__(self, region: Path) -> None:
+        self.region = region
+        self.stop = threading.Event()
+        self.writes = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.region.exists() or self.region.stat().st_size < HEADER_LAYOUT.size:
+            if self.stop.wait(0.001):
+                return
+        with self.region.open("r+b") as f, mmap.mmap(f.fileno(), HEADER_LAYOUT.size) as m:
+            tokens = HEADER_LAYOUT.offsets["tokens"]
+            while not self.stop.wait(0.001):
+                struct.pack_into("<q", m, tokens, 1 << 60)
+                self.writes += 1
+
+    def __enter__(self) -> BucketWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def _rate(node: Node, built: Built, limit: int, seconds: float) -> tuple[subprocess.Popen[str], Path, Path]:
+    cgroup, grant, region = node.container(limit)
+    argv = (built.prog("t_sm"), "link", "rate", "kernel", str(seconds))
+    child = node.start(
+        built, cgroup, grant, *argv, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region)
+    )  # t_sm maps it
+    return child, grant, region
+
+
+def test_the_attack_without_the_node_runs_far_past_its_grant(built: Built, node: Node) -> None:
+    """The control: the hook alone, its region's bucket written full every ms, runs past 30 %."""
+    child, _, region = _rate(node, built, 30, 3)
+    with BucketWriter(region) as writer:
+        out, _ = child.communicate(timeout=30)
+    share = float(_values(out)["share"])
+    print(
+        json.dumps(
+            {"test": "attack_no_node", "grant": 30, "share": round(share * 100, 1), "writes": writer.writes}
+        )
+    )
+    assert share > 0.5, f"the attack should run far past its 30 % without the node: {share:.3f}"
+
+
+def test_a_container_rewriting_its_bucket_is_held_to_its_grant_by_the_node(built: Built, node: Node) -> None:
+    enforcer = node.enforcer()
+    enforcer.start()
+    try:
+        child, grant, region = _rate(node, built, 30, 10)
+        with BucketWriter(region) as writer:
+            out, _ = child.communicate(timeout=60)
+    finally:
+        enforcer.stop()
+    values = _values(out)
+    share = float(values["share"]) * 100
+    print(
+        json.dumps(
+            {
+                "test": "bucket_rewriter_held",
+                "grant": 30,
+                "share_10s": round(share, 1),
+                "gate_writes": enforcer.gate_writes,
+                "bucket_writes": writer.writes,
+                "throttled_s": round(int(values["throttled_ns"]) / 1e9, 2),
+            }
+        )
+    )
+    assert writer.writes > 2000, "the attacker did not write its bucket"
+    assert enforcer.gate_writes > 0, "the node never closed the gate"
+    assert share <= 30 + 5, f"held to {share:.1f} % over 10 s, granted 30 %"
+    assert share >= 30 - 5, f"held too hard: {share:.1f} %"
+    assert not enforcer.counts, (
+        f"the hook obeyed the gate: no second-line action expected, got {enforcer.counts}"
+    )
+    assert read_grant(grant).hold_until == (0,), "the gate must be open again after stop"
+
+
+def test_containers_within_their_grants_are_never_touched(built: Built, node: Node) -> None:
+    enforcer = node.enforcer()
+    enforcer.start()
+    try:
+        low, _, _ = _rate(node, built, 30, 4)
+        high, _, _ = _rate(node, built, 70, 4)
+        outs = [float(_values(c.communicate(timeout=60)[0])["share"]) * 100 for c in (low, high)]
+    finally:
+        enforcer.stop()
+    shares = {a.limit: round(a.share(enforcer.clock()), 1) for a in enforcer.accounts.values()}
+    print(json.dumps({"test": "honest_30_70", "shares": outs, "host_window_shares": shares}))
+    # never slowed by the node: its gate never closed on them, so the hook never waited on it (their
+    # shares are the hook's alone; on a busy 2-core machine the stub's launches can fall short of
+    # a share, never past it)
+    assert enforcer.gate_writes == 0, "the gate closed on a container within its grant"
+    assert not enforcer.counts
+    assert outs[0] <= 30 + 2 and outs[1] <= 70 + 2, outs
+    assert len(enforcer.accounts) == 2, "the node did not measure both containers"
+
+
+def _bypass(
+    node: Node, built: Built, action: str, seconds: float
+) -> tuple[ComputeEnforcer, dict[str, float], list[float]]:
+    cgroup, grant, _ = node.container(30)
+    enforcer = node.enforcer(action)
+    enforcer.start()
+    try:
+        child = node.start(built, cgroup, grant, built.prog("t_bypass"), "launch", str(seconds))
+        out, _ = child.communicate(timeout=seconds + 30)
+    finally:
+        enforcer.stop()
+    seconds_share = [
+        float(line.split("share=")[1]) * 100 for line in out.splitlines() if line.startswith("second=")
+    ]
+    last = out.splitlines()[-1]
+    total = float(last.split("share=")[1].split()[0]) * 100
+    return enforcer, {"total": total}, seconds_share
+
+
+def test_a_process_bypassing_the_hook_is_throttled_by_the_freezer(built: Built, node: Node) -> None:
+    enforcer, figures, per_second = _bypass(node, built, "throttle", 10)
+    tail = per_second[3:]
+    tail_share = sum(tail) / len(tail)
+    print(
+        json.dumps(
+            {
+                "test": "bypass_throttled",
+                "grant": 30,
+                "share_10s": round(figures["total"], 1),
+                "share_after_3s": round(tail_share, 1),
+                "per_second": [round(s, 1) for s in per_second],
+                "actions": {k[0]: v for k, v in enforcer.counts.items()},
+            }
+        )
+    )
+    assert enforcer.counts == {("throttle", "", "", "cuda"): 1}, enforcer.counts
+    assert tail_share <= 30 + MARGIN + 5, f"throttled to {tail_share:.1f} %, granted 30 %"
+    assert figures["total"] < 50, figures
+
+
+def test_report_acts_on_nothing_but_reports_the_bypass_once(built: Built, node: Node) -> None:
+    enforcer, figures, per_second = _bypass(node, built, "report", 4)
+    print(
+        json.dumps({"test": "bypass_report", "share": round(figures["total"], 1), "per_second": per_second})
+    )
+    assert enforcer.counts == {("report", "", "", "cuda"): 1}, enforcer.counts
+    assert enforcer.gate_writes > 0, "the node saw it past its grant"
+    held_to = 30 + MARGIN + 5
+    assert figures["total"] > held_to, f"report must not hold the process: {figures['total']:.1f} %"
+    assert all(a.freezer is None and not a.frozen for a in enforcer.accounts.values())
+
+
+@pytest.mark.parametrize("kernel_us", ["1000", "4"], ids=["measured-path", "sampled-path"])
+def test_the_hook_starts_no_launch_before_the_grants_hold_until(
+    built: Built, tmp_path: Path, kernel_us: str
+) -> None:
+    """The gate word itself, without the node: written 1 s ahead half a second into a run, it
+    holds every launch on both of the hook's paths (1 ms kernels are measured, 4 µs ones sampled
+    by then) under a 99 % cap, whose own bucket barely waits."""
+    region, grant = tmp_path / "region", tmp_path / "grant"
+    write_grant(grant, Grant(("0",), (0,), sm_limits=(99,), region_path=str(region)))
+    environ = env(
+        built,
+        STUB_CUDA_KERNEL_US=kernel_us,
+        VGPU_GRANT_FILE=str(grant),
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region),
+        VGPU_LOG_LEVEL="info",
+    )
+    child = subprocess.Popen(
+        [built.prog("t_sm"), "link", "rate", "kernel", "2.5"],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 10
+    while not region.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.5)
+    update_grant(grant, 0, hold_until=time.monotonic_ns() + 1_000_000_000)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    values = _values(out)
+    share, throttled = float(values["share"]), int(values["throttled_ns"]) / 1e9
+    print(json.dumps({"test": "gate_word", "kernel_us": kernel_us, "share": share, "throttled_s": throttled}))
+    assert "the node measured this container past its compute limit" in err
+    assert throttled >= 0.9, throttled
+    assert share <= 0.99 * 1.5 / 2.5 + 0.05, share

@@ -1,0 +1,235 @@
+"""The node's compute gate on a simulated clock: the driver's samples of a container's GPU time
+against its grant. A container within its grant is never held nor acted on; one that ignores its
+region's bucket but obeys the gate converges to its grant; one whose launches ignore the gate too
+is acted on once, as ``enforcement.compute`` says."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from vgpu.core.errors import ConfigError
+from vgpu.hookabi.grant import Grant, encode, read_grant, update_grant, write_grant
+from vgpu.plugin.config import parse_node_config
+from vgpu.plugin.discovery import SmSample
+from vgpu.plugin.monitor.compute import MARGIN, ComputeCollector, ComputeEnforcer
+from vgpu.plugin.monitor.hostview import HostView, Owner
+from vgpu.plugin.paths import HostPaths
+
+CARD, OTHER = "GPU-a", "GPU-b"
+PASS_NS = 100_000_000
+
+
+class Sim:
+    """Containers on one card as the driver samples them: each runs ``want`` % of the time, or 0
+    while its gate is closed (``obeys``), every pass of 100 ms."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.paths = HostPaths(tmp)
+        self.paths.grants_dir.mkdir(parents=True)
+        self.now = 10**12
+        self.pids: dict[int, tuple[Owner, Grant]] = {}
+        self.want: dict[int, tuple[int, bool]] = {}  # pid -> (percent, obeys the gate)
+        self.events: list[tuple[str, str]] = []
+        self.evicted: list[str] = []
+
+    def container(self, pid: int, limit: int, want: int, obeys: bool = True, policy: int = 0) -> Path:
+        owner = Owner(f"uid{pid}", "main", "ns", f"pod{pid}")
+        grant = Grant((CARD,), (1 << 30,), sm_limits=(limit,), sm_policy=policy)
+        path = self.paths.grant(owner.folder)
+        write_grant(path, grant)
+        self.pids[pid] = (owner, grant)
+        self.want[pid] = (want, obeys)
+        return path
+
+    def sm_samples(self, uuid: str) -> list[SmSample] | None:
+        out = []
+        for pid, (want, obeys) in self.want.items():
+            owner, _ = self.pids[pid]
+            # the part of the last pass its gate was closed (the gate was written a pass ago)
+            until = read_grant(self.paths.grant(owner.folder)).hold_until[0]
+            held = min(1.0, max(0.0, (until - (self.now - PASS_NS)) / PASS_NS))
+            percent = round(want * (1 - held)) if obeys else want
+            out.append(SmSample(pid, self.now, PASS_NS, percent))
+        return out if uuid == CARD else []
+
+    # PodActions
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, message: str, node: str) -> None:
+        self.events.append((reason, message))
+
+    def evict_pod(self, namespace: str, name: str) -> None:
+        self.evicted.append(name)
+
+
+class View(HostView):
+    def __init__(self, sim: Sim) -> None:
+        super().__init__("n1", sim.paths, source=None, uuids=lambda: [CARD])  # type: ignore[arg-type]
+        self.sim = sim
+
+    def resolve(self, pid: int) -> tuple[Owner, Grant] | None:
+        return self.sim.pids.get(pid)
+
+    def same_process(self, pid: int) -> bool:
+        return pid in self.sim.pids
+
+
+def run(sim: Sim, action: str, seconds: float) -> tuple[ComputeEnforcer, dict[int, float]]:
+    """Passes every 100 ms for ``seconds``; the share each pid got (its samples' GPU time)."""
+    killed: list[int] = []
+    e = ComputeEnforcer(
+        "n1",
+        View(sim),
+        sim,
+        lambda: [CARD, OTHER],
+        action=action,
+        actions=sim,
+        kill=lambda pid, sig: killed.append(pid),
+        clock=lambda: sim.now,
+    )
+    busy: dict[int, int] = {pid: 0 for pid in sim.pids}
+    for _ in range(int(seconds * 10)):
+        sim.now += PASS_NS
+        for s in sim.sm_samples(CARD) or []:
+            busy[s.pid] += s.period_ns * s.sm_percent // 100
+        e.run_pass()
+    e.killed = killed  # type: ignore[attr-defined]
+    return e, {pid: 100 * b / (seconds * 1e9) for pid, b in busy.items()}
+
+
+def test_containers_within_their_grants_are_never_held_nor_acted_on(tmp_path: Path) -> None:
+    sim = Sim(tmp_path)
+    sim.container(101, 30, 30)
+    sim.container(102, 70, 70 + MARGIN)  # at its limit plus the margin: the rounding is the node's
+    e, shares = run(sim, "kill", 10)
+    assert e.gate_writes == 0 and not e.counts and not sim.events
+    assert shares == {101: 30.0, 102: 72.0}
+
+
+def test_a_container_past_its_grant_that_obeys_the_gate_converges_to_it(tmp_path: Path) -> None:
+    sim = Sim(tmp_path)
+    grant = sim.container(101, 30, 100)  # its region's bucket written full: the hook lets all through
+    e, shares = run(sim, "kill", 10)
+    assert e.gate_writes > 0
+    assert 30 <= shares[101] <= 30 + MARGIN + 1.5, shares
+    assert not e.counts, "it obeyed the gate: no second-line action"
+    e.stop()
+    assert read_grant(grant).hold_until == (0,), "stop opens every gate"
+
+
+@pytest.mark.parametrize("action", ["report", "evict", "kill"])
+def test_launches_that_ignore_the_gate_are_acted_on_once_per_crossing(tmp_path: Path, action: str) -> None:
+    sim = Sim(tmp_path)
+    sim.container(101, 30, 100, obeys=False)
+    sim.container(102, 50, 50)  # a neighbour within its grant
+    e, _ = run(sim, action, 6)
+    assert e.counts == ({(action, "ns", "pod101", "main"): 1} if action != "kill" else e.counts)
+    if action == "kill":
+        assert e.killed == [101] * len(e.killed) and 1 <= len(e.killed) <= 3  # type: ignore[attr-defined]
+    for _ in range(100):  # the API calls run on threads of their own
+        if sim.events and (action != "evict" or sim.evicted):
+            break
+        time.sleep(0.02)
+    assert sim.events and all(reason == "VgpuComputeOverGrant" for reason, _ in sim.events)
+    assert "container main of ns/pod101" in sim.events[0][1] and "granted 30 %" in sim.events[0][1]
+    assert all(key[2] == "pod101" for key in e.counts), "never an action on the neighbour"
+    assert sim.evicted == (["pod101"] if action == "evict" else [])
+
+
+def test_an_elastic_container_alone_on_its_card_is_not_held_but_is_beside_another(tmp_path: Path) -> None:
+    sim = Sim(tmp_path)
+    sim.container(101, 30, 100, policy=1)
+    e, shares = run(sim, "report", 5)
+    assert e.gate_writes == 0 and shares[101] == 100.0
+    sim2 = Sim(tmp_path / "two")
+    sim2.container(101, 30, 100, policy=1)
+    sim2.container(102, 30, 20)
+    e2, shares2 = run(sim2, "report", 10)
+    assert e2.gate_writes > 0 and shares2[101] < 40, shares2
+
+
+def test_the_collector_serves_the_share_the_gate_and_the_actions(tmp_path: Path) -> None:
+    sim = Sim(tmp_path)
+    sim.container(101, 30, 100, obeys=False)
+    e, _ = run(sim, "report", 4)
+    families = {f.name: f for f in ComputeCollector(e).collect()}
+    assert set(families) >= {
+        "vgpu_container_host_sm_share_ratio",
+        "vgpu_container_compute_held",
+        "vgpu_compute_enforcement_actions",
+    }
+    [acted] = families["vgpu_compute_enforcement_actions"].samples
+    assert acted.labels["action"] == "report" and acted.value == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("enforcement: {compute: freeze}", "enforcement.compute"),
+        ("nodes: {n1: {enforcement: {compute: nope}}}", "nodes.n1.enforcement.compute"),
+    ],
+)
+def test_a_bad_compute_action_names_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_node_config(text, "n1", "node.yaml")
+    assert err.value.field == field and "throttle" in str(err.value)
+
+
+def test_the_compute_action_defaults_to_throttle() -> None:
+    assert parse_node_config("", "n1", "x").enforce_compute == "throttle"
+    assert parse_node_config("enforcement: {compute: report}", "n1", "x").enforce_compute == "report"
+
+
+def test_a_layout_1_grant_of_an_older_container_is_read_and_resized_but_never_gated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = Sim(tmp_path)
+    path = sim.container(101, 30, 100)
+    v2 = path.read_bytes()
+    old = bytearray(encode(read_grant(path), version=1))  # as an older plugin wrote it
+    assert len(old) < len(v2)
+    path.write_bytes(bytes(old))
+    e, _ = run(sim, "report", 3)
+    assert e.gate_writes == 0 and path.read_bytes() == bytes(old)
+    assert sum("cannot hold" in r.message for r in caplog.records) == 1
+    update_grant(path, 0, sm_limit=40)  # live resize keeps its layout
+    assert read_grant(path).sm_limits == (40,) and len(path.read_bytes()) == len(old)
+
+
+class _Sample:
+    def __init__(self, pid: int, stamp_us: int, sm: int) -> None:
+        self.pid, self.timeStamp, self.smUtil = pid, stamp_us, sm
+
+
+def test_nvml_samples_become_gpu_time_over_the_cards_usual_gap() -> None:
+    """NvmlDiscovery.sm_samples over what pynvml returns (NVML cannot run here): the first read
+    only learns the gaps, later samples cover the time since the card's previous one, an idle
+    stretch counts as one usual gap, and the wall-clock stamps land on CLOCK_MONOTONIC."""
+    from types import SimpleNamespace
+
+    from vgpu.plugin.nvml import NvmlDiscovery
+
+    now_us = time.time_ns() // 1000
+    batches = [
+        [_Sample(7, now_us - 500_000 + i * 100_000, 50) for i in range(4)],  # history: gaps of 100 ms
+        [_Sample(7, now_us - 100_000, 40), _Sample(8, now_us - 100_000, 10)],
+        [_Sample(7, now_us + 2_000_000, 100)],  # after 2.1 s of no sample: one usual gap, not 2.1 s
+    ]
+
+    class Error(Exception):
+        value = 0
+
+    nv = SimpleNamespace(NVMLError=Error, NVML_ERROR_NOT_FOUND=6)
+    nv.nvmlDeviceGetProcessUtilization = lambda handle, last: [
+        s for s in batches.pop(0) if s.timeStamp > last
+    ]
+    d = object.__new__(NvmlDiscovery)
+    d._nvml, d._uuids, d._handles = nv, ["GPU-a"], [object()]
+    d._sm_cursor, d._sm_gaps = [0], [[]]
+    assert d.sm_samples("GPU-a") == []
+    got = d.sm_samples("GPU-a") or []
+    assert [(s.pid, s.period_ns, s.sm_percent) for s in got] == [(7, 100_000_000, 40), (8, 100_000_000, 10)]
+    assert abs(got[0].end_ns - (time.monotonic_ns() - 100_000_000)) < 50_000_000
+    [late] = d.sm_samples("GPU-a") or []
+    assert late.period_ns == 150_000_000  # at most 1.5 usual gaps

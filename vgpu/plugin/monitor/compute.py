@@ -1,0 +1,438 @@
+"""The node's compute gate: each container's GPU time as the driver measures it, against its grant.
+
+The hook meters a container's SM limit with a token bucket its processes share through the
+region file, which the container can write: a process that keeps the bucket full runs its
+neighbours' launches unmetered. So the node decides too, from what no container writes:
+
+1. **Measure.** Every pass (``interval_s``, the memory enforcer's ``enforcement.intervalMs``)
+   the driver's per-process utilization samples of each card (``nvmlDeviceGetProcessUtilization``,
+   ``vgpu.plugin.discovery.SmSource``) are read, each process mapped to its container through its
+   cgroup and to its grant (``vgpu.plugin.monitor.hostview``), and its GPU time (``smUtil`` x the
+   sample's period) summed per container and card.
+2. **Hold through the grant.** Per container and card a bucket on the host: it fills at the
+   grant's SM limit plus ``MARGIN`` points of wall time, up to ``DEPTH_NS`` of GPU time, and the
+   measured GPU time drains it. While it is in debt the node writes ``hold_until_ns`` into the
+   container's grant (read-only to the container; in place, under the grant's seq and checksum),
+   the time at which the debt is paid back at the granted rate; the hook starts no launch before
+   it (one load per launch, native/hook/limiter.c). A closed loop: the integral of measured minus
+   granted time, so the share converges to the grant whatever the container wrote. A container
+   within its grant never goes into debt (the bucket's depth takes the hook's own 20 ms bursts and
+   the samples' rounding): its gate is never closed.
+3. **Launches that do not pass the hook.** A sample that lies wholly behind a closed gate (past
+   ``DRAIN_NS`` of it, the work queued before it closed) should show no GPU time. When such
+   samples cover ``ESCAPE_HELD_S`` of the last ``ESCAPE_S`` and their share is still above grant
+   + margin, the container's launches do not go through the hook (a static program, ``dlmopen``,
+   ioctls).
+   ``enforcement.compute`` says what then: ``throttle`` (default) freezes the container's cgroup
+   while it is in debt and thaws it when the debt is paid (a duty cycle that leaves it its share
+   of wall time; ``vgpu.plugin.monitor.freezer``), ``evict`` (the Eviction API, once per
+   crossing), ``kill`` (SIGKILL its process with the most GPU time, at most once per
+   ``ESCAPE_S``), ``report``. Each: a log line naming the pod, container, measured and granted
+   share; a Kubernetes Event (``VgpuComputeOverGrant``); ``vgpu_compute_enforcement_actions_total``.
+   A crossing ends after ``RELEASE_S`` out of debt; a throttled container is thawed then, and on
+   ``stop``.
+
+An elastic container (``sm_policy`` 1) with no other process busy on its card in the window is
+not held: it may use the idle card, as the hook lets it while the arbiter says it is alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vgpu.core.service import Service
+from vgpu.hookabi.grant import GrantError, update_grant
+from vgpu.plugin.discovery import SmSource
+from vgpu.plugin.monitor.enforce import PodActions
+from vgpu.plugin.monitor.freezer import Freezer, FreezerError, freezer_of
+from vgpu.plugin.monitor.hostview import HostView, Owner
+
+log = logging.getLogger(__name__)
+
+MARGIN = 2  # points past the grant's SM limit the node tolerates (the samples' rounding)
+DEPTH_NS = 100_000_000  # the host bucket: 100 ms of GPU time (a 10 s run: 1 point)
+WINDOW_S = 1.0  # the share reported and checked for an escape
+HOLD_MAX_NS = 1_000_000_000  # one gate is at most this long; the next pass may extend it
+REWRITE_NS = 5_000_000  # a gate is rewritten only when it moves by more than this
+DRAIN_NS = 100_000_000  # work queued before the gate closed may run this long into it
+ESCAPE_S = 2.0  # the window over which GPU time measured behind a closed gate is summed
+ESCAPE_HELD_S = 0.5  # ... and how long the gate must have been closed in it before that counts
+RELEASE_S = 5.0  # out of debt this long: the crossing is over
+FORGET_S = 10.0  # a container with no sample for this long is dropped (thawed, gate opened)
+REASON = "VgpuComputeOverGrant"
+ACTIONS = ("throttle", "evict", "kill", "report")
+
+
+@dataclass
+class Account:
+    """One container on one card: its host bucket, gate and crossing."""
+
+    owner: Owner
+    uuid: str
+    index: int  # the card's index in the container's grant
+    grant: str  # the grant file's path
+    limit: int  # granted SM percent
+    elastic: bool
+    credit: float = DEPTH_NS  # ns of GPU time it may still use now
+    at: int = 0  # when credit was last brought up to date
+    samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, pid, busy ns)
+    hold_until: int = 0  # as written into the grant; 0 = open
+    closures: deque[list[int]] = field(default_factory=deque)  # [start, end] ns the gate was closed
+    held: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end, period, busy) behind it
+    clear_since: int | None = None
+    escaping: bool = False
+    acted_at: int = 0  # when the last action was taken for this crossing (0: none yet)
+    freezer: Freezer | None = None
+    frozen: bool = False
+    no_gate: bool = False  # its grant cannot take the gate (layout 1: a container from an older plugin)
+    seen: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.owner.folder, self.uuid)
+
+    def share(self, now: int) -> float:
+        """Percent of the last WINDOW_S the container's kernels ran, by the driver's samples."""
+        start = now - int(WINDOW_S * 1e9)
+        return 100.0 * sum(b for end, _, b in self.samples if end > start) / (WINDOW_S * 1e9)
+
+    def behind_gate(self, end: int, period: int) -> bool:
+        """The sample ``(end - period, end]`` lies wholly behind a closed gate, past its drain."""
+        return any(c[0] + DRAIN_NS <= end - period and end <= c[1] for c in self.closures)
+
+    def held_share(self, now: int) -> tuple[float, float]:
+        """(seconds of samples behind the closed gate in the last ESCAPE_S, their GPU share in %)."""
+        start = now - int(ESCAPE_S * 1e9)
+        held = [(p, b) for end, p, b in self.held if end > start]
+        time_ns = sum(p for p, _ in held)
+        return time_ns / 1e9, (100.0 * sum(b for _, b in held) / time_ns if time_ns else 0.0)
+
+    def rate(self, alone: bool) -> float:
+        return 100.0 if self.elastic and alone else float(min(100, self.limit + MARGIN))
+
+
+class ComputeEnforcer:
+    """``run_pass`` every ``interval_s`` on a thread (``start``/``stop``); ``run_pass`` alone in tests."""
+
+    def __init__(
+        self,
+        node: str,
+        view: HostView,
+        source: SmSource,
+        uuids: Callable[[], list[str]],
+        action: str = "throttle",
+        interval_s: float = 0.1,
+        actions: PodActions | None = None,
+        kill: Callable[[int, int], None] = os.kill,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"enforcement.compute must be one of {', '.join(ACTIONS)}, not {action!r}")
+        self.node = node
+        self.view = view
+        self.source = source
+        self.uuids = uuids
+        self.action = action
+        self.interval_s = interval_s
+        self.actions = actions
+        self._kill = kill
+        self.clock = clock
+        self.accounts: dict[tuple[str, str], Account] = {}
+        self.counts: dict[tuple[str, str, str, str], int] = {}  # (action, namespace, pod, container)
+        self.gate_writes = 0
+        self.passes = 0
+        self._card_busy: dict[str, dict[str, int]] = {}  # card -> folder ("" = no container) -> last busy ns
+        self._lock = threading.Lock()
+        self._service = Service("compute-enforcer", self._loop)
+
+    # ---- one pass ----
+
+    def run_pass(self) -> None:
+        now = self.clock()
+        for uuid in self.uuids():
+            busy_on = self._card_busy.setdefault(uuid, {})
+            for s in self.source.sm_samples(uuid) or []:
+                busy = s.period_ns * s.sm_percent // 100
+                found = self.view.resolve(s.pid)
+                if found is None:
+                    if busy:
+                        busy_on[""] = now  # work of no vGPU container on the card
+                    continue
+                owner, grant = found
+                if uuid not in grant.uuids:
+                    continue
+                index = grant.uuids.index(uuid)
+                key = (owner.folder, uuid)
+                acct = self.accounts.get(key)
+                limit = grant.sm_limits[index]
+                if acct is None:
+                    path = str(self.view.paths.grant(owner.folder))
+                    acct = Account(owner, uuid, index, path, limit, grant.sm_policy == 1)
+                    self.accounts[key] = acct
+                    acct.at = now
+                acct.limit, acct.elastic, acct.owner = limit, grant.sm_policy == 1, owner
+                acct.seen = now
+                acct.samples.append((s.end_ns, s.pid, busy))
+                if acct.behind_gate(s.end_ns, s.period_ns):
+                    acct.held.append((s.end_ns, s.period_ns, busy))
+                acct.credit -= busy
+                if busy:
+                    busy_on[owner.folder] = now
+        for key, acct in list(self.accounts.items()):
+            if now - acct.seen > FORGET_S * 1e9:
+                self._release(acct, "its processes left the card")
+                del self.accounts[key]
+                continue
+            while acct.samples and acct.samples[0][0] <= now - int(WINDOW_S * 1e9):
+                acct.samples.popleft()
+            while acct.held and acct.held[0][0] <= now - int(ESCAPE_S * 1e9):
+                acct.held.popleft()
+            while acct.closures and acct.closures[0][1] <= now - int(ESCAPE_S * 1e9):
+                acct.closures.popleft()
+            recent = now - int(WINDOW_S * 1e9)
+            busy_on = self._card_busy.get(acct.uuid, {})
+            others = [f for f, at in busy_on.items() if f != acct.owner.folder and at > recent]
+            self._settle(acct, now, alone=not others)
+        for busy_on in self._card_busy.values():
+            for folder in [f for f, at in busy_on.items() if at <= now - int(FORGET_S * 1e9)]:
+                del busy_on[folder]
+        self.view.keep_only({pid for a in self.accounts.values() for _, pid, _ in a.samples})
+        with self._lock:
+            self.passes += 1
+
+    def _settle(self, acct: Account, now: int, alone: bool) -> None:
+        if not 0 < acct.limit < 100:
+            self._gate(acct, 0, now)  # no cap granted: nothing to hold
+            return
+        rate = acct.rate(alone)
+        acct.credit = min(DEPTH_NS, acct.credit + (now - acct.at) * rate / 100)
+        acct.at = now
+        if acct.credit < 0:
+            acct.clear_since = None
+            self._gate(acct, now + min(HOLD_MAX_NS, int(-acct.credit * 100 / rate)), now)
+        else:
+            acct.clear_since = acct.clear_since or now
+            self._gate(acct, 0, now)
+        share = acct.share(now)
+        held_s, held_share = acct.held_share(now)
+        if not acct.escaping and held_s >= ESCAPE_HELD_S and held_share > acct.limit + MARGIN:
+            acct.escaping = True
+            acct.acted_at = 0
+            share = held_share
+        if acct.escaping:
+            if acct.clear_since is not None and now - acct.clear_since >= RELEASE_S * 1e9:
+                self._release(acct, f"its share is back within its grant ({share:.1f} %)")
+            else:
+                self._escape(acct, now, share)
+        if acct.freezer is not None:
+            self._duty(acct, freeze=acct.escaping and acct.credit < 0)
+
+    def _gate(self, acct: Account, hold: int, now: int) -> None:
+        last = acct.closures[-1] if acct.closures else None
+        if hold:
+            if last is not None and last[1] >= now:
+                last[1] = hold  # still closed: moved
+            else:
+                acct.closures.append([now, hold])
+        elif last is not None and last[1] > now:
+            last[1] = now  # opened early
+        if acct.no_gate or (
+            (hold == 0) == (acct.hold_until == 0) and abs(hold - acct.hold_until) <= REWRITE_NS
+        ):
+            return
+        try:
+            update_grant(acct.grant, acct.index, hold_until=hold)
+        except GrantError as err:
+            log.warning(
+                "compute gate: cannot hold %s through %s (%s); only the second line holds it",
+                acct.owner.folder,
+                acct.grant,
+                err,
+            )
+            acct.no_gate = True
+            return
+        acct.hold_until = hold
+        with self._lock:
+            self.gate_writes += 1
+
+    # ---- the second line ----
+
+    def _escape(self, acct: Account, now: int, share: float) -> None:
+        if self.action == "kill":
+            if acct.acted_at and now - acct.acted_at < ESCAPE_S * 1e9:
+                return
+        elif acct.acted_at:
+            return  # once per crossing; the throttle's duty cycle goes on in _duty
+        acct.acted_at = now
+        o = acct.owner
+        where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid}"
+        what = (
+            f"container {o.container} of {where} ran {share:.1f} % of {acct.uuid} over the last "
+            f"{ESCAPE_S:.0f} s while the node's gate held its launches, granted {acct.limit} % (+{MARGIN} "
+            f"tolerated): they do not pass through the hook"
+        )
+        if self.action == "throttle":
+            try:
+                acct.freezer = freezer_of(self._top_pid(acct), self.view.proc)
+                message = f"throttling with the cgroup freezer ({acct.freezer.file}): {what}"
+            except FreezerError as err:
+                message = f"could not throttle ({err}): {what}"
+        elif self.action == "kill":
+            pid = self._top_pid(acct)
+            try:
+                if pid <= 0 or not self.view.same_process(pid):
+                    raise ProcessLookupError(3, "the process is gone")
+                self._kill(pid, signal.SIGKILL)
+                message = f"killed PID {pid}: {what}"
+            except OSError as err:
+                message = f"could not kill PID {pid} ({err.strerror}): {what}"
+        elif self.action == "evict":
+            message = f"evicting the pod: {what}"
+        else:
+            message = f"reported only (enforcement.compute: report): {what}"
+        log.warning("compute over grant: %s", message)
+        with self._lock:
+            key = (self.action, o.namespace, o.pod, o.container)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        self._tell(o, message)
+
+    def _tell(self, o: Owner, message: str) -> None:
+        if self.actions is None or not o.pod:
+            return
+        actions, node, evict = self.actions, self.node, self.action == "evict"
+
+        def call() -> None:
+            said = message
+            if evict:
+                try:
+                    actions.evict_pod(o.namespace, o.pod)
+                except Exception as err:  # a disruption budget, say: the Event tells it
+                    said = f"could not evict the pod ({err}): {message}"
+            actions.pod_event(o.namespace, o.pod, o.pod_uid, REASON, said, node)
+
+        threading.Thread(target=self._call, args=(call,), name="compute-api", daemon=True).start()
+
+    @staticmethod
+    def _call(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as err:  # the API server's trouble never stops the gate
+            log.warning("compute enforcer: an API call failed: %s", err)
+
+    def _top_pid(self, acct: Account) -> int:
+        per: dict[int, int] = {}
+        for _, pid, busy in acct.samples:
+            per[pid] = per.get(pid, 0) + busy
+        return max(per, key=lambda p: (per[p], p)) if per else 0
+
+    def _duty(self, acct: Account, freeze: bool) -> None:
+        if acct.freezer is None or freeze == acct.frozen:
+            return
+        try:
+            acct.freezer.freeze() if freeze else acct.freezer.thaw()
+            acct.frozen = freeze
+        except OSError as err:
+            log.warning("compute throttle: cannot write %s: %s", acct.freezer.file, err)
+            acct.freezer, acct.frozen = None, False
+            if isinstance(err, FileNotFoundError):
+                acct.acted_at = 0  # its cgroup is gone (the container restarted): found again next pass
+
+    def _release(self, acct: Account, why: str) -> None:
+        if acct.escaping:
+            log.info("compute: container %s on %s released: %s", acct.owner.folder, acct.uuid, why)
+        self._duty(acct, freeze=False)
+        acct.freezer = None
+        acct.escaping = False
+        acct.acted_at = 0
+        self._gate(acct, 0, self.clock())
+
+    # ---- the thread ----
+
+    def next_wake_ns(self, now: int) -> int:
+        """When the next pass is due: the interval, or sooner where a frozen container's debt is paid."""
+        wake = now + int(self.interval_s * 1e9)
+        for acct in self.accounts.values():
+            if acct.frozen and acct.credit < 0:
+                paid = now + int(-acct.credit * 100 / max(1.0, acct.rate(False)))
+                wake = min(wake, max(now + 1_000_000, paid))
+        return wake
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_pass()
+            except Exception:  # the gate must outlive any one bad pass
+                log.exception("compute enforcer pass failed; continuing")
+            now = self.clock()
+            stop.wait(max(0.001, (self.next_wake_ns(now) - now) / 1e9))
+
+    def start(self) -> None:
+        self._service.start()
+
+    def stop(self) -> None:
+        self._service.stop()
+        for acct in self.accounts.values():  # never leave a container frozen or held
+            self._duty(acct, freeze=False)
+            self._gate(acct, 0, self.clock())
+
+
+class ComputeCollector(Collector):
+    """The compute gate's families for ``/metrics`` (docs/monitoring.md)."""
+
+    def __init__(self, enforcer: ComputeEnforcer) -> None:
+        self.enforcer = enforcer
+
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        e = self.enforcer
+        now = e.clock()
+        labels = ["node", "uuid", "namespace", "pod", "pod_uid", "container"]
+        share = GaugeMetricFamily(
+            "vgpu_container_host_sm_share_ratio",
+            "Share of the card's time the container's kernels ran over the last second (driver samples)",
+            labels=labels,
+        )
+        held = GaugeMetricFamily(
+            "vgpu_container_compute_held",
+            "1 while the node's gate holds the container's launches (its measured share is past its grant)",
+            labels=labels,
+        )
+        throttled = GaugeMetricFamily(
+            "vgpu_container_compute_throttled",
+            "1 while the container's cgroup is frozen for its compute share (enforcement.compute: throttle)",
+            labels=labels,
+        )
+        with e._lock:
+            accounts = list(e.accounts.values())
+            counts = dict(e.counts)
+            writes = e.gate_writes
+        for a in accounts:
+            o = a.owner
+            row = [e.node, a.uuid, o.namespace, o.pod, o.pod_uid, o.container]
+            share.add_metric(row, a.share(now) / 100.0)
+            held.add_metric(row, 1.0 if a.hold_until > now else 0.0)
+            throttled.add_metric(row, 1.0 if a.frozen else 0.0)
+        acted = CounterMetricFamily(
+            "vgpu_compute_enforcement_actions",
+            "Actions on containers whose launches escape the compute gate (throttle, evict, kill, report)",
+            labels=["node", "action", "namespace", "pod", "container"],
+        )
+        for (action, namespace, pod, container), count in counts.items():
+            acted.add_metric([e.node, action, namespace, pod, container], float(count))
+        w = CounterMetricFamily(
+            "vgpu_compute_gate_writes", "Changes of a grant's hold_until_ns by the node", labels=["node"]
+        )
+        w.add_metric([e.node], float(writes))
+        yield from (share, held, throttled, acted, w)
