@@ -34,78 +34,18 @@ static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
 
 static pthread_mutex_t *mtx(void) { return (pthread_mutex_t *)(void *)R.h->lock; }
 
-/* Reads /proc/PID/stat: the process state letter and its start time (clock ticks since boot). */
-static int proc_stat(pid_t pid, char *state, uint64_t *start) {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')'); /* the command name may hold spaces */
-    if (!p || p[1] != ' ') return -1;
-    *state = p[2];
-    /* after ") " come fields 3..; starttime is field 22 */
-    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-    *start = p ? strtoull(p + 1, NULL, 10) : 0;
-    return 0;
-}
-
-static uint64_t proc_start(pid_t pid) {
-    char state;
-    uint64_t start = 0;
-    return proc_stat(pid, &state, &start) == 0 ? start : 0;
-}
-
-static int alive(const struct vgpu_region_slot *s) {
-    if (kill(s->pid, 0) == -1 && errno == ESRCH) return 0;
-    char state;
-    uint64_t start = 0;
-    if (proc_stat(s->pid, &state, &start) != 0) return 1; /* cannot tell: keep it */
-    if (state == 'Z' || state == 'X') return 0;           /* dead, not yet waited for */
-    if (s->start_time && start && start != s->start_time) return 0; /* the pid was reused */
-    return 1;
-}
-
 static void seq_begin(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_ACQ_REL); }
 static void seq_end(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_RELEASE); }
 
-static void drop_slot_locked(int k) {
-    struct vgpu_region_slot *s = &R.slots[k];
-    for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
-        uint64_t u = s->used[i], sp = s->spilled[i];
-        R.h->used[i] = R.h->used[i] > u ? R.h->used[i] - u : 0;
-        R.h->spilled[i] = R.h->spilled[i] > sp ? R.h->spilled[i] - sp : 0; /* the driver unpins a dead process's memory */
-    }
-    memset(s, 0, sizeof *s);
-}
-
-/* Frees the slots of processes that died without cleaning up (SIGKILL, OOM killer). */
-static int reap_locked(void) {
-    int reaped = 0;
-    seq_begin();
-    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
-        struct vgpu_region_slot *s = &R.slots[k];
-        if (!s->active || k == R.slot) continue;
-        if (!alive(s)) {
-            VGPU_LOG(VGPU_LOG_INFO, "reaping process %d, which died holding %llu bytes on device 0 "
-                     "(%llu of them spilled to host memory)",
-                     s->pid, (unsigned long long)s->used[0], (unsigned long long)s->spilled[0]);
-            drop_slot_locked(k);
-            reaped++;
-        }
-    }
-    seq_end();
-    return reaped;
-}
+/* Frees the slots of processes that died without cleaning up (SIGKILL, OOM killer): every slot
+ * looked at, one /proc read a live one (gone: NULL), or only those vgpu_slots_gone() marked. */
+static int reap_locked(const uint64_t *gone) { return vgpu_slots_reap(R.h, R.slots, R.slot, gone); }
 
 /* After a holder died mid-update: reap, then recompute the totals from the slots. */
 static void repair_locked(void) {
     VGPU_LOG(VGPU_LOG_INFO, "a process died holding the region lock; recovering");
     if (R.h->seq & 1) R.h->seq++; /* it died mid-update: readers must not wait for it */
-    reap_locked();
+    reap_locked(NULL);
     uint64_t sum[VGPU_MAX_DEVICES] = {0}, spill[VGPU_MAX_DEVICES] = {0};
     for (int k = 0; k < VGPU_MAX_PROCS; k++)
         if (R.slots[k].active)
@@ -138,32 +78,33 @@ static void unlock(int locked) {
     if (locked == 0) pthread_mutex_unlock(mtx());
 }
 
-static int my_slot_locked(void) {
+/* Dead processes' slots given back: found without the lock (deep: /proc too, else kill(pid, 0)
+ * alone), dropped under it. A process joining sweeps shallow: what died cleanly or was killed
+ * and waited for goes, its usage (spilled host memory too) with it, and the lock is held only for
+ * the drops. A charge over the limit sweeps deep, as zombies and reused pids may hold the room. */
+static int sweep(int deep) {
+    uint64_t gone[VGPU_SLOT_WORDS];
+    if (vgpu_slots_gone(R.slots, deep, R.slot, gone) == 0) return 0;
+    int locked = lock();
+    int dropped = reap_locked(gone);
+    unlock(locked);
+    return dropped;
+}
+
+/* This process's slot, claimed at its first charge (the caller swept first): the first free one;
+ * -1 when every slot is taken. */
+static int my_slot_locked(uint64_t start) {
     if (R.slot >= 0 || R.exiting) return R.slot;
-    reap_locked(); /* a process joining clears what dead ones left (their spilled host memory too) */
-    pid_t pid = getpid();
-    uint64_t start = proc_start(pid);
-    int free_slot = -1;
-    for (int pass = 0; pass < 2 && free_slot < 0; pass++) {
-        for (int k = 0; k < VGPU_MAX_PROCS; k++) {
-            struct vgpu_region_slot *s = &R.slots[k];
-            if (s->active && s->pid == pid) drop_slot_locked(k); /* an earlier process with our pid */
-            if (!s->active && free_slot < 0) free_slot = k;
-        }
-        if (free_slot < 0) reap_locked();
+    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
+        struct vgpu_region_slot *s = &R.slots[k];
+        if (s->active) continue;
+        memset(s, 0, sizeof *s);
+        s->pid = getpid();
+        s->start_time = start;
+        __atomic_store_n(&s->active, 1, __ATOMIC_RELEASE);
+        return R.slot = k;
     }
-    if (free_slot < 0) {
-        VGPU_LOG(VGPU_LOG_WARN, "all %d process slots of the region are taken; this process's usage "
-                 "counts against the limit but is not listed per process", VGPU_MAX_PROCS);
-        return -1;
-    }
-    struct vgpu_region_slot *s = &R.slots[free_slot];
-    memset(s, 0, sizeof *s);
-    s->pid = pid;
-    s->start_time = start;
-    s->active = 1;
-    R.slot = free_slot;
-    return free_slot;
+    return -1;
 }
 
 static void init_header(struct vgpu_region_header *h, const struct vgpu_config *cfg) {
@@ -214,8 +155,16 @@ static void *map_file(const struct vgpu_config *cfg) {
     char why[256];
     const char *bad = NULL;
     struct stat st;
-    flock(fd, LOCK_EX); /* one creator; others wait until the header is whole */
-    if (fstat(fd, &st) != 0) {
+    /* Shared while the file is whole already (every process but the first: hundreds starting at
+     * once map it side by side); exclusive to create it: one creator, and the others wait until its
+     * header is whole. Taking LOCK_EX drops LOCK_SH first, so the size is looked at again. */
+    flock(fd, LOCK_SH);
+    int examined = fstat(fd, &st) == 0;
+    if (examined && st.st_size == 0) {
+        flock(fd, LOCK_EX);
+        examined = fstat(fd, &st) == 0;
+    }
+    if (!examined) {
         bad = "cannot be examined";
     } else if (st.st_size == 0) {
         if (fchmod(fd, 0666) != 0 || ftruncate(fd, VGPU_REGION_SIZE) != 0) {
@@ -329,7 +278,7 @@ static void at_exit(void) {
     int locked = lock();
     if (R.slot >= 0) {
         seq_begin();
-        drop_slot_locked(R.slot);
+        vgpu_slot_drop(R.h, &R.slots[R.slot]);
         seq_end();
     }
     R.slot = -1;
@@ -380,17 +329,38 @@ int vgpu_enabled(void) {
 static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
     if (over_budget) *over_budget = 0;
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
-    int locked = lock();
-    int k = my_slot_locked();
-    /* limit and budget are live-resizable: read on every call, never cached */
-    uint64_t limit = limit_word(idx);
-    mirror_grant(1);
-    if (!force && limit) {
-        int over = bytes > limit || R.h->used[idx] > limit - bytes;
-        if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;
-        if (over) {
+    uint64_t start = 0;
+    if (R.slot < 0 && !R.exiting) { /* joining: what dead processes left goes first, off the lock */
+        sweep(0);
+        start = vgpu_proc_start(getpid());
+    }
+    for (int swept = 0;; swept = 1) {
+        int locked = lock();
+        int k = my_slot_locked(start);
+        if (k < 0 && !R.exiting) { /* every slot taken: nothing may be held uncounted */
+            unlock(locked);
+            if (!swept) { /* dead processes may hold slots: look deep, off the lock, then again */
+                sweep(1);
+                continue;
+            }
+            static int told;
+            if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+                VGPU_LOG(VGPU_LOG_ERROR, "all %d process slots of the region %s are held by live processes; this "
+                         "process's contexts and device memory are refused (CUDA_ERROR_OUT_OF_MEMORY) so that "
+                         "nothing it holds goes uncounted. A container runs at most %d CUDA processes at once",
+                         VGPU_MAX_PROCS, R.path, VGPU_MAX_PROCS);
+            return -2;
+        }
+        /* limit and budget are live-resizable: read on every call, never cached */
+        uint64_t limit = limit_word(idx);
+        mirror_grant(1);
+        if (!force && limit && (bytes > limit || R.h->used[idx] > limit - bytes)) {
             uint64_t used = R.h->used[idx];
             unlock(locked);
+            if (!swept) { /* dead processes may hold the room: look deep, off the lock, then again */
+                sweep(1);
+                continue;
+            }
             static int told_below;
             if (used > limit && !__atomic_exchange_n(&told_below, 1, __ATOMIC_RELAXED))
                 VGPU_LOG(VGPU_LOG_WARN, "device %d: the limit (%llu bytes) is below the %llu bytes in use, so it was "
@@ -401,18 +371,18 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
                      idx, (unsigned long long)used, (unsigned long long)limit);
             return -1;
         }
+        if (over_budget) {
+            uint64_t budget = budget_word(idx);
+            uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
+            *over_budget = budget && (bytes > budget || resident > budget - bytes);
+        }
+        seq_begin();
+        R.h->used[idx] += bytes;
+        if (k >= 0) R.slots[k].used[idx] += bytes;
+        seq_end();
+        unlock(locked);
+        return 0;
     }
-    if (over_budget) {
-        uint64_t budget = budget_word(idx);
-        uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
-        *over_budget = budget && (bytes > budget || resident > budget - bytes);
-    }
-    seq_begin();
-    R.h->used[idx] += bytes;
-    if (k >= 0) R.slots[k].used[idx] += bytes;
-    seq_end();
-    unlock(locked);
-    return 0;
 }
 
 int vgpu_charge(int idx, uint64_t bytes, int force) { return charge(idx, bytes, force, NULL); }
@@ -483,7 +453,7 @@ int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
     int n = 0;
     int locked = lock();
-    reap_locked();
+    reap_locked(NULL);
     for (int k = 0; k < VGPU_MAX_PROCS; k++) {
         const struct vgpu_region_slot *s = &R.slots[k];
         if (!s->active || s->used[idx] == 0) continue;
