@@ -234,3 +234,43 @@ def start_together(
                 p.kill()
                 p.wait()
     return Round(release_ns, starts, [p.returncode for p in procs], seen, err_path.read_text())
+
+
+# The GPU run (--gpu, tests/gpu/test_many_gpu.py) must never ask the card for more than it holds.
+CONTEXT_BOUND_MIB = 600  # what a bare driver-API context takes at most: 518 MiB measured on an H200, CUDA 13
+GRANT_CAP_MIB = 100 * 1024  # the grant of a GPU run stays at or under 100 GiB
+
+
+def _smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+        env=base_env(stub=False),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_plan(procs: int, attempts: int, fit: int, alloc_mib: int) -> dict[str, int]:
+    """How many processes may ask card 0 for a context, and how many the grant fits.
+
+    Every process that asks is bounded by what the card has free now: attempts * (600 MiB + the
+    allocation) stays within 90 % of it, so even with no hook at all (the bare run) the card is
+    never asked for more than it holds. The grant fits ``fit`` contexts of 640 MiB (the hook's
+    charge) and their allocation, at most 100 GiB, fewer than ``attempts``: the hook refuses the
+    others at context creation, before the driver is asked."""
+    free_mib, total_mib = (int(v) for v in _smi("-i", "0", "--query-gpu=memory.free,memory.total")[0])
+    per = CONTEXT_BOUND_MIB + alloc_mib
+    attempts = min(attempts, procs, free_mib * 9 // 10 // per)
+    fit = min(fit, attempts, GRANT_CAP_MIB // (640 + alloc_mib))
+    if attempts < 1 or fit < 1:
+        raise RuntimeError(f"card 0 has {free_mib} MiB free: too little for one context of {per} MiB")
+    return {"attempts": attempts, "fit": fit, "card_free_mib": free_mib, "card_total_mib": total_mib}
+
+
+def held_on_gpu(pids: set[int]) -> dict[str, int]:
+    """What the driver says these processes hold on the cards (MiB), and how many it lists."""
+    rows = [r for r in _smi("--query-compute-apps=pid,used_memory") if r[0].isdigit() and int(r[0]) in pids]
+    return {"driver_mib": sum(int(r[1]) for r in rows if r[1].isdigit()), "driver_procs": len(rows)}
