@@ -27,6 +27,7 @@ static struct {
     uint64_t context_reserve;
     int oversubscribe;
     const char *path; /* the region file, for messages */
+    int file;         /* the region is that file (not a private map) */
     uint64_t mirrored_seq; /* the grant's seq the region's copy last followed */
 } R = {.slot = -1};
 
@@ -89,6 +90,21 @@ static int sweep(int deep) {
     int dropped = reap_locked(gone);
     unlock(locked);
     return dropped;
+}
+
+/* The deep sweep, one at a time per region: a process refused while another sweeps waits for that
+ * sweep's end and looks at the limit again rather than reading every live slot's /proc itself (a
+ * grant that fits 150 of 300 processes starting together refuses 150 at once). The turn is an
+ * open-file-description lock on the byte past the region's end: no flock of map_file's, released
+ * when the file is closed, also by a process that dies. */
+static void sweep_deep(void) {
+    int fd = R.file ? open(R.path, O_RDWR | O_CLOEXEC) : -1;
+    struct flock turn = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = VGPU_REGION_SIZE, .l_len = 1};
+    if (fd < 0 || fcntl(fd, F_OFD_SETLK, &turn) == 0 || (errno != EAGAIN && errno != EACCES))
+        sweep(1); /* our turn (or no file to take turns on) */
+    else
+        fcntl(fd, F_OFD_SETLKW, &turn); /* another's sweep: wait for its end, then look again */
+    if (fd >= 0) close(fd);
 }
 
 /* This process's slot, claimed at its first charge (the caller swept first): the first free one;
@@ -300,6 +316,7 @@ static void attach(void) {
     R.context_reserve = cfg.context_reserve;
     R.oversubscribe = cfg.oversubscribe;
     void *map = cfg.region_path ? map_file(&cfg) : NULL;
+    R.file = map != NULL;
     if (!map) { /* no region file: this process alone (and its forks) share the limits */
         map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
         if (map == MAP_FAILED) {
@@ -340,7 +357,7 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
         if (k < 0 && !R.exiting) { /* every slot taken: nothing may be held uncounted */
             unlock(locked);
             if (!swept) { /* dead processes may hold slots: look deep, off the lock, then again */
-                sweep(1);
+                sweep_deep();
                 continue;
             }
             static int told;
@@ -358,7 +375,7 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
             uint64_t used = R.h->used[idx];
             unlock(locked);
             if (!swept) { /* dead processes may hold the room: look deep, off the lock, then again */
-                sweep(1);
+                sweep_deep();
                 continue;
             }
             static int told_below;
