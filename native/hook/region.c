@@ -12,6 +12,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hook.h"
@@ -96,14 +97,23 @@ static int sweep(int deep) {
  * sweep's end and looks at the limit again rather than reading every live slot's /proc itself (a
  * grant that fits 150 of 300 processes starting together refuses 150 at once). The turn is an
  * open-file-description lock on the byte past the region's end: no flock of map_file's, released
- * when the file is closed, also by a process that dies. */
+ * when the file is closed, also by a process that dies. The wait is bounded (100 ms, a sweep of
+ * 1024 slots takes a few): a holder that cannot let go (stopped, or a fork's child that inherited
+ * the open file mid-sweep) costs the others that much, never a wedge. */
 static void sweep_deep(void) {
     int fd = R.file ? open(R.path, O_RDWR | O_CLOEXEC) : -1;
     struct flock turn = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = VGPU_REGION_SIZE, .l_len = 1};
-    if (fd < 0 || fcntl(fd, F_OFD_SETLK, &turn) == 0 || (errno != EAGAIN && errno != EACCES))
-        sweep(1); /* our turn (or no file to take turns on) */
-    else
-        fcntl(fd, F_OFD_SETLKW, &turn); /* another's sweep: wait for its end, then look again */
+    if (fd >= 0 && fcntl(fd, F_OFD_SETLK, &turn) != 0 && (errno == EAGAIN || errno == EACCES)) {
+        for (int waited = 0; waited < 100; waited++) { /* another sweeps: wait for its end */
+            struct timespec ms = {0, 1000000};
+            nanosleep(&ms, NULL);
+            if (fcntl(fd, F_OFD_SETLK, &turn) == 0) { /* it ended: its drops are in, look again */
+                close(fd);
+                return;
+            }
+        }
+    }
+    sweep(1); /* our turn, no file to take turns on, or the other's sweep did not end in time */
     if (fd >= 0) close(fd);
 }
 

@@ -9,12 +9,14 @@ No timing here: bench/bench_many.py measures it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import struct
 from pathlib import Path
 
 import pytest
-from hook_harness import Built, Holder, build
+from hook_harness import Built, Holder, build, env, run
 
 from tests.support.many import (
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -169,3 +171,28 @@ def test_past_the_slot_count_a_process_is_refused_naming_the_limit_and_nothing_g
         assert refused.pid not in {p.pid for p in seen.processes}
     after = box.snapshot()
     assert (after.devices[0].used_bytes, after.processes) == (0, ())
+
+
+def test_a_deep_sweep_whose_holder_never_lets_go_wedges_nobody(built: Built, tmp_path: Path) -> None:
+    """The deep sweep's turn (an open-file-description lock on the byte past the region) held by a
+    process that never lets go, as a stopped one would: a process refused meanwhile waits a
+    bounded time, then sweeps itself and finds the zombie holding the room."""
+    path = tmp_path / "region"
+    environ = env(built, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(path))
+    victim = Holder(built, 600, environ)
+    assert victim.held == "held=0"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        turn = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, layout.REGION_SIZE, 1, 0)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, turn)
+        other = os.open(path, os.O_RDWR)  # another open file description sees the turn taken
+        try:
+            assert struct.unpack("hhqqi4x", fcntl.fcntl(other, fcntl.F_OFD_GETLK, turn))[0] == fcntl.F_WRLCK
+        finally:
+            os.close(other)
+        victim.kill(wait=False)  # a zombie: only the deep sweep (/proc) tells it is gone
+        r = run(built, "t_alloc", "procaddr", "alloc", "256", environ=environ, timeout=30)
+        assert r.returncode == 0 and r.int("chunks") == 4  # the zombie's 600 MiB came back
+    finally:
+        os.close(fd)
+        victim.proc.wait(timeout=10)
