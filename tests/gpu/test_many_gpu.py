@@ -8,7 +8,8 @@ at the same moment; only the first 200 (fewer where the card has less free: 600 
 the hook's charge) and their 2 MiB, 94 GiB, so the hook refuses the other 50 at their context,
 before the driver is asked. The bare run asks for the same 200 contexts, which the card holds.
 Prints one JSON line (tests/gpu/gpu_figures.py): start-up p50/p99/max bare and hooked, what the
-hook charged and what the driver says the processes hold. No timing is asserted; about a minute.
+hook charged and what the driver says the processes hold. No timing is asserted; each run's start
+(all 300 at the barrier and reported) must end within 50 s, so the test takes under 2 minutes.
 
     PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_many_gpu.py -s
 """
@@ -81,7 +82,7 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
         modes=modes,
         alloc_bytes=ALLOC_MIB * MIB,
         while_held=driver,
-        timeout=100,
+        timeout=50,
     )
     hooked = start_together(
         PROCS,
@@ -90,7 +91,7 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
         modes=modes,
         alloc_bytes=ALLOC_MIB * MIB,
         while_held=both,
-        timeout=100,
+        timeout=50,
     )
     after = box.snapshot()
     assert bare.seen is not None and hooked.seen is not None

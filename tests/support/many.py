@@ -180,11 +180,14 @@ def start_together(
     alloc_bytes: int = MIB,
     while_held: Callable[[list[Start]], T] | None = None,
     timeout: float = 300,
+    exit_timeout: float = 120,
 ) -> Round[T]:
     """Starts ``count`` b_many processes, releases them together, returns what they reported.
 
     ``environ`` (or ``environ(i)``) is each process's environment; ``modes(i)`` is ``ctx`` (start
-    a context and allocate) or ``query`` (cuInit and the device queries only)."""
+    a context and allocate) or ``query`` (cuInit and the device queries only). ``timeout`` bounds
+    the start (all at the barrier, all reported), ``exit_timeout`` their exits once told to finish;
+    a process still there then is killed."""
     workdir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = workdir / "starts.txt", workdir / "stderr.txt"
     out_path.unlink(missing_ok=True)
@@ -227,9 +230,10 @@ def start_together(
                 os.close(fd)
         os.close(hold_w)  # everyone finishes (also after a failure: nothing is left holding)
         os.close(ready_r)
+        exit_deadline = time.monotonic() + exit_timeout
         for p in procs:
             try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                p.wait(timeout=max(1.0, exit_deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
