@@ -169,6 +169,15 @@ static const char *check_header(const struct vgpu_region_header *h, char *why, s
     return why;
 }
 
+/* A file no creator finished: empty, or sized with its magic (written last) still zero because its
+ * creator died in between. Looked at under the file's lock, so never while a creator works. */
+static int unfinished(int fd, const struct stat *st) {
+    uint64_t magic = 1;
+    if (st->st_size == 0) return 1;
+    return st->st_size >= (off_t)VGPU_REGION_SIZE && pread(fd, &magic, sizeof magic, 0) == (ssize_t)sizeof magic &&
+           magic == 0;
+}
+
 static void *map_file(const struct vgpu_config *cfg) {
     const char *path = cfg->region_path;
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
@@ -183,22 +192,30 @@ static void *map_file(const struct vgpu_config *cfg) {
     struct stat st;
     /* Shared while the file is whole already (every process but the first: hundreds starting at
      * once map it side by side); exclusive to create it: one creator, and the others wait until its
-     * header is whole. Taking LOCK_EX drops LOCK_SH first, so the size is looked at again. */
+     * header is whole. Taking LOCK_EX drops LOCK_SH first, so the file is looked at again. */
     flock(fd, LOCK_SH);
     int examined = fstat(fd, &st) == 0;
-    if (examined && st.st_size == 0) {
+    if (examined && unfinished(fd, &st)) {
         flock(fd, LOCK_EX);
         examined = fstat(fd, &st) == 0;
     }
     if (!examined) {
         bad = "cannot be examined";
-    } else if (st.st_size == 0) {
-        if (fchmod(fd, 0666) != 0 || ftruncate(fd, VGPU_REGION_SIZE) != 0) {
+    } else if (unfinished(fd, &st)) {
+        if ((st.st_size == 0 && fchmod(fd, 0666) != 0) || ftruncate(fd, VGPU_REGION_SIZE) != 0) {
             bad = "cannot be sized";
         } else {
             map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (map == MAP_FAILED) map = NULL, bad = "cannot be mapped";
-            else init_header(map, cfg);
+            if (map == MAP_FAILED) {
+                map = NULL, bad = "cannot be mapped";
+            } else {
+                if (st.st_size != 0) { /* its creator died between sizing it and its magic: start again */
+                    VGPU_LOG(VGPU_LOG_WARN, "region file %s was left unfinished by a process that died creating "
+                             "it; made again", path);
+                    memset(map, 0, VGPU_REGION_SIZE);
+                }
+                init_header(map, cfg);
+            }
         }
     } else if (st.st_size < (off_t)VGPU_REGION_SIZE) {
         snprintf(why, sizeof why, "holds %lld bytes, fewer than a layout-%u region (%u)", (long long)st.st_size,

@@ -196,3 +196,22 @@ def test_a_deep_sweep_whose_holder_never_lets_go_wedges_nobody(built: Built, tmp
     finally:
         os.close(fd)
         victim.proc.wait(timeout=10)
+
+
+def test_a_region_whose_creator_died_before_its_magic_is_made_again_not_given_up(
+    built: Built, tmp_path: Path
+) -> None:
+    """The first process sizes the file, then writes the header, the magic last; one killed in
+    between left a file every later process refused, each then enforcing its limits alone."""
+    box = Container(tmp_path / "container", limit_bytes=1 << 30, context_reserve=0)
+    unfinished = bytearray(layout.REGION_SIZE)  # sized, some header words written, no magic
+    unfinished[layout.HEADER_LAYOUT.offsets["version"]] = layout.LAYOUT_VERSION
+    box.region.write_bytes(bytes(unfinished))
+    environ = box.env(base_env(stub=True), VGPU_LOG_LEVEL="info")
+    with Holder(built, 600, environ) as first:
+        assert first.held == "held=0"
+        second = run(built, "t_alloc", "procaddr", "alloc", "256", environ=environ)
+        assert second.int("chunks") == 1  # 424 MiB left of the one shared 1 GiB
+    assert "was left unfinished by a process that died creating it; made again" in first.proc.stderr.read()
+    after = box.snapshot()
+    assert (after.devices[0].used_bytes, after.processes) == (0, ())
