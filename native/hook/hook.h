@@ -72,6 +72,10 @@ HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
 HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL when not enabled */
 HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
 
+/* region_file.c: the region file, made by its first process and mapped by the others */
+HIDDEN void *vgpu_region_map(const struct vgpu_config *cfg); /* NULL: none usable (logged) */
+HIDDEN void vgpu_region_init(struct vgpu_region_header *h, const struct vgpu_config *cfg); /* header, lock, magic */
+
 /* slots.c: which process slots of the region belong to processes that are gone, found without
  * the region's lock (region.c drops them under it) */
 #define VGPU_SLOT_WORDS ((VGPU_MAX_PROCS + 63) / 64)

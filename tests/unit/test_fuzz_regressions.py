@@ -30,7 +30,7 @@ NATIVE = {  # the harness, then the hook's files it links (as fuzz/native/Makefi
     "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c", "slots.c"]
     + (["grant.c"] if (HOOK / "grant.c").exists() else []),  # region.c calls it where the hook has one
     # grant.c #included
-    "grant_hook": ["fuzz_grant.c", "region.c", "slots.c", "config.c", "log.c", "track.c"],
+    "grant_hook": ["fuzz_grant.c", "region.c", "region_file.c", "slots.c", "config.c", "log.c", "track.c"],
 }
 
 
