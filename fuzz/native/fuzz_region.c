@@ -1,14 +1,15 @@
-/* libFuzzer harness: the hook attaching to an existing region file (native/hook/region.c).
+/* libFuzzer harness: the hook attaching to an existing region file (native/hook/region_file.c).
  *
- * region.c is compiled into this harness (#include below) rather than changed: its map_file()
- * and check_header() are static, and another change to that file is under way. Each input
- * becomes the region file's bytes; map_file() then opens it exactly as the hook does when a
+ * region_file.c is compiled into this harness (#include below): its map_file() and check_header()
+ * are static. Each input becomes the region file's bytes; map_file() then opens it exactly as the hook does when a
  * container's CUDA process starts (size check, map, magic/version/sizes check). The first byte
  * is a switch: even, the rest is the file as is; odd, the rest is padded with zeros to a whole
  * region, so the header checks see every field. An empty file is the "first process creates it"
  * path. Properties: no crash (ASan/UBSan), and a file is mapped only when its header passes
  * check_header (the layout this hook writes). */
-#include "../../native/hook/region.c"
+#include "../../native/hook/region_file.c"
+
+#include <stdlib.h>
 
 static char path[4096];
 

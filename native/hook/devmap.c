@@ -36,19 +36,20 @@ int vgpu_index_of_cu(CUdevice dev) {
         int c = __atomic_load_n(&cu_cache[dev], __ATOMIC_RELAXED);
         if (c) return c - 1;
     }
-    int idx = dev < VGPU_MAX_DEVICES ? dev : -1;
+    int idx = dev < VGPU_MAX_DEVICES ? dev : -1, known = 1;
     if (has_uuids()) {
         CUuuid u;
         vgpu_in_hook++;
         CUresult rc = CU_REAL(cuDeviceGetUuid, (&u, dev));
         vgpu_in_hook--;
-        if (rc == CUDA_SUCCESS) {
+        known = rc == CUDA_SUCCESS; /* not yet initialised, say: ask again next time */
+        if (known) {
             char text[VGPU_UUID_BYTES];
             vgpu_format_uuid((const unsigned char *)u.bytes, text);
             idx = by_uuid(text, idx);
         }
     }
-    if (dev < CU_CACHE) __atomic_store_n(&cu_cache[dev], idx + 1, __ATOMIC_RELAXED);
+    if (known && dev < CU_CACHE) __atomic_store_n(&cu_cache[dev], idx + 1, __ATOMIC_RELAXED);
     return idx;
 }
 

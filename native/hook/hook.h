@@ -55,7 +55,8 @@ HIDDEN void vgpu_config_load(struct vgpu_config *cfg);
 
 /* region.c: the shared region of contract 5 (docs/contracts.md) */
 HIDDEN int vgpu_enabled(void);               /* attaches on first use; 0 = pass everything through */
-HIDDEN int vgpu_charge(int idx, uint64_t bytes, int force); /* 0 = granted, -1 = over the limit */
+/* 0 = granted, -1 = over the limit, -2 = no process slot left in the region (logged once) */
+HIDDEN int vgpu_charge(int idx, uint64_t bytes, int force);
 HIDDEN void vgpu_uncharge(int idx, uint64_t bytes);
 /* virtual device memory: like vgpu_charge (not forced), and *over_budget = 1 when the bytes on the
  * device (used - spilled, this charge included) pass budget[idx] (0 = no budget) */
@@ -70,6 +71,23 @@ HIDDEN uint64_t vgpu_context_reserve(void);
 HIDDEN int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max);
 HIDDEN struct vgpu_region_header *vgpu_header(void); /* the mapped header, NULL when not enabled */
 HIDDEN int vgpu_oversubscribe(void);          /* CUDA_OVERSUBSCRIBE=true was given */
+
+/* region_file.c: the region file, made by its first process and mapped by the others */
+HIDDEN void *vgpu_region_map(const struct vgpu_config *cfg); /* NULL: none usable (logged) */
+HIDDEN void vgpu_region_init(struct vgpu_region_header *h, const struct vgpu_config *cfg); /* header, lock, magic */
+
+/* slots.c: which process slots of the region belong to processes that are gone, found without
+ * the region's lock (region.c drops them under it) */
+#define VGPU_SLOT_WORDS ((VGPU_MAX_PROCS + 63) / 64)
+HIDDEN uint64_t vgpu_proc_start(int pid);                     /* clock ticks since boot; 0 = unknown */
+HIDDEN int vgpu_slot_alive(const struct vgpu_region_slot *s); /* 0: gone, a zombie, or its pid reused */
+/* marks the slots (bits of gone[VGPU_SLOT_WORDS]) whose process looks gone: deep 0 by kill(pid, 0)
+ * alone, deep 1 as vgpu_slot_alive(); never `own` (-1: none); returns how many */
+HIDDEN int vgpu_slots_gone(const struct vgpu_region_slot *slots, int deep, int own, uint64_t *gone);
+/* under the lock: drops the slots (never `own`) whose process is gone, of those marked in gone
+ * (NULL: of all), seq odd meanwhile; returns how many */
+HIDDEN int vgpu_slots_reap(struct vgpu_region_header *h, struct vgpu_region_slot *slots, int own, const uint64_t *gone);
+HIDDEN void vgpu_slot_drop(struct vgpu_region_header *h, struct vgpu_region_slot *s); /* its usage out of the totals */
 
 /* grant.c: the limits granted to the container, read-only to it (vgpu/hookabi/grant.py) */
 HIDDEN int vgpu_grant_load(struct vgpu_config *cfg); /* 1: a grant governs cfg; 0: none; -1: damaged, cfg refuses */

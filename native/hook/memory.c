@@ -9,7 +9,9 @@
  * (cuMemHostAlloc DEVICEMAP|PORTABLE) when CUDA_OVERSUBSCRIBE is on; the limit still counts
  * them. Without it, and on every other path, the budget is a device cap: past it,
  * CUDA_ERROR_OUT_OF_MEMORY. Never managed memory. */
+#include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "hook.h"
 
@@ -275,39 +277,82 @@ EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray h) {
     FREE(cuMipmappedArrayDestroy, (h), VGPU_KIND_MIPMAP, (uintptr_t)h);
 }
 
-/* The context's own footprint: VGPU_CONTEXT_RESERVE, charged once per device per process. */
-static int context_charged[VGPU_MAX_DEVICES];
+/* The context's own footprint: VGPU_CONTEXT_RESERVE, charged once per device per process, before
+ * the driver is asked. A context that does not fit the limit is refused with
+ * CUDA_ERROR_OUT_OF_MEMORY, as a full card refuses one, and the card is never asked: many
+ * processes starting at once hold no more than the grant (issue 23), where charging after the
+ * driver's answer let every one of them through. Per device: 0 not charged, 1 being charged (by
+ * another thread of this process: wait for its answer), 2 charged. */
+static int context_state[VGPU_MAX_DEVICES];
+static pthread_once_t context_fork_once = PTHREAD_ONCE_INIT;
 
-static void charge_context(CUdevice dev) {
-    int idx = vgpu_index_of_cu(dev);
-    uint64_t reserve = vgpu_context_reserve();
-    if (idx < 0 || !reserve || __atomic_exchange_n(&context_charged[idx], 1, __ATOMIC_ACQ_REL)) return;
-    vgpu_charge(idx, reserve, 1);
+/* A fork's child has only the forking thread: a charge another thread had in flight never ends there. */
+static void context_child_after_fork(void) {
+    for (int i = 0; i < VGPU_MAX_DEVICES; i++)
+        if (__atomic_load_n(&context_state[i], __ATOMIC_RELAXED) == 1) __atomic_store_n(&context_state[i], 0, __ATOMIC_RELAXED);
 }
 
-EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    CUresult rc = CU_REAL(cuDevicePrimaryCtxRetain, (pctx, dev));
-    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
+static void context_register_fork(void) { pthread_atfork(NULL, NULL, context_child_after_fork); }
+
+/* 1: charged now (ctx_settle() keeps or gives it back); 0: nothing to charge; -1: over the limit */
+static int ctx_charge(CUdevice dev, int *idx) {
+    uint64_t reserve = vgpu_context_reserve();
+    *idx = vgpu_index_of_cu(dev);
+    if (*idx < 0 || *idx >= VGPU_MAX_DEVICES || !reserve) return 0;
+    pthread_once(&context_fork_once, context_register_fork);
+    for (;;) {
+        int state = 0;
+        if (__atomic_compare_exchange_n(&context_state[*idx], &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+        if (state == 2) return 0;
+        struct timespec pause = {0, 1000000}; /* another thread's context creation: 1 ms */
+        nanosleep(&pause, NULL);
+    }
+    int rc = vgpu_charge(*idx, reserve, 0);
+    if (rc == 0) return 1;
+    __atomic_store_n(&context_state[*idx], 0, __ATOMIC_RELEASE);
+    if (rc == -1)
+            LOG_ONCE(VGPU_LOG_WARN, "device %d: a CUDA context refused (CUDA_ERROR_OUT_OF_MEMORY): its %llu bytes "
+                 "(VGPU_CONTEXT_RESERVE) do not fit the container's limit of %llu bytes beside the %llu bytes its "
+                 "processes hold. Fewer processes with a context at once, or a larger nvidia.com/gpumem", *idx,
+                 (unsigned long long)reserve, (unsigned long long)vgpu_limit(*idx),
+                 (unsigned long long)vgpu_used(*idx));
+    return -1;
+}
+
+static CUresult ctx_settle(int charged, int idx, CUresult rc) {
+    if (charged <= 0) return rc;
+    if (rc == CUDA_SUCCESS) {
+        __atomic_store_n(&context_state[idx], 2, __ATOMIC_RELEASE);
+    } else {
+        vgpu_uncharge(idx, vgpu_context_reserve());
+        __atomic_store_n(&context_state[idx], 0, __ATOMIC_RELEASE);
+    }
     return rc;
+}
+
+#define CONTEXT(name, args, dev)                                           \
+    do {                                                                   \
+        if (!ACTIVE()) return CU_REAL(name, args);                         \
+        int idx_ = -1, charged_ = ctx_charge(dev, &idx_);                  \
+        if (charged_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                 \
+        return ctx_settle(charged_, idx_, GUARDED(name, args));            \
+    } while (0)
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CONTEXT(cuDevicePrimaryCtxRetain, (pctx, dev), dev);
 }
 
 EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    CUresult rc = CU_REAL(cuCtxCreate_v2, (pctx, flags, dev));
-    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
-    return rc;
+    CONTEXT(cuCtxCreate_v2, (pctx, flags, dev), dev);
 }
 
 EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags,
                                CUdevice dev) {
-    CUresult rc = CU_REAL(cuCtxCreate_v3, (pctx, paramsArray, numParams, flags, dev));
-    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
-    return rc;
+    CONTEXT(cuCtxCreate_v3, (pctx, paramsArray, numParams, flags, dev), dev);
 }
 
 EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev) {
-    CUresult rc = CU_REAL(cuCtxCreate_v4, (pctx, ctxCreateParams, flags, dev));
-    if (rc == CUDA_SUCCESS && ACTIVE()) charge_context(dev);
-    return rc;
+    CONTEXT(cuCtxCreate_v4, (pctx, ctxCreateParams, flags, dev), dev);
 }
 
 /* What the process sees: the vGPU, total = its limit, free = what is left of it. With

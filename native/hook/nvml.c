@@ -40,7 +40,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 
 /* The region's processes with their usage, in the caller's struct layout (v1: 16 bytes;
  * v2/v3: 24 bytes). NVML's convention: too small a buffer gives INSUFFICIENT_SIZE and the count. */
-#define MAX_LISTED 256
+#define MAX_LISTED VGPU_MAX_PROCS /* every slot: a container's processes are never cut short */
 static nvmlReturn_t list(nvmlDevice_t device, unsigned int *count, void *infos, int v1, nvmlReturn_t real_rc) {
     int idx;
     uint64_t limit;

@@ -12,11 +12,10 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hook.h"
-
-_Static_assert(sizeof(pthread_mutex_t) <= VGPU_LOCK_BYTES, "the region's lock field cannot hold a pthread mutex");
 
 static struct {
     int enabled;
@@ -27,6 +26,7 @@ static struct {
     uint64_t context_reserve;
     int oversubscribe;
     const char *path; /* the region file, for messages */
+    int file;         /* the region is that file (not a private map) */
     uint64_t mirrored_seq; /* the grant's seq the region's copy last followed */
 } R = {.slot = -1};
 
@@ -34,78 +34,18 @@ static pthread_once_t attach_once = PTHREAD_ONCE_INIT;
 
 static pthread_mutex_t *mtx(void) { return (pthread_mutex_t *)(void *)R.h->lock; }
 
-/* Reads /proc/PID/stat: the process state letter and its start time (clock ticks since boot). */
-static int proc_stat(pid_t pid, char *state, uint64_t *start) {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')'); /* the command name may hold spaces */
-    if (!p || p[1] != ' ') return -1;
-    *state = p[2];
-    /* after ") " come fields 3..; starttime is field 22 */
-    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-    *start = p ? strtoull(p + 1, NULL, 10) : 0;
-    return 0;
-}
-
-static uint64_t proc_start(pid_t pid) {
-    char state;
-    uint64_t start = 0;
-    return proc_stat(pid, &state, &start) == 0 ? start : 0;
-}
-
-static int alive(const struct vgpu_region_slot *s) {
-    if (kill(s->pid, 0) == -1 && errno == ESRCH) return 0;
-    char state;
-    uint64_t start = 0;
-    if (proc_stat(s->pid, &state, &start) != 0) return 1; /* cannot tell: keep it */
-    if (state == 'Z' || state == 'X') return 0;           /* dead, not yet waited for */
-    if (s->start_time && start && start != s->start_time) return 0; /* the pid was reused */
-    return 1;
-}
-
 static void seq_begin(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_ACQ_REL); }
 static void seq_end(void) { __atomic_fetch_add(&R.h->seq, 1, __ATOMIC_RELEASE); }
 
-static void drop_slot_locked(int k) {
-    struct vgpu_region_slot *s = &R.slots[k];
-    for (int i = 0; i < VGPU_MAX_DEVICES; i++) {
-        uint64_t u = s->used[i], sp = s->spilled[i];
-        R.h->used[i] = R.h->used[i] > u ? R.h->used[i] - u : 0;
-        R.h->spilled[i] = R.h->spilled[i] > sp ? R.h->spilled[i] - sp : 0; /* the driver unpins a dead process's memory */
-    }
-    memset(s, 0, sizeof *s);
-}
-
-/* Frees the slots of processes that died without cleaning up (SIGKILL, OOM killer). */
-static int reap_locked(void) {
-    int reaped = 0;
-    seq_begin();
-    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
-        struct vgpu_region_slot *s = &R.slots[k];
-        if (!s->active || k == R.slot) continue;
-        if (!alive(s)) {
-            VGPU_LOG(VGPU_LOG_INFO, "reaping process %d, which died holding %llu bytes on device 0 "
-                     "(%llu of them spilled to host memory)",
-                     s->pid, (unsigned long long)s->used[0], (unsigned long long)s->spilled[0]);
-            drop_slot_locked(k);
-            reaped++;
-        }
-    }
-    seq_end();
-    return reaped;
-}
+/* Frees the slots of processes that died without cleaning up (SIGKILL, OOM killer): every slot
+ * looked at, one /proc read a live one (gone: NULL), or only those vgpu_slots_gone() marked. */
+static int reap_locked(const uint64_t *gone) { return vgpu_slots_reap(R.h, R.slots, R.slot, gone); }
 
 /* After a holder died mid-update: reap, then recompute the totals from the slots. */
 static void repair_locked(void) {
     VGPU_LOG(VGPU_LOG_INFO, "a process died holding the region lock; recovering");
     if (R.h->seq & 1) R.h->seq++; /* it died mid-update: readers must not wait for it */
-    reap_locked();
+    reap_locked(NULL);
     uint64_t sum[VGPU_MAX_DEVICES] = {0}, spill[VGPU_MAX_DEVICES] = {0};
     for (int k = 0; k < VGPU_MAX_PROCS; k++)
         if (R.slots[k].active)
@@ -138,108 +78,57 @@ static void unlock(int locked) {
     if (locked == 0) pthread_mutex_unlock(mtx());
 }
 
-static int my_slot_locked(void) {
+/* Dead processes' slots given back: found without the lock (deep: /proc too, else kill(pid, 0)
+ * alone), dropped under it. A process joining sweeps shallow: what died cleanly or was killed
+ * and waited for goes, its usage (spilled host memory too) with it, and the lock is held only for
+ * the drops. A charge over the limit sweeps deep, as zombies and reused pids may hold the room. */
+static int sweep(int deep) {
+    uint64_t gone[VGPU_SLOT_WORDS];
+    if (vgpu_slots_gone(R.slots, deep, R.slot, gone) == 0) return 0;
+    int locked = lock();
+    int dropped = reap_locked(gone);
+    unlock(locked);
+    return dropped;
+}
+
+/* The deep sweep, one at a time per region: a process refused while another sweeps waits for that
+ * sweep's end and looks at the limit again rather than reading every live slot's /proc itself (a
+ * grant that fits 150 of 300 processes starting together refuses 150 at once). The turn is an
+ * open-file-description lock on the byte past the region's end: no flock of region_file.c's, released
+ * when the file is closed, also by a process that dies. The wait is bounded (100 ms, a sweep of
+ * 1024 slots takes a few): a holder that cannot let go (stopped, or a fork's child that inherited
+ * the open file mid-sweep) costs the others that much, never a wedge. */
+static void sweep_deep(void) {
+    int fd = R.file ? open(R.path, O_RDWR | O_CLOEXEC) : -1;
+    struct flock turn = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = VGPU_REGION_SIZE, .l_len = 1};
+    if (fd >= 0 && fcntl(fd, F_OFD_SETLK, &turn) != 0 && (errno == EAGAIN || errno == EACCES)) {
+        for (int waited = 0; waited < 100; waited++) { /* another sweeps: wait for its end */
+            struct timespec ms = {0, 1000000};
+            nanosleep(&ms, NULL);
+            if (fcntl(fd, F_OFD_SETLK, &turn) == 0) { /* it ended: its drops are in, look again */
+                close(fd);
+                return;
+            }
+        }
+    }
+    sweep(1); /* our turn, no file to take turns on, or the other's sweep did not end in time */
+    if (fd >= 0) close(fd);
+}
+
+/* This process's slot, claimed at its first charge (the caller swept first): the first free one;
+ * -1 when every slot is taken. */
+static int my_slot_locked(uint64_t start) {
     if (R.slot >= 0 || R.exiting) return R.slot;
-    reap_locked(); /* a process joining clears what dead ones left (their spilled host memory too) */
-    pid_t pid = getpid();
-    uint64_t start = proc_start(pid);
-    int free_slot = -1;
-    for (int pass = 0; pass < 2 && free_slot < 0; pass++) {
-        for (int k = 0; k < VGPU_MAX_PROCS; k++) {
-            struct vgpu_region_slot *s = &R.slots[k];
-            if (s->active && s->pid == pid) drop_slot_locked(k); /* an earlier process with our pid */
-            if (!s->active && free_slot < 0) free_slot = k;
-        }
-        if (free_slot < 0) reap_locked();
+    for (int k = 0; k < VGPU_MAX_PROCS; k++) {
+        struct vgpu_region_slot *s = &R.slots[k];
+        if (s->active) continue;
+        memset(s, 0, sizeof *s);
+        s->pid = getpid();
+        s->start_time = start;
+        __atomic_store_n(&s->active, 1, __ATOMIC_RELEASE);
+        return R.slot = k;
     }
-    if (free_slot < 0) {
-        VGPU_LOG(VGPU_LOG_WARN, "all %d process slots of the region are taken; this process's usage "
-                 "counts against the limit but is not listed per process", VGPU_MAX_PROCS);
-        return -1;
-    }
-    struct vgpu_region_slot *s = &R.slots[free_slot];
-    memset(s, 0, sizeof *s);
-    s->pid = pid;
-    s->start_time = start;
-    s->active = 1;
-    R.slot = free_slot;
-    return free_slot;
-}
-
-static void init_header(struct vgpu_region_header *h, const struct vgpu_config *cfg) {
-    h->version = VGPU_REGION_VERSION;
-    h->header_size = sizeof(struct vgpu_region_header);
-    h->slot_size = sizeof(struct vgpu_region_slot);
-    h->max_devices = VGPU_MAX_DEVICES;
-    h->max_procs = VGPU_MAX_PROCS;
-    h->num_devices = cfg->num_devices;
-    memcpy(h->limit, cfg->limit, sizeof h->limit);
-    memcpy(h->sm_limit, cfg->sm_limit, sizeof h->sm_limit);
-    memcpy(h->uuid, cfg->uuid, sizeof h->uuid);
-    memcpy(h->budget, cfg->budget, sizeof h->budget);
-    h->priority = cfg->priority;
-    h->sm_policy = cfg->sm_policy;
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init((pthread_mutex_t *)(void *)h->lock, &attr);
-    pthread_mutexattr_destroy(&attr);
-    __atomic_store_n(&h->magic, VGPU_REGION_MAGIC, __ATOMIC_RELEASE);
-}
-
-static const char *check_header(const struct vgpu_region_header *h, char *why, size_t len) {
-    if (h->magic != VGPU_REGION_MAGIC)
-        snprintf(why, len, "is not a vgpu region (magic 0x%016llx, expected 0x%016llx)",
-                 (unsigned long long)h->magic, (unsigned long long)VGPU_REGION_MAGIC);
-    else if (h->version != VGPU_REGION_VERSION)
-        snprintf(why, len, "has region layout version %u, this hook speaks %u", h->version, VGPU_REGION_VERSION);
-    else if (h->header_size != sizeof *h || h->slot_size != sizeof(struct vgpu_region_slot) ||
-             h->max_devices != VGPU_MAX_DEVICES || h->max_procs != VGPU_MAX_PROCS)
-        snprintf(why, len, "has a header that does not match layout version %u", VGPU_REGION_VERSION);
-    else
-        return NULL;
-    return why;
-}
-
-static void *map_file(const struct vgpu_config *cfg) {
-    const char *path = cfg->region_path;
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (fd < 0) {
-        VGPU_LOG(VGPU_LOG_WARN, "cannot open region file %s (%s); this process enforces its limits alone",
-                 path, strerror(errno));
-        return NULL;
-    }
-    void *map = NULL;
-    char why[256];
-    const char *bad = NULL;
-    struct stat st;
-    flock(fd, LOCK_EX); /* one creator; others wait until the header is whole */
-    if (fstat(fd, &st) != 0) {
-        bad = "cannot be examined";
-    } else if (st.st_size == 0) {
-        if (fchmod(fd, 0666) != 0 || ftruncate(fd, VGPU_REGION_SIZE) != 0) {
-            bad = "cannot be sized";
-        } else {
-            map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (map == MAP_FAILED) map = NULL, bad = "cannot be mapped";
-            else init_header(map, cfg);
-        }
-    } else if (st.st_size < (off_t)VGPU_REGION_SIZE) {
-        snprintf(why, sizeof why, "holds %lld bytes, fewer than a layout-%u region (%u)", (long long)st.st_size,
-                 VGPU_REGION_VERSION, VGPU_REGION_SIZE);
-        bad = why;
-    } else {
-        map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (map == MAP_FAILED) map = NULL, bad = "cannot be mapped";
-        else if ((bad = check_header(map, why, sizeof why)) != NULL) munmap(map, VGPU_REGION_SIZE), map = NULL;
-    }
-    flock(fd, LOCK_UN);
-    close(fd);
-    if (bad)
-        VGPU_LOG(VGPU_LOG_ERROR, "region file %s %s; this process enforces its own limits alone. "
-                 "Remove the file and restart the container to share limits again", path, bad);
-    return map;
+    return -1;
 }
 
 static void mirror_grant(int report);
@@ -329,7 +218,7 @@ static void at_exit(void) {
     int locked = lock();
     if (R.slot >= 0) {
         seq_begin();
-        drop_slot_locked(R.slot);
+        vgpu_slot_drop(R.h, &R.slots[R.slot]);
         seq_end();
     }
     R.slot = -1;
@@ -350,14 +239,15 @@ static void attach(void) {
     if (!cfg.enabled) return;
     R.context_reserve = cfg.context_reserve;
     R.oversubscribe = cfg.oversubscribe;
-    void *map = cfg.region_path ? map_file(&cfg) : NULL;
+    void *map = cfg.region_path ? vgpu_region_map(&cfg) : NULL;
+    R.file = map != NULL;
     if (!map) { /* no region file: this process alone (and its forks) share the limits */
         map = mmap(NULL, VGPU_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
         if (map == MAP_FAILED) {
             VGPU_LOG(VGPU_LOG_ERROR, "cannot map a private region (%s); limits are NOT enforced", strerror(errno));
             return;
         }
-        init_header(map, &cfg);
+        vgpu_region_init(map, &cfg);
     }
     R.h = map;
     R.path = cfg.region_path && map != NULL ? cfg.region_path : "(private)";
@@ -380,17 +270,38 @@ int vgpu_enabled(void) {
 static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
     if (over_budget) *over_budget = 0;
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
-    int locked = lock();
-    int k = my_slot_locked();
-    /* limit and budget are live-resizable: read on every call, never cached */
-    uint64_t limit = limit_word(idx);
-    mirror_grant(1);
-    if (!force && limit) {
-        int over = bytes > limit || R.h->used[idx] > limit - bytes;
-        if (over && reap_locked() > 0) over = bytes > limit || R.h->used[idx] > limit - bytes;
-        if (over) {
+    uint64_t start = 0;
+    if (R.slot < 0 && !R.exiting) { /* joining: what dead processes left goes first, off the lock */
+        sweep(0);
+        start = vgpu_proc_start(getpid());
+    }
+    for (int swept = 0;; swept = 1) {
+        int locked = lock();
+        int k = my_slot_locked(start);
+        if (k < 0 && !R.exiting) { /* every slot taken: nothing may be held uncounted */
+            unlock(locked);
+            if (!swept) { /* dead processes may hold slots: look deep, off the lock, then again */
+                sweep_deep();
+                continue;
+            }
+            static int told;
+            if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+                VGPU_LOG(VGPU_LOG_ERROR, "all %d process slots of the region %s are held by live processes; this "
+                         "process's contexts and device memory are refused (CUDA_ERROR_OUT_OF_MEMORY) so that "
+                         "nothing it holds goes uncounted. A container runs at most %d CUDA processes at once",
+                         VGPU_MAX_PROCS, R.path, VGPU_MAX_PROCS);
+            return -2;
+        }
+        /* limit and budget are live-resizable: read on every call, never cached */
+        uint64_t limit = limit_word(idx);
+        mirror_grant(1);
+        if (!force && limit && (bytes > limit || R.h->used[idx] > limit - bytes)) {
             uint64_t used = R.h->used[idx];
             unlock(locked);
+            if (!swept) { /* dead processes may hold the room: look deep, off the lock, then again */
+                sweep_deep();
+                continue;
+            }
             static int told_below;
             if (used > limit && !__atomic_exchange_n(&told_below, 1, __ATOMIC_RELAXED))
                 VGPU_LOG(VGPU_LOG_WARN, "device %d: the limit (%llu bytes) is below the %llu bytes in use, so it was "
@@ -401,18 +312,18 @@ static int charge(int idx, uint64_t bytes, int force, int *over_budget) {
                      idx, (unsigned long long)used, (unsigned long long)limit);
             return -1;
         }
+        if (over_budget) {
+            uint64_t budget = budget_word(idx);
+            uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
+            *over_budget = budget && (bytes > budget || resident > budget - bytes);
+        }
+        seq_begin();
+        R.h->used[idx] += bytes;
+        if (k >= 0) R.slots[k].used[idx] += bytes;
+        seq_end();
+        unlock(locked);
+        return 0;
     }
-    if (over_budget) {
-        uint64_t budget = budget_word(idx);
-        uint64_t resident = R.h->used[idx] > R.h->spilled[idx] ? R.h->used[idx] - R.h->spilled[idx] : 0;
-        *over_budget = budget && (bytes > budget || resident > budget - bytes);
-    }
-    seq_begin();
-    R.h->used[idx] += bytes;
-    if (k >= 0) R.slots[k].used[idx] += bytes;
-    seq_end();
-    unlock(locked);
-    return 0;
 }
 
 int vgpu_charge(int idx, uint64_t bytes, int force) { return charge(idx, bytes, force, NULL); }
@@ -483,7 +394,7 @@ int vgpu_processes(int idx, unsigned int *pids, uint64_t *used, int max) {
     if (idx < 0 || idx >= VGPU_MAX_DEVICES || !vgpu_enabled()) return 0;
     int n = 0;
     int locked = lock();
-    reap_locked();
+    reap_locked(NULL);
     for (int k = 0; k < VGPU_MAX_PROCS; k++) {
         const struct vgpu_region_slot *s = &R.slots[k];
         if (!s->active || s->used[idx] == 0) continue;

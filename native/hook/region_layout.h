@@ -5,9 +5,9 @@
 #include <stdint.h>
 
 #define VGPU_REGION_MAGIC 0x4e47455255504756ULL
-#define VGPU_REGION_VERSION 2u
+#define VGPU_REGION_VERSION 3u
 #define VGPU_MAX_DEVICES 16
-#define VGPU_MAX_PROCS 256
+#define VGPU_MAX_PROCS 1024
 #define VGPU_UUID_BYTES 64
 #define VGPU_LOCK_BYTES 64
 #define VGPU_FLAG_YIELD 1u
@@ -125,5 +125,5 @@ _Static_assert(offsetof(struct vgpu_grant, hold_until_ns) == 1656, "vgpu_grant.h
 _Static_assert(sizeof(struct vgpu_grant) == 1784, "vgpu_grant size changed");
 #define VGPU_GRANT_FIELDS(X) X(magic) X(version) X(size) X(seq) X(checksum) X(num_devices) X(priority) X(sm_policy) X(oversubscribe) X(context_reserve) X(limit) X(sm_limit) X(budget) X(uuid) X(region_path) X(hold_until_ns)
 
-#define VGPU_REGION_SIZE 72128u
+#define VGPU_REGION_SIZE 281024u
 #endif

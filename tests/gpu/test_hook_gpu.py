@@ -47,7 +47,16 @@ def wait():
 
 if kind.startswith("torch"):
     import torch
-    free, total = torch.cuda.mem_get_info()  # creates the context, allocates nothing
+    try:
+        free, total = torch.cuda.mem_get_info()  # creates the context, allocates nothing
+    except RuntimeError as e:  # the hook refused the context itself: it does not fit the limit
+        if kind != "torch-hold3g":
+            raise
+        report(stage="start", ok=False, error="context", message=str(e))
+        wait()
+        report(stage="hold", ok=False, error="context", message=str(e))
+        wait()
+        sys.exit(0)
     report(stage="start", free=free, total=total)
     if kind == "torch-hold3g":
         wait()
@@ -256,15 +265,20 @@ def test_two_processes_sharing_one_4_gib_region_cannot_hold_3_gib_each(lib: Path
             second.read()
             second.go()
             b = second.read()
+            with Region(tmp_path / "region") as r:
+                together = r.snapshot().devices[0].used_bytes
         finally:
             second.go()
             second.finish()
     finally:
         first.go()
         first.finish()
-    record("two-processes", first=a, second=b)
+    record("two-processes", first=a, second=b, together_mib=together // MIB)
     assert a["ok"] is True
-    assert b["ok"] is False and b["error"] == "OutOfMemoryError"
+    # The second's context (640 MiB) does not fit beside the first's 640 MiB and 3 GiB: the hook
+    # refuses it before the driver is asked (issue 23), so the two never hold more than the limit.
+    assert b["ok"] is False and b["error"] == "context" and "out of memory" in b["message"].lower(), b
+    assert together <= LIMIT_MIB * MIB
 
 
 PATHS = ["alloc", "pitch", "managed", "async", "pool", "vmm", "array", "array3d", "mipmap"]

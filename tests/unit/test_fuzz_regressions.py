@@ -27,9 +27,10 @@ FUZZ = ROOT / "fuzz"
 HOOK = ROOT / "native" / "hook"
 NATIVE = {  # the harness, then the hook's files it links (as fuzz/native/Makefile does)
     "config_env": ["fuzz_config.c", "config.c", "log.c"],
-    "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c"]
+    "region_hook": ["fuzz_region.c", "config.c", "log.c", "track.c", "slots.c"]
     + (["grant.c"] if (HOOK / "grant.c").exists() else []),  # region.c calls it where the hook has one
-    "grant_hook": ["fuzz_grant.c", "region.c", "config.c", "log.c", "track.c"],  # grant.c #included
+    # grant.c #included
+    "grant_hook": ["fuzz_grant.c", "region.c", "region_file.c", "slots.c", "config.c", "log.c", "track.c"],
 }
 
 

@@ -60,3 +60,50 @@ def test_a_short_file_is_refused_with_its_size(tmp_path: Path) -> None:
     short.write_bytes(b"\0" * 100)
     with pytest.raises(region.RegionError, match="holds 100 bytes"):
         region.Region(short)
+
+
+def _with_process(path: Path, version: int, slot: int, pid: int) -> None:
+    """A region of layout ``version`` (its number of slots) with one process in ``slot``."""
+    procs = layout.SLOTS_BY_VERSION[version]
+    region.format_region(path, ["GPU-a"], limits=[1 << 30])
+    data = bytearray(path.read_bytes()[: layout.HEADER_LAYOUT.size]) + bytearray(
+        procs * layout.SLOT_LAYOUT.size
+    )
+    h, s = layout.HEADER_LAYOUT.offsets, layout.SLOT_LAYOUT.offsets
+    data[h["version"] : h["version"] + 4] = version.to_bytes(4, "little")
+    data[h["max_procs"] : h["max_procs"] + 4] = procs.to_bytes(4, "little")
+    base = layout.HEADER_LAYOUT.size + slot * layout.SLOT_LAYOUT.size
+    data[base + s["pid"] : base + s["pid"] + 4] = pid.to_bytes(4, "little")
+    data[base + s["active"] : base + s["active"] + 4] = (1).to_bytes(4, "little")
+    data[base + s["used"] : base + s["used"] + 8] = (640 << 20).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_layout_3_holds_1024_process_slots_and_reads_its_last(tmp_path: Path, mapped: bool) -> None:
+    assert (layout.LAYOUT_VERSION, layout.MAX_PROCS) == (3, 1024)
+    _with_process(tmp_path / "region", 3, 1023, 4242)
+    with region.Region(tmp_path / "region", mapped=mapped) as r:
+        (proc,) = r.snapshot().processes
+    assert (proc.pid, proc.used_bytes) == (4242, (640 << 20,))
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_layout_2_region_of_a_container_started_before_an_upgrade_still_reads(
+    tmp_path: Path, mapped: bool
+) -> None:
+    """Layout 3 changed only the number of slots (256 -> 1024): the monitor keeps reading the older."""
+    _with_process(tmp_path / "region", 2, 255, 4243)
+    assert (tmp_path / "region").stat().st_size == layout.region_size(256) < layout.REGION_SIZE
+    with region.Region(tmp_path / "region", mapped=mapped) as r:
+        assert r.intact()
+        (proc,) = r.snapshot().processes
+    assert proc.pid == 4243
+
+
+def test_a_layout_2_header_on_a_file_cut_short_is_refused_with_its_size(tmp_path: Path) -> None:
+    _with_process(tmp_path / "region", 2, 0, 4244)
+    path = tmp_path / "region"
+    path.write_bytes(path.read_bytes()[: layout.region_size(256) - 1])
+    with pytest.raises(region.RegionError, match=f"a layout-2 region needs {layout.region_size(256)}"):
+        region.Region(path)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAGIC = int.from_bytes(b"VGPUREGN", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAX_DEVICES = 16
-MAX_PROCS = 256
+MAX_PROCS = 1024  # process slots: CUDA processes of one container at once (layout 2 had 256)
 UUID_BYTES = 64
 LOCK_BYTES = 64  # holds a glibc pthread_mutex_t (40 bytes on x86-64 and aarch64)
 
@@ -45,7 +45,7 @@ class Field:
 
 
 # The one definition of the layout. Append fields only at the end of a struct and bump
-# LAYOUT_VERSION whenever an offset changes.
+# LAYOUT_VERSION whenever an offset or the number of slots changes.
 HEADER: tuple[Field, ...] = (
     Field("magic", "uint64_t", doc="MAGIC: the bytes 'VGPUREGN'"),
     Field("version", "uint32_t", doc="LAYOUT_VERSION"),
@@ -149,7 +149,18 @@ def compute_layout(fields: Sequence[Field]) -> Layout:
 HEADER_LAYOUT = compute_layout(HEADER)
 SLOT_LAYOUT = compute_layout(SLOT)
 GRANT_LAYOUT = compute_layout(GRANT)
-REGION_SIZE = HEADER_LAYOUT.size + MAX_PROCS * SLOT_LAYOUT.size
+
+
+def region_size(max_procs: int) -> int:
+    """Bytes of a region with ``max_procs`` process slots."""
+    return HEADER_LAYOUT.size + max_procs * SLOT_LAYOUT.size
+
+
+REGION_SIZE = region_size(MAX_PROCS)
+# The layouts a reader opens, by version: their process slots. Layout 3 changed only the number of
+# slots, so the node monitor keeps reading the regions of containers started before an upgrade
+# (their hook stays the version they were given). The hook attaches to its own layout only.
+SLOTS_BY_VERSION = {2: 256, LAYOUT_VERSION: MAX_PROCS}
 GRANT_PAYLOAD = GRANT_LAYOUT.offsets["num_devices"]  # the checksum covers [GRANT_PAYLOAD, size)
 
 _FNV_OFFSET = 0xCBF29CE484222325

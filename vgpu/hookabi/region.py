@@ -52,8 +52,10 @@ from vgpu.hookabi.layout import (
     MAX_PROCS,
     REGION_SIZE,
     SLOT_LAYOUT,
+    SLOTS_BY_VERSION,
     UUID_BYTES,
     Field,
+    region_size,
 )
 
 
@@ -193,20 +195,23 @@ class Region:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise RegionError(f"{self.path} is not a regular file; remove it and restart the container")
-            if st.st_size < REGION_SIZE:
+            self.inode = st.st_ino
+            # the header says which layout (and so how many slots) before the whole is sized
+            self.layout, self.max_procs, self.size = LAYOUT_VERSION, MAX_PROCS, REGION_SIZE
+            if st.st_size >= HEADER_LAYOUT.size:
+                self._check(Header(self._copy(0, HEADER_LAYOUT.size)))
+            if st.st_size < self.size:
                 raise RegionError(
                     f"{self.path} holds {st.st_size} bytes, "
-                    f"a layout-{LAYOUT_VERSION} region needs {REGION_SIZE}: "
+                    f"a layout-{self.layout} region needs {self.size}: "
                     "it is not a vgpu region or was cut short; remove it and restart the container"
                 )
-            self.inode = st.st_ino
             if mapped:
                 access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-                self._map = mmap.mmap(fd, REGION_SIZE, access=access)
+                self._map = mmap.mmap(fd, self.size, access=access)
                 self._u32 = memoryview(self._map).cast("I")
                 self._u64 = memoryview(self._map).cast("Q")
                 self._i64 = memoryview(self._map).cast("q")
-            self._check(Header(self._copy(0, HEADER_LAYOUT.size)))
         except BaseException:
             self.close()
             raise
@@ -219,20 +224,23 @@ class Region:
                 f"{self.path} is not a vgpu region (magic 0x{magic:016x}, expected 0x{MAGIC:016x}); "
                 "remove it and restart the container"
             )
-        if version != LAYOUT_VERSION:
+        if version not in SLOTS_BY_VERSION:
+            readable = ", ".join(map(str, sorted(SLOTS_BY_VERSION)))
             raise RegionError(
-                f"{self.path} has region layout version {version}, this vgpu reads {LAYOUT_VERSION}; "
+                f"{self.path} has region layout version {version}, this vgpu reads {readable}; "
                 "upgrade the node monitor and the hook together"
             )
         for name, want in (
             ("header_size", HEADER_LAYOUT.size),
             ("slot_size", SLOT_LAYOUT.size),
             ("max_devices", MAX_DEVICES),
-            ("max_procs", MAX_PROCS),
+            ("max_procs", SLOTS_BY_VERSION[version]),
         ):
             got = header.word(name)
             if got != want:
                 raise RegionError(f"{self.path}: header field {name} is {got}, expected {want}")
+        self.layout, self.max_procs = version, SLOTS_BY_VERSION[version]
+        self.size = region_size(self.max_procs)
 
     @property
     def closed(self) -> bool:
@@ -263,7 +271,7 @@ class Region:
         check: that race is why the node monitor opens regions with ``mapped=False``.
         """
         try:
-            return os.fstat(self._fd).st_size >= REGION_SIZE
+            return os.fstat(self._fd).st_size >= self.size
         except OSError:
             return False
 
@@ -325,7 +333,7 @@ class Region:
         for _ in range(attempts):
             before = self.word("seq")
             if before % 2 == 0:
-                data = self._copy(0, REGION_SIZE)
+                data = self._copy(0, self.size)
                 if self.word("seq") == before:
                     magic = _u("Q", data, _H["magic"])
                     if magic != MAGIC:
@@ -333,7 +341,7 @@ class Region:
                             f"{self.path} is no longer a vgpu region (magic 0x{magic:016x}): "
                             "it was cut short or rewritten"
                         )
-                    return _decode(data)
+                    return _decode(data, self.max_procs)
             time.sleep(0.0001)
         raise RegionError(f"{self.path}: a writer held the region mid-update for too long; try again")
 
@@ -439,7 +447,7 @@ def format_region(
     Path(path).write_bytes(bytes(buf))
 
 
-def _decode(data: bytes) -> Snapshot:
+def _decode(data: bytes, max_procs: int) -> Snapshot:
     h = HEADER_LAYOUT.offsets
     num = min(_u("I", data, h["num_devices"]), MAX_DEVICES)
     devices = []
@@ -463,11 +471,15 @@ def _decode(data: bytes) -> Snapshot:
         )
     s = SLOT_LAYOUT.offsets
     processes = []
-    for k in range(MAX_PROCS):
-        base = HEADER_LAYOUT.size + k * SLOT_LAYOUT.size
-        pid = _u("i", data, base + s["pid"])
-        if pid == 0 or _u("I", data, base + s["active"]) == 0:
+    # the pid and active words of every slot, read through one strided view: most slots are free
+    words = memoryview(data)[HEADER_LAYOUT.size : HEADER_LAYOUT.size + max_procs * SLOT_LAYOUT.size].cast("i")
+    stride = SLOT_LAYOUT.size // 4
+    pids, actives = words[s["pid"] // 4 :: stride], words[s["active"] // 4 :: stride]
+    for k in range(max_procs):
+        if pids[k] == 0 or actives[k] == 0:
             continue
+        base = HEADER_LAYOUT.size + k * SLOT_LAYOUT.size
+        pid = pids[k]
         used = tuple(_u("Q", data, base + s["used"] + 8 * i) for i in range(num))
         spilled = tuple(_u("Q", data, base + s["spilled"] + 8 * i) for i in range(num))
         processes.append(ProcessUsage(pid, _u("Q", data, base + s["start_time"]), used, spilled))

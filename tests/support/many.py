@@ -1,0 +1,280 @@
+"""Many processes of one container starting CUDA at the same moment (issue 23, item 5).
+
+``start_together`` starts N copies of ``native/hook/build/b_many``, waits until every one blocks
+at a barrier (a pipe each reads until end of file), releases them all at once by closing the
+pipe, and collects each one's report of its start-up (cuInit, the devices enumerated,
+cuDeviceTotalMem, the primary context, one allocation, cuMemGetInfo). While all of them hold
+what they got, ``while_held`` looks (the region, the driver's figures); then they are told to
+finish, and their exit statuses are collected. ``Container`` lays out what Allocate gives a
+container: a grant naming the region file, the hook preloaded.
+
+Shared by ``bench/bench_many.py`` (timing), ``tests/integration/test_hook_many.py`` (the stub
+driver) and ``tests/gpu/test_many_gpu.py`` (an H200). Only the standard library and
+``vgpu.hookabi``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.hookabi.region import Region, Snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "native" / "hook" / "build"
+PROGRAM = BUILD / "b_many"
+MIB = 1 << 20
+CUDA_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
+# What Allocate's environment may carry in from the caller's: none of it may leak into a run.
+_DROP = ("CUDA_DEVICE_", "CUDA_SM_", "CUDA_TASK_", "CUDA_OVERSUBSCRIBE", "LD_PRELOAD", "VGPU_", "STUB_CUDA_")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Start:
+    """One process's report (b_many's line)."""
+
+    pid: int
+    wake_ns: int
+    done_ns: int
+    init_ns: int
+    query_ns: int
+    ctx_ns: int
+    alloc_ns: int
+    devices: int
+    ctx_rc: int  # -1: no context asked for
+    alloc_rc: int  # -1: no allocation made
+    total: int  # cuDeviceTotalMem
+    info_free: int
+    info_total: int
+    failed: str = ""  # STEP:RC of a start-up step that failed
+
+    @classmethod
+    def parse(cls, line: str) -> Start:
+        values = dict(part.split("=", 1) for part in line.split())
+        failed = values.pop("failed", "")
+        return cls(**{k: int(v) for k, v in values.items()}, failed=failed)
+
+
+@dataclass
+class Round(Generic[T]):
+    """What one start of N processes gave."""
+
+    release_ns: int
+    starts: list[Start]
+    returncodes: list[int]
+    seen: T | None  # what while_held returned
+    errors: str  # the processes' stderr, all together
+
+    def startup_s(self) -> list[float]:
+        """Each process's start-up: from the common release to its report."""
+        return sorted((s.done_ns - self.release_ns) / 1e9 for s in self.starts)
+
+    def stats(self) -> dict[str, float]:
+        return summary(self.startup_s())
+
+    @property
+    def contexts(self) -> int:
+        return sum(1 for s in self.starts if s.ctx_rc == CUDA_SUCCESS)
+
+    @property
+    def refused(self) -> int:
+        return sum(1 for s in self.starts if s.ctx_rc == CUDA_ERROR_OUT_OF_MEMORY)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and max of values (seconds)."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    p99 = ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * 99 // 100) - 1))]
+    return {"p50": statistics.median(ordered), "p99": p99, "max": ordered[-1]}
+
+
+def base_env(stub: bool, stub_mib: int = 192 * 1024) -> dict[str, str]:
+    """The caller's environment without anything that would change the hook or the driver;
+    over the stub driver, its libraries first and a card of stub_mib."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
+    if stub:
+        out["LD_LIBRARY_PATH"] = str(BUILD / "stub")
+        out["STUB_CUDA_MEMORY_MIB"] = str(stub_mib)
+    return out
+
+
+@dataclass
+class Container:
+    """A container as Allocate lays it out: its grant (naming the region file) and the hook.
+
+    The grant is named with VGPU_GRANT_FILE, the hand-run equivalent of the read-only mount at
+    /etc/vgpu/limits (tests/integration/test_hook_grant.py runs the real mount); LD_PRELOAD
+    stands for /etc/ld.so.preload."""
+
+    folder: Path
+    limit_bytes: int
+    context_reserve: int = 640 * MIB
+    uuid: str = "GPU-many-0"
+    grant: Path = field(init=False)
+    region: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.grant = self.folder / "vgpu.limits"
+        self.region = self.folder / "vgpu.region"
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh container: a new grant, no region file yet (its first process makes it)."""
+        self.region.unlink(missing_ok=True)
+        write_grant(
+            self.grant,
+            Grant(
+                (self.uuid,),
+                (self.limit_bytes,),
+                region_path=str(self.region),
+                context_reserve=self.context_reserve,
+            ),
+        )
+
+    def env(self, base: dict[str, str], **extra: str) -> dict[str, str]:
+        return base | {"LD_PRELOAD": str(BUILD / "libvgpu.so"), "VGPU_GRANT_FILE": str(self.grant)} | extra
+
+    def snapshot(self) -> Snapshot:
+        with Region(self.region) as r:
+            return r.snapshot()
+
+
+def _read_bytes(
+    fd: int, want: int, deadline: float, procs: Sequence[subprocess.Popen[bytes]], what: str
+) -> None:
+    got = 0
+    while got < want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            dead = sum(1 for p in procs if p.poll() is not None)
+            raise TimeoutError(f"{what}: {got} of {want} processes got there in time ({dead} had exited)")
+        ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                dead = sum(1 for p in procs if p.poll() is not None)
+                raise RuntimeError(f"{what}: {got} of {want} processes got there; the others exited ({dead})")
+            got += len(chunk)
+
+
+def start_together(
+    count: int,
+    environ: dict[str, str] | Callable[[int], dict[str, str]],
+    workdir: Path,
+    *,
+    modes: Callable[[int], str] = lambda i: "ctx",
+    alloc_bytes: int = MIB,
+    while_held: Callable[[list[Start]], T] | None = None,
+    timeout: float = 300,
+    exit_timeout: float = 120,
+) -> Round[T]:
+    """Starts ``count`` b_many processes, releases them together, returns what they reported.
+
+    ``environ`` (or ``environ(i)``) is each process's environment; ``modes(i)`` is ``ctx`` (start
+    a context and allocate) or ``query`` (cuInit and the device queries only). ``timeout`` bounds
+    the start (all at the barrier, all reported), ``exit_timeout`` their exits once told to finish;
+    a process still there then is killed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = workdir / "starts.txt", workdir / "stderr.txt"
+    out_path.unlink(missing_ok=True)
+    err_path.unlink(missing_ok=True)
+    go_r, go_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    out_fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    err_fd = os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + timeout
+    seen: T | None = None
+    try:
+        for i in range(count):
+            args = [str(PROGRAM), modes(i), str(alloc_bytes), str(go_r), str(hold_r), str(ready_w)]
+            procs.append(
+                subprocess.Popen(
+                    args,
+                    env=environ(i) if callable(environ) else environ,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_fd,
+                    stderr=err_fd,
+                    pass_fds=(go_r, hold_r, ready_w),
+                )
+            )
+        for fd in (go_r, hold_r, ready_w, out_fd, err_fd):
+            os.close(fd)
+        go_r = hold_r = ready_w = out_fd = err_fd = -1
+        _read_bytes(ready_r, count, deadline, procs, "waiting at the barrier")
+        release_ns = time.monotonic_ns()  # CLOCK_MONOTONIC, as b_many's stamps
+        os.close(go_w)
+        go_w = -1
+        _read_bytes(ready_r, count, deadline, procs, "reporting their start-up")
+        starts = [Start.parse(line) for line in out_path.read_text().splitlines() if line.strip()]
+        if while_held is not None:
+            seen = while_held(starts)
+    finally:
+        for fd in (go_r, go_w, hold_r, ready_w, out_fd, err_fd):
+            if fd >= 0:
+                os.close(fd)
+        os.close(hold_w)  # everyone finishes (also after a failure: nothing is left holding)
+        os.close(ready_r)
+        exit_deadline = time.monotonic() + exit_timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, exit_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return Round(release_ns, starts, [p.returncode for p in procs], seen, err_path.read_text())
+
+
+# The GPU run (--gpu, tests/gpu/test_many_gpu.py) must never ask the card for more than it holds.
+CONTEXT_BOUND_MIB = 600  # what a bare driver-API context takes at most: 518 MiB measured on an H200, CUDA 13
+GRANT_CAP_MIB = 100 * 1024  # the grant of a GPU run stays at or under 100 GiB
+
+
+def _smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+        env=base_env(stub=False),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_plan(procs: int, attempts: int, fit: int, alloc_mib: int) -> dict[str, int]:
+    """How many processes may ask card 0 for a context, and how many the grant fits.
+
+    Every process that asks is bounded by what the card has free now: attempts * (600 MiB + the
+    allocation) stays within 90 % of it, so even with no hook at all (the bare run) the card is
+    never asked for more than it holds. The grant fits ``fit`` contexts of 640 MiB (the hook's
+    charge) and their allocation, at most 100 GiB, fewer than ``attempts``: the hook refuses the
+    others at context creation, before the driver is asked."""
+    free_mib, total_mib = (int(v) for v in _smi("-i", "0", "--query-gpu=memory.free,memory.total")[0])
+    per = CONTEXT_BOUND_MIB + alloc_mib
+    attempts = min(attempts, procs, free_mib * 9 // 10 // per)
+    fit = min(fit, attempts, GRANT_CAP_MIB // (640 + alloc_mib))
+    if attempts < 1 or fit < 1:
+        raise RuntimeError(f"card 0 has {free_mib} MiB free: too little for one context of {per} MiB")
+    return {"attempts": attempts, "fit": fit, "card_free_mib": free_mib, "card_total_mib": total_mib}
+
+
+def held_on_gpu(pids: set[int]) -> dict[str, int]:
+    """What the driver says these processes hold on the cards (MiB), and how many it lists."""
+    rows = [r for r in _smi("--query-compute-apps=pid,used_memory") if r[0].isdigit() and int(r[0]) in pids]
+    return {"driver_mib": sum(int(r[1]) for r in rows if r[1].isdigit()), "driver_procs": len(rows)}
