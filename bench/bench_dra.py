@@ -194,6 +194,11 @@ def run(n: int, pods: int, pairs: int, work: Path) -> None:
         kube = Kube(str(sb.kubeconfig))
         version = kube.get("/version").get("gitVersion", "?")
         print(f"[{n} nodes] control plane {version}", flush=True)
+        if "resource.k8s.io/v1" not in sb.kubectl("api-versions").stdout.split():
+            raise SystemExit(
+                f"the control plane ({version}) serves no resource.k8s.io/v1: DRA needs Kubernetes 1.34+ "
+                "(VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136)"
+            )
         sb.kubectl("create", "namespace", NAMESPACE)
         nodes, leases = node_items(n)
         t0 = time.monotonic()
