@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -262,12 +262,7 @@ class NodeCollector(Collector):
         for folder in self._region_dirs():
             claim = claim_labels(self.paths.vgpu_dir, folder.name)
             if claim is not None:  # a DRA claim's request (docs/dra.md, "Watching DRA containers")
-                namespace, pod, pod_uid, container = (
-                    claim.namespace,
-                    claim.pod,
-                    claim.pod_uid,
-                    claim.container,
-                )
+                namespace, pod, pod_uid, container = astuple(claim)
             else:
                 pod_uid, _, container = folder.name.partition("_")
                 namespace, pod = names.get(pod_uid, ("", ""))
