@@ -179,13 +179,23 @@ def cpu_report(before: dict[str, float], after: dict[str, float], pods: int) -> 
     return "CPU ms per pod: " + ", ".join(parts)
 
 
-def burst(sb: Sandbox, kube: Kube, scheduler: str, count: int, limits: dict[str, str], start: Any) -> float:
+def burst(
+    sb: Sandbox,
+    kube: Kube,
+    scheduler: str,
+    count: int,
+    limits: dict[str, str],
+    start: Any,
+    create_pods: bool = True,
+) -> float:
     """Pods/s binding ``count`` pods that wait for their scheduler, once ``start()`` has started it.
 
     The pods are created first (creating them is slower than scheduling them here), then the
     scheduler starts; the rate is taken from the first bound pod to the last, as a watch sees them.
+    ``create_pods=False``: the caller created them (bench_dra.py: pods with claims).
     """
-    create(sb, [pod(f"{scheduler}-{i}", scheduler, limits) for i in range(count)])
+    if create_pods:
+        create(sb, [pod(f"{scheduler}-{i}", scheduler, limits) for i in range(count)])
     selector = f"metadata.namespace={NAMESPACE},spec.schedulerName={scheduler}"
     _, rv = kube.list_pods(field_selector=selector)
     settle()

@@ -149,7 +149,10 @@ def test_gpu_nodes_play_labels_a_new_node_and_uninstall_removes_the_label_and_th
                 "all": {
                     "children": {
                         "kube_control": kube_control,
-                        "gpu_nodes": {"hosts": {EXTRA_NODE: None}, "vars": gpu_vars},
+                        "gpu_nodes": {
+                            "hosts": {EXTRA_NODE: {"gpu_node_gpu_mode": "dra"}},
+                            "vars": gpu_vars,
+                        },
                     }
                 }
             }
@@ -159,11 +162,16 @@ def test_gpu_nodes_play_labels_a_new_node_and_uninstall_removes_the_label_and_th
     labelled = play(sandbox, "gpu_nodes.yml", inventory=inventory)
     assert labelled.returncode == 0, labelled.stdout[-4000:]
     assert play_recap(labelled)[EXTRA_NODE]["changed"] == 1
-    assert _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"].get("gpu") == "on"
+    labels = _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"]
+    assert labels.get("gpu") == "on" and labels.get("openaios.io/gpu-mode") == "dra"
+    # the sandbox's own nodes, labelled by site.yml with the default mode
+    own = _get(sandbox, "node", "vgpu-node-0")["metadata"]["labels"]
+    assert own["openaios.io/gpu-mode"] == "device-plugin"
 
     removed = play(sandbox, "uninstall.yml", inventory=inventory)
     assert removed.returncode == 0, removed.stdout[-4000:]
-    assert "gpu" not in _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"]
+    labels = _get(sandbox, "node", EXTRA_NODE)["metadata"]["labels"]
+    assert "gpu" not in labels and "openaios.io/gpu-mode" not in labels
     assert _release(sandbox) is None
     assert f"Release {RELEASE} removed from {NAMESPACE}" in removed.stdout
     # The sandbox's own nodes were not in this inventory: they keep their label.

@@ -349,3 +349,20 @@ def test_a_card_turning_unhealthy_leaves_allocatable_and_the_inventory(agent: Ag
     agent.admit(1)
     assert "unhealthy" in agent.record("on-sick-card")["error"]
     assert agent.pod("on-sick-card")["metadata"]["annotations"][PHASE_ANNOTATION] == "failed"
+
+
+def test_labelled_dra_the_node_gets_no_vgpu_from_the_plugin_until_labelled_back(agent: Agent) -> None:
+    """One mode per node: the plugin reads its Node's label openaios.io/gpu-mode from the API
+    server at every renewal and offers nothing to the kubelet nor the extender on a DRA node."""
+    agent.daemon.reporter.renew_s = 0.2
+
+    def inventory() -> int:
+        ann = agent.node()["metadata"].get("annotations") or {}
+        return len(decode_devices(ann[DEVICES_ANNOTATION]).devices) if DEVICES_ANNOTATION in ann else -1
+
+    agent.sandbox.kubectl("label", "node", agent.name, "openaios.io/gpu-mode=dra")
+    assert agent.kubelet.wait_for(lambda k: len(agent.advertised(k)) == 0, 20)
+    assert poll(lambda: inventory() == 0, timeout=20, every=0.1)
+    agent.sandbox.kubectl("label", "node", agent.name, "--overwrite", "openaios.io/gpu-mode=device-plugin")
+    assert agent.kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
+    assert poll(lambda: inventory() == 4, timeout=20, every=0.1)

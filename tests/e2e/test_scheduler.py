@@ -527,6 +527,34 @@ def test_nodes_with_an_expired_plugin_lease_or_a_malformed_inventory_get_nothing
     assert f'vgpu_scheduler_inventory_errors_total{{node="{broken}"}} 1.0' in metrics
 
 
+def test_a_dra_node_gets_no_device_plugin_pod_and_the_event_says_why_and_how_to_fix(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    """One mode per node: a node labelled openaios.io/gpu-mode=dra keeps its (stale) inventory,
+    fresh Lease and nvidia.com/gpu capacity, yet the extender gives its cards to no vGPU pod; a
+    pod that fits only there stays Pending with the label and the fix in its event, and takes the
+    node as soon as the label says device-plugin again."""
+    group, (dp, dra) = make_nodes(2, lambda n: [card(n, 0)])
+    sandbox.kubectl("label", "node", dra, "openaios.io/gpu-mode=dra")
+    apply_list(sandbox, [pod_manifest(f"d{i}", group, {"gpumem": 9000}) for i in range(2)])
+    first = allocation(wait_bound(sandbox, group, "d0")).node
+    assert first == dp
+    fix = (
+        "1 node(s) had label openaios.io/gpu-mode=dra (DRA mode): DRA hands out the GPUs there, "
+        "through ResourceClaims of the DeviceClass vgpu.openaios.io, not nvidia.com/gpu; give the pod "
+        "a claim (docs/dra.md), or label the node openaios.io/gpu-mode=device-plugin"
+    )
+    wait_for(
+        lambda: any(fix in m for m in failed_scheduling(sandbox, "d1")),
+        "d1's FailedScheduling event naming the DRA node's label",
+        60,
+        every=0.5,
+    )
+    assert not bound(pods(sandbox, group)["d1"])
+    sandbox.kubectl("label", "node", dra, "--overwrite", "openaios.io/gpu-mode=device-plugin")
+    assert allocation(wait_bound(sandbox, group, "d1")).node == dra
+
+
 def test_a_second_replica_stands_by_until_the_first_gives_up_the_lease(
     sandbox: Sandbox, own: OwnScheduler, tmp_path: Path
 ) -> None:

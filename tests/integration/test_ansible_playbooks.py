@@ -215,3 +215,25 @@ def test_a_role_variable_of_the_wrong_kind_stops_the_play_naming_the_variable() 
     assert result.returncode != 0
     assert "gpu_node_container_runtime" in result.stdout
     assert "docker, containerd" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_gpu_mode_other_than_the_two_stops_the_play_before_any_label_changes() -> None:
+    result = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "inventory/sandbox.yml",
+            "playbooks/gpu_nodes.yml",
+            "-e",
+            "gpu_node_gpu_mode=both",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "gpu_node_gpu_mode" in result.stdout
+    assert "device-plugin, dra" in result.stdout, result.stdout[-3000:]
+    assert "Label the node" not in result.stdout

@@ -30,6 +30,7 @@ class FakeKube:
     def __init__(self, pods: list[Obj] | None = None, *, fail_bind: bool = False, watch_idle_s: float = 0.05):
         self.pods: list[Obj] = pods if pods is not None else []
         self.nodes: dict[str, dict[str, str]] = {}  # node -> its annotations
+        self.labels: dict[str, dict[str, str]] = {}  # node -> its labels
         self.fail_bind = fail_bind
         self.resource_version = 10
         self.events: queue.Queue[tuple[str, Obj] | KubeError] = queue.Queue()
@@ -77,6 +78,9 @@ class FakeKube:
 
     def node_annotations(self, node: str) -> dict[str, str]:
         return dict(self.nodes.get(node, {}))
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        return dict(self.labels.get(node, {}))
 
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         _merge(self.nodes.setdefault(node, {}), annotations)

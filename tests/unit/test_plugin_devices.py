@@ -3,7 +3,10 @@ allocations spread cards."""
 
 from __future__ import annotations
 
+import logging
 import threading
+
+import pytest
 
 from vgpu.core.annotations import decode_devices, encode_devices
 from vgpu.plugin.config import NodeConfig
@@ -68,3 +71,31 @@ def test_preferred_allocation_follows_the_cards_the_scheduler_chose() -> None:
     assert prefer(available, [], 2, wanted=["GPU-b", "GPU-a"]) == ["GPU-b::0", "GPU-a::0"]
     # a wanted card with no free ID left: the rest is filled the usual way
     assert prefer(available, [], 2, wanted=["GPU-z", "GPU-a"]) == ["GPU-a::0", "GPU-c::0"]
+
+
+def test_on_a_dra_node_the_plugin_offers_no_vgpu_says_why_and_offers_them_again_when_relabelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.support import FakeKube
+    from vgpu.core.annotations import DEVICES_ANNOTATION
+    from vgpu.plugin.report import NodeReporter
+
+    api = FakeKube()
+    api.labels["n1"] = {"openaios.io/gpu-mode": "dra"}
+    state = DeviceState(CARDS, NodeConfig(split=2))
+    reporter = NodeReporter("n1", "ns", state, api)
+    seen = state.version
+    with caplog.at_level(logging.WARNING, logger="vgpu.plugin.report"):
+        reporter.run_once()
+    assert state.kubelet_devices() == [] and state.version != seen  # ListAndWatch sends the empty list
+    assert decode_devices(api.nodes["n1"][DEVICES_ANNOTATION]).devices == ()
+    assert "had label openaios.io/gpu-mode=dra (DRA mode)" in caplog.text
+    assert "advertises no vGPUs" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vgpu.plugin.report"):
+        reporter.run_once()  # said once per change, not at every renewal
+    assert caplog.text == ""
+    api.labels["n1"] = {"openaios.io/gpu-mode": "device-plugin"}
+    reporter.run_once()
+    assert len(state.kubelet_devices()) == 4
+    assert len(decode_devices(api.nodes["n1"][DEVICES_ANNOTATION]).devices) == 2

@@ -55,6 +55,22 @@ def test_region_folders_of_pods_gone_from_the_node_are_swept_once_old(tmp_path: 
     assert sorted(p.name for p in paths.grants_dir.iterdir()) == ["fresh_main.priority", "live_main.priority"]
 
 
+def test_the_sweep_never_takes_a_dra_claims_folder_or_grant_for_a_gone_pods(tmp_path: Path) -> None:
+    import os
+
+    from vgpu.plugin.paths import sweep_container_dirs
+
+    paths = HostPaths(tmp_path)
+    claim = "dra_7d0e4c51-93a4-4f0e-b1d6-2c3e4f5a6b7c_gpu"
+    (paths.containers_dir / claim).mkdir(parents=True)
+    paths.grants_dir.mkdir(parents=True)
+    (paths.grants_dir / f"{claim}.limits").write_bytes(b"g")
+    for entry in (paths.containers_dir / claim, paths.grants_dir / f"{claim}.limits"):
+        os.utime(entry, (1000.0, 1000.0))
+    assert sweep_container_dirs(paths, set(), min_age_s=300, now=2000.0) == []
+    assert (paths.containers_dir / claim).is_dir() and (paths.grants_dir / f"{claim}.limits").exists()
+
+
 # -- versions kept while a container was handed them, removed after --------------------------
 
 OLD_ENOUGH = 10_000_000_000.0  # a "now" far past every file's mtime: min_age never holds one back

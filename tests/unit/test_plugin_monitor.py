@@ -233,6 +233,35 @@ def test_limits_come_from_the_grant_and_a_region_that_differs_is_flagged(
     assert scrape(tmp_path)[key("vgpu_container_region_limits_differ", **c)] == 0.0
 
 
+def test_a_dra_claims_region_is_labelled_with_its_claim_and_the_pod_it_serves(tmp_path: Path) -> None:
+    import json
+
+    paths = HostPaths(tmp_path)
+    claim = "7d0e4c51-93a4-4f0e-b1d6-2c3e4f5a6b7c"
+    shared = "0a0e4c51-93a4-4f0e-b1d6-2c3e4f5a6b7c"
+    for uid in (claim, shared, "no-record"):
+        folder = paths.containers_dir / f"dra_{uid}_gpu"
+        write_region(folder / REGION_FILE_NAME, [("GPU-a", 3000 * MIB, 30)], [(101, [100 * MIB])])
+        write_grant(paths.grant(folder.name), Grant(("GPU-a",), (3000 * MIB,), (30,), priority=0))
+    records = paths.vgpu_dir / "dra" / "claims"
+    records.mkdir(parents=True)
+    pod = {"name": "trainer", "uid": "uid-9"}
+    (records / f"{claim}.json").write_text(
+        json.dumps({"version": 1, "namespace": "ml", "name": "trainer-gpu-x7", "uid": claim, "pods": [pod]})
+    )
+    two = [pod, {"name": "other", "uid": "uid-8"}]
+    (records / f"{shared}.json").write_text(json.dumps({"namespace": "ml", "name": "shared", "pods": two}))
+    got = scrape(tmp_path)
+    one = {"namespace": "ml", "pod": "trainer", "pod_uid": "uid-9", "container": "claim:trainer-gpu-x7/gpu"}
+    assert got[key("vgpu_container_memory_used_bytes", node="n1", uuid="GPU-a", **one)] == 100 * MIB
+    assert got[key("vgpu_container_memory_limit_bytes", node="n1", uuid="GPU-a", **one)] == 3000 * MIB
+    both = {"namespace": "ml", "pod": "", "pod_uid": "", "container": "claim:shared/gpu"}
+    assert got[key("vgpu_container_processes", node="n1", **both)] == 1
+    bare = {"namespace": "", "pod": "", "pod_uid": "", "container": "claim:no-record/gpu"}
+    assert got[key("vgpu_container_processes", node="n1", **bare)] == 1
+    assert not any(dict(ls).get("pod_uid") == "dra" for _, ls in got)
+
+
 class Clock:
     """CLOCK_MONOTONIC as the collector and the arbiter read it, moved by the test."""
 

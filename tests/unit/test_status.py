@@ -141,6 +141,12 @@ class FakeKube:
     def list_leases(self, namespace: str) -> tuple[list[dict], str]:
         return [], "1"
 
+    def get(self, path: str) -> dict:
+        from vgpu.core.errors import KubeError
+
+        # a cluster before 1.34: resource.k8s.io/v1 is not served
+        raise KubeError(f"GET {path}: 404 Not Found", status=404)
+
 
 @pytest.fixture
 def fake_kube(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[FakeKube]:
@@ -195,3 +201,91 @@ def test_an_unreachable_api_server_is_one_line_with_what_to_check(
     assert capsys.readouterr().err.endswith(
         f"(connection refused): is the cluster up, and is {tmp_path / 'kc'} its kubeconfig?\n"
     )
+
+
+# -- DRA nodes: cards from the ResourceSlices, shares from the allocated claims --------------------
+
+GIB = 1 << 30
+
+
+def dra_slice(node: str, cards: list[tuple[int, str, int]]) -> dict:
+    """A slice as vgpu dra-plugin publishes it (the API server's quantities as it returns them)."""
+    devices = [
+        {
+            "name": f"gpu-{i}",
+            "attributes": {
+                "uuid": {"string": uuid},
+                "productName": {"string": "NVIDIA H200"},
+                "index": {"int": i},
+            },
+            "capacity": {"memory": {"value": f"{gib}Gi"}, "cores": {"value": "100"}},
+            "allowMultipleAllocations": True,
+        }
+        for i, uuid, gib in cards
+    ]
+    spec = {"driver": "vgpu.openaios.io", "nodeName": node, "pool": {"name": node}, "devices": devices}
+    return {"metadata": {"name": f"{node}-vgpu.openaios.io"}, "spec": spec}
+
+
+def dra_claim(name: str, node: str, device: str, consumed: dict | None, pods: list[str]) -> dict:
+    result = {"request": "gpu", "driver": "vgpu.openaios.io", "pool": node, "device": device}
+    if consumed is not None:
+        result["consumedCapacity"] = consumed
+    reserved = [{"resource": "pods", "name": p, "uid": f"uid-{p}"} for p in pods]
+    status = {"allocation": {"devices": {"results": [result]}}, "reservedFor": reserved}
+    return {"metadata": {"name": name, "namespace": "ml"}, "status": status}
+
+
+def test_dra_nodes_show_their_slices_cards_and_each_claims_share() -> None:
+    stale = node("d1")  # an inventory an earlier device plugin left on a node now in DRA mode
+    stale["metadata"]["labels"] = {"openaios.io/gpu-mode": "dra"}
+    slices = [
+        dra_slice("d1", [(0, "GPU-x", 140), (1, "GPU-y", 140)]),
+        {"spec": {"driver": "other.example.com", "nodeName": "d1", "devices": []}},
+    ]
+    claims = [
+        dra_claim("small", "d1", "gpu-0", {"memory": "3000Mi", "cores": "30"}, ["notebook"]),
+        dra_claim("two", "d1", "gpu-0", {"memory": "1Gi", "cores": "20"}, ["a", "b"]),
+        dra_claim("whole", "d1", "gpu-1", None, []),  # 1.34: no consumedCapacity, the whole card
+        dra_claim("elsewhere", "gone", "gpu-0", None, ["x"]),
+    ]
+    [status] = build_status([stale], [], [], NOW, slices=slices, claims=claims)
+    assert (status.name, status.mode, status.lease) == ("d1", "dra", "")
+    x, y = status.cards
+    assert (x.uuid, x.memory_mib, x.cores) == ("GPU-x", 140 * 1024, 100)
+    assert [(s.claim, s.pod, s.memory_mib, s.cores, s.phase) for s in x.shares] == [
+        ("small/gpu", "notebook", 3000, 30, "reserved"),
+        ("two/gpu", "a,b", 1024, 20, "reserved"),
+    ]
+    assert (x.memory_used_mib, x.cores_used) == (4024, 50)
+    assert [(s.claim, s.memory_mib, s.cores, s.phase) for s in y.shares] == [
+        ("whole/gpu", 140 * 1024, 100, "allocated")
+    ]
+    text = render_text([status])
+    assert text.startswith("node d1  mode dra (ResourceSlice)\n")
+    assert "  gpu 0 GPU-x NVIDIA H200  mem 4024/143360 MiB  cores 50/100  claims 2" in text
+    assert "    ml/notebook claim small/gpu  3000 MiB  30%  reserved" in text
+    assert "    ml/- claim whole/gpu  143360 MiB  100%  allocated" in text
+
+
+def test_status_reads_the_dra_objects_and_a_dra_node_may_be_named(
+    fake_kube: type[FakeKube],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dra_node = {"metadata": {"name": "d1", "labels": {"openaios.io/gpu-mode": "dra"}}}
+    monkeypatch.setattr(FakeKube, "nodes", [node("n1"), dra_node])
+    served = {
+        "/apis/resource.k8s.io/v1/resourceslices": {"items": [dra_slice("d1", [(0, "GPU-x", 80)])]},
+        "/apis/resource.k8s.io/v1/resourceclaims": {
+            "items": [dra_claim("c", "d1", "gpu-0", {"memory": "2Gi", "cores": "10"}, ["p"])]
+        },
+    }
+    monkeypatch.setattr(FakeKube, "get", lambda self, path: served[path])
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "d1", "-o", "json"]) == 0
+    [doc] = json.loads(capsys.readouterr().out)
+    assert doc["mode"] == "dra" and doc["cards"][0]["shares"][0]["claim"] == "c/gpu"
+    assert doc["cards"][0]["memoryUsedMiB"] == 2048
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "n1"]) == 0
+    assert "d1" not in capsys.readouterr().out  # only the nodes asked for

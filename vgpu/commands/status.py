@@ -2,7 +2,8 @@
 
 Read from the API server only: the nodes' inventory annotations and the device plugins' Leases
 (contract 2), and the pods' allocation and phase annotations (contract 3; both in
-docs/contracts.md). In the sandbox,
+docs/contracts.md); for DRA nodes the ResourceSlices and allocated ResourceClaims of the driver
+(vgpu.commands.status_dra; none on clusters before 1.34). In the sandbox,
 the kubelet stand-in also records the env each container was started with; it is shown too.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vgpu.commands.status_dra import CLAIMS_PATH, SLICES_PATH, dra_cards, dra_shares
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
@@ -28,6 +30,7 @@ from vgpu.core.annotations import (
     lease_name,
 )
 from vgpu.core.errors import AnnotationError, KubeError
+from vgpu.core.gpumode import DRA, gpu_mode
 from vgpu.kube.lease import expires_at
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
@@ -46,6 +49,7 @@ class Share:
     # device memory the container's processes hold on this card, from its region as the node's
     # Lease last reported it; None when the node reported nothing for it
     used_bytes: int | None = None
+    claim: str = ""  # DRA: the claim and request (<claim>/<request>) in place of a container
 
 
 @dataclass
@@ -71,8 +75,9 @@ class CardStatus:
 @dataclass
 class NodeStatus:
     name: str
-    lease: str  # "fresh", "expired" or "missing"
+    lease: str  # "fresh", "expired" or "missing"; "" on a DRA node (no device plugin, no Lease)
     error: str = ""
+    mode: str = "device-plugin"  # or "dra": cards from the node's ResourceSlice
     cards: list[CardStatus] = field(default_factory=list)
     unplaced: list[Share] = field(default_factory=list)  # shares on cards the inventory lacks
 
@@ -89,8 +94,10 @@ def build_status(
     pods: list[dict[str, Any]],
     leases: list[dict[str, Any]],
     now: dt.datetime | None = None,
+    slices: list[dict[str, Any]] | None = None,
+    claims: list[dict[str, Any]] | None = None,
 ) -> list[NodeStatus]:
-    """Pure: join nodes, pods and leases into per-card shares."""
+    """Pure: join nodes, pods and leases (and DRA's slices and claims) into per-card shares."""
     now = now or dt.datetime.now(dt.UTC)
     by_lease = {lease["metadata"]["name"]: lease for lease in leases}
     usage: dict[str, dict[str, Any]] = {}  # node -> the usage its Lease reports
@@ -98,8 +105,8 @@ def build_status(
     for node in nodes:
         name = node["metadata"]["name"]
         annotations = node["metadata"].get("annotations") or {}
-        if DEVICES_ANNOTATION not in annotations:
-            continue  # not a vGPU node
+        if DEVICES_ANNOTATION not in annotations or gpu_mode(node["metadata"].get("labels")) == DRA:
+            continue  # not a device-plugin vGPU node
         lease = by_lease.get(lease_name(name))
         status = NodeStatus(name, _lease_state(lease, now))
         usage[name] = _usage(lease)
@@ -154,7 +161,37 @@ def build_status(
                 share.used_bytes = used if isinstance(used, int) and used >= 0 else None
                 card = cards.get(d.uuid)
                 (card.shares if card else node_status.unplaced).append(share)
+    _add_dra(out, slices or [], claims or [])
     return [out[n] for n in sorted(out)]
+
+
+def _add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> None:
+    """DRA nodes from their ResourceSlices, with each allocated claim's share on its card."""
+    devices = dra_cards(slices)
+    for node, cards in devices.items():
+        out[node] = NodeStatus(node, "", mode=DRA)
+        out[node].cards = [
+            CardStatus(c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True)
+            for c in sorted(cards.values(), key=lambda c: c["index"])
+        ]
+    for share in dra_shares(claims):
+        node_status = out.get(share["node"])
+        card = devices.get(share["node"], {}).get(share["device"])
+        if node_status is None or card is None:
+            continue
+        by_uuid = {c.uuid: c for c in node_status.cards}
+        memory = share["memory_mib"] if share["memory_mib"] is not None else card["memory_mib"]
+        by_uuid[card["uuid"]].shares.append(
+            Share(
+                namespace=share["namespace"],
+                pod=",".join(share["pods"]),
+                container="",
+                memory_mib=memory,
+                cores=share["cores"] if share["cores"] is not None else card["cores"],
+                phase="reserved" if share["pods"] else "allocated",
+                claim=f"{share['claim']}/{share['request']}",
+            )
+        )
 
 
 def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:
@@ -169,15 +206,19 @@ def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:
 
 def render_text(nodes: list[NodeStatus]) -> str:
     if not nodes:
-        return f"no vGPU nodes: no Node carries {DEVICES_ANNOTATION} (is the device plugin running?)\n"
+        return (
+            f"no vGPU nodes: no Node carries {DEVICES_ANNOTATION} (is the device plugin running?) "
+            "and no ResourceSlice is of the driver vgpu.openaios.io (is the DRA plugin?)\n"
+        )
     lines: list[str] = []
     for n in nodes:
-        lines.append(f"node {n.name}  lease {n.lease}" + (f"  ERROR {n.error}" if n.error else ""))
+        head = "mode dra (ResourceSlice)" if n.mode == DRA else f"lease {n.lease}"
+        lines.append(f"node {n.name}  {head}" + (f"  ERROR {n.error}" if n.error else ""))
         for c in n.cards:
+            slots = f"claims {len(c.shares)}" if n.mode == DRA else f"vgpus {len(c.shares)}/{c.split}"
             lines.append(
                 f"  gpu {c.index} {c.uuid} {c.model}  mem {c.memory_used_mib}/{c.memory_mib} MiB  "
-                f"cores {c.cores_used}/{c.cores}  vgpus {len(c.shares)}/{c.split}"
-                + ("" if c.healthy else "  UNHEALTHY")
+                f"cores {c.cores_used}/{c.cores}  {slots}" + ("" if c.healthy else "  UNHEALTHY")
             )
             for s in c.shares:
                 lines.append(_share_line(s))
@@ -188,7 +229,10 @@ def render_text(nodes: list[NodeStatus]) -> str:
 
 
 def _share_line(s: Share) -> str:
-    text = f"    {s.namespace}/{s.pod} {s.container}  {s.memory_mib} MiB  {s.cores}%  {s.phase or '-'}"
+    who = (
+        f"{s.namespace}/{s.pod or '-'} claim {s.claim}" if s.claim else f"{s.namespace}/{s.pod} {s.container}"
+    )
+    text = f"    {who}  {s.memory_mib} MiB  {s.cores}%  {s.phase or '-'}"
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     if s.reason:
@@ -246,12 +290,26 @@ def _missing_nodes(wanted: list[str], nodes: list[dict[str, Any]]) -> str:
             known = sorted(by_name)
             listed = ", ".join(known[:5]) + (", ..." if len(known) > 5 else "")
             return f"no such node: {name} (the cluster has {len(known)}: {listed or 'none'})"
-        if DEVICES_ANNOTATION not in (node["metadata"].get("annotations") or {}):
+        is_dra = gpu_mode(node["metadata"].get("labels")) == DRA
+        if DEVICES_ANNOTATION not in (node["metadata"].get("annotations") or {}) and not is_dra:
             return (
                 f"node {name} is not a vGPU node: it carries no {DEVICES_ANNOTATION} "
                 "(is the device plugin running there?)"
             )
     return ""
+
+
+def _dra_objects(kube: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The cluster's ResourceSlices and ResourceClaims; none where resource.k8s.io/v1 is not
+    served (before 1.34: 404) or the caller may not list them (403)."""
+    try:
+        slices = kube.get(SLICES_PATH).get("items") or []
+        claims = kube.get(CLAIMS_PATH).get("items") or []
+    except KubeError as err:
+        if err.status in (403, 404):
+            return [], []
+        raise
+    return slices, claims
 
 
 def run(args: argparse.Namespace) -> int:
@@ -270,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         nodes, _ = kube.list_nodes()
         pods, _ = kube.list_pods()
         leases, _ = kube.list_leases(args.namespace)
+        slices, claims = _dra_objects(kube)
     except KubeError as err:
         hint = f": {_hint(source, path)}" if err.unreachable else ""
         print(f"vgpu status: {err}{hint}", file=sys.stderr)
@@ -280,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"vgpu status: {missing}", file=sys.stderr)
             return 1
         nodes = [n for n in nodes if n["metadata"]["name"] in args.node]
-    status = build_status(nodes, pods, leases)
+        slices = [s for s in slices if (s.get("spec") or {}).get("nodeName") in args.node]
+    status = build_status(nodes, pods, leases, slices=slices, claims=claims)
     if args.output == "json":
         doc = [
             asdict(n) | {"cards": [asdict(c) | {"memoryUsedMiB": c.memory_used_mib} for c in n.cards]}

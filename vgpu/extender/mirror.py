@@ -18,6 +18,7 @@ from typing import Any
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.gpumode import device_plugin_refusal
 from vgpu.core.ledger import Usage, footprint
 from vgpu.core.placement import FilterResult, Placement, Shape, shape
 from vgpu.core.requests import PodRequest, parse_pod
@@ -45,6 +46,8 @@ class NodeEntry:
     inventory: ann.NodeInventory | None = None
     error: str | None = None  # why the inventory is unusable
     raw: str | None = None  # the annotation text it was decoded from
+    # why the device-plugin path must leave the node alone (its gpu-mode label: DRA), or None
+    mode_refusal: str | None = None
 
 
 def _rv(obj: Mapping[str, Any]) -> int:
@@ -91,12 +94,18 @@ class Mirror:
         if not name:
             return
         raw = (meta.get("annotations") or {}).get(ann.DEVICES_ANNOTATION)
+        # One mode per node: a DRA node's cards are booked by DRA, never by this ledger too,
+        # whatever inventory an earlier device plugin left on it.
+        refusal = device_plugin_refusal(meta.get("labels"))
         with self.lock:
             old = self.nodes.get(name)
-            if old is not None and old.raw == raw:
+            if old is not None and old.raw == raw and old.mode_refusal == refusal:
                 return
             self.placement.node_changed(name)
             self.usable.pop(name, None)
+            if refusal is not None:
+                self.nodes[name] = NodeEntry(error=refusal, raw=raw, mode_refusal=refusal)
+                return
             if raw is None:
                 self.nodes[name] = NodeEntry(
                     error=f"had no vGPU inventory (annotation {ann.DEVICES_ANNOTATION} missing)"
@@ -315,7 +324,11 @@ class Mirror:
     def skipped(self) -> dict[str, int]:
         now = self.clock()
         with self.lock:
-            malformed = sum(1 for e in self.nodes.values() if e.inventory is None and e.raw is not None)
+            malformed = sum(
+                1
+                for e in self.nodes.values()
+                if e.inventory is None and e.raw is not None and e.mode_refusal is None
+            )
             expired = sum(
                 1
                 for n, e in self.nodes.items()

@@ -28,6 +28,10 @@ class NodeAgentClient(Kube):
         node_obj = self._call(f"read node {node}", self.core.read_node, node)
         return dict((node_obj.get("metadata") or {}).get("annotations") or {})
 
+    def node_labels(self, node: str) -> dict[str, str]:
+        node_obj = self._call(f"read node {node}", self.core.read_node, node)
+        return dict((node_obj.get("metadata") or {}).get("labels") or {})
+
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None:
         """Merge-patch a Node's annotations (None removes one)."""
         body = {"metadata": {"annotations": dict(annotations)}}

@@ -77,6 +77,8 @@ class DeviceState:
         self._order = [c.uuid for c in cards]
         self._cond = threading.Condition()
         self.version = 0
+        # why the node's cards are not offered at all (one mode per node: a DRA node), or None
+        self.withheld: str | None = None
 
     def cards(self) -> list[Card]:
         with self._cond:
@@ -103,6 +105,20 @@ class DeviceState:
             self._cond.wait_for(lambda: self.version != seen, timeout_s)
             return self.version
 
+    def withhold(self, reason: str | None) -> bool:
+        """Offer no card (``reason``: why) or, with None, every card again; returns whether it changed.
+
+        Withheld, kubelet is told of no device and the inventory lists none, so neither kubelet
+        nor the extender can hand out a card another path (DRA) books.
+        """
+        with self._cond:
+            if reason == self.withheld:
+                return False
+            self.withheld = reason
+            self.version += 1
+            self._cond.notify_all()
+            return True
+
     def kick(self) -> None:
         """Wake every waiter (used on shutdown)."""
         with self._cond:
@@ -110,7 +126,9 @@ class DeviceState:
             self._cond.notify_all()
 
     def kubelet_devices(self) -> list[api_pb2.Device]:
-        out = []
+        out: list[api_pb2.Device] = []
+        if self.withheld is not None:
+            return out
         for card in self.cards():
             topology = (
                 api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=card.numa)]) if card.numa >= 0 else None
@@ -141,6 +159,7 @@ class DeviceState:
                     links=dict(c.links),
                 )
                 for c in self.cards()
+                if self.withheld is None
             )
         )
 

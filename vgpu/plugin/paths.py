@@ -79,9 +79,17 @@ def _entries(folder: Path) -> list[Path]:
         return []
 
 
+# The DRA plugin's folders and grants (``dra_<claim-uid>_<request>``): it removes them itself when
+# the kubelet unprepares the claim; a device plugin on the same node (one started there against the
+# one-mode-per-node rule, or one whose node changed mode) must never take them for a gone pod's.
+DRA_PREFIX = "dra_"
+
+
 def _stale(entry: Path, live_pod_uids: set[str], min_age_s: float, now: float) -> bool:
     """``entry`` (named ``<pod-uid>_...``) belongs to a pod gone from the node and is older than
     ``min_age_s``; a failing stat raises OSError."""
+    if entry.name.startswith(DRA_PREFIX):
+        return False
     return entry.name.partition("_")[0] not in live_pod_uids and now - entry.stat().st_mtime >= min_age_s
 
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from vgpu.core.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
 from vgpu.core.errors import KubeError
+from vgpu.core.gpumode import device_plugin_refusal
 from vgpu.core.service import Service
 from vgpu.plugin.devices import DeviceState
 
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 class NodeAPI(Protocol):
     def node_annotations(self, node: str) -> dict[str, str]: ...
+
+    def node_labels(self, node: str) -> dict[str, str]: ...
 
     def patch_node_annotations(self, node: str, annotations: Mapping[str, str | None]) -> None: ...
 
@@ -56,6 +59,22 @@ class NodeReporter:
         self._published: str | None = None
         self.writes = 0  # annotation writes, for tests and logs
 
+    def check_mode(self) -> None:
+        """One mode per node: on a node whose label gives its cards to DRA, offer none (and say
+        why, once per change); offer them again when the label says device-plugin."""
+        why = device_plugin_refusal(self.api.node_labels(self.node))
+        if not self.state.withhold(why):
+            return
+        if why is not None:
+            log.warning(
+                "node %s %s; this device plugin advertises no vGPUs there and its inventory lists "
+                "no card (the chart's DaemonSet keeps off such nodes)",
+                self.node,
+                why,
+            )
+        else:
+            log.info("node %s is a device-plugin node again: advertising its vGPUs", self.node)
+
     def publish(self) -> bool:
         """Write the inventory unless the Node carries this exact text; returns whether it wrote."""
         text = encode_devices(self.state.inventory())
@@ -88,6 +107,7 @@ class NodeReporter:
         )
 
     def run_once(self) -> None:
+        self.check_mode()
         self.publish()
         self.renew()
 
@@ -106,6 +126,7 @@ class NodeReporter:
                 self.publish()
                 if time.monotonic() >= next_renew:
                     self._published = None  # re-read the Node now and then: someone may have removed it
+                    self.check_mode()
                     self.publish()
                     self.renew()
                     next_renew = time.monotonic() + self.renew_s

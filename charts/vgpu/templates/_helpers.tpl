@@ -133,3 +133,27 @@ objectSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/*
+vgpu.devicePluginAffinity: devicePlugin.affinity with the one-mode-per-node rule added: every
+required node selector term also needs openaios.io/gpu-mode NotIn [dra] (NotIn matches nodes
+without the label: device-plugin nodes by default). The terms are ORed, so the rule goes into
+each of them; without any, it is the one term.
+*/}}
+{{- define "vgpu.devicePluginAffinity" -}}
+{{- $affinity := deepCopy (.Values.devicePlugin.affinity | default dict) -}}
+{{- $rule := dict "key" "openaios.io/gpu-mode" "operator" "NotIn" "values" (list "dra") -}}
+{{- $node := $affinity.nodeAffinity | default dict -}}
+{{- $required := get $node "requiredDuringSchedulingIgnoredDuringExecution" | default dict -}}
+{{- $terms := list -}}
+{{- range (get $required "nodeSelectorTerms" | default list) -}}
+{{- $terms = append $terms (set (deepCopy .) "matchExpressions" (append (.matchExpressions | default list) $rule)) -}}
+{{- end -}}
+{{- if not $terms -}}
+{{- $terms = list (dict "matchExpressions" (list $rule)) -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ = set $node "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ = set $affinity "nodeAffinity" $node -}}
+{{- toYaml $affinity -}}
+{{- end -}}

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -41,6 +41,7 @@ from vgpu.hookabi.resize import LimitChange, apply_limits
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Card, CardUsage, Discovery
 from vgpu.plugin.monitor.arbiter import Arbiter, BadRegions
+from vgpu.plugin.monitor.claims import claim_labels
 from vgpu.plugin.monitor.timeshare import TimeShare
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
@@ -259,8 +260,12 @@ class NodeCollector(Collector):
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
         sampled: list[tuple[str, int, str]] = []
         for folder in self._region_dirs():
-            pod_uid, _, container = folder.name.partition("_")
-            namespace, pod = names.get(pod_uid, ("", ""))
+            claim = claim_labels(self.paths.vgpu_dir, folder.name)
+            if claim is not None:  # a DRA claim's request (docs/dra.md, "Watching DRA containers")
+                namespace, pod, pod_uid, container = astuple(claim)
+            else:
+                pod_uid, _, container = folder.name.partition("_")
+                namespace, pod = names.get(pod_uid, ("", ""))
             try:
                 # never mapped: a container cutting its file short mid-read must not SIGBUS us
                 with Region(folder / REGION_FILE_NAME, mapped=False) as region:

@@ -153,9 +153,12 @@ class Enforcer:
 
     def _act(self, d: Decision) -> None:
         o = d.held.owner
-        where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid}"
+        where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid or '(unknown)'}"
+        if o.claim:
+            where += f" under ResourceClaim UID {o.claim}"
+        who = o.container or "(not yet named)"
         what = (
-            f"container {o.container} of {where} holds {d.total} bytes ({d.total // MIB} MiB) "
+            f"container {who} of {where} holds {d.total} bytes ({d.total // MIB} MiB) "
             f"on {d.held.uuid}, "
             f"granted {d.held.granted} bytes ({d.held.granted // MIB} MiB; {d.allowed // MIB} MiB with the "
             f"tolerance for {len(d.held.pids)} process(es)); PID {d.pid} holds {d.pid_bytes} bytes"

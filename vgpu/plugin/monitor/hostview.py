@@ -6,6 +6,12 @@ dynamic linker). The driver cannot be: per card it lists each process and the de
 holds (NVML's running compute processes, ``Discovery.processes``). This module maps each of
 those processes to its pod and container and puts the container's grant beside it:
 
+0. PID -> grant: the host file bind-mounted at ``/etc/vgpu/limits`` in the process's
+   ``/proc/<pid>/mountinfo`` (``vgpu.plugin.monitor.mounts``), made by the runtime and out of
+   the tenant's reach, whichever path made the container: the device plugin's
+   ``<pod-uid>_<container>`` or the DRA driver's ``dra_<claim-uid>_<request>``. Steps 1-3 then
+   only name the pod and container; where mountinfo names no grant (an older runtime's file of
+   another device, say) they find the device plugin's grant as before.
 1. PID -> container: the process's cgroup path (``vgpu.plugin.monitor.cgroup``), set by the
    kubelet and the runtime, out of the tenant's reach. It gives the runtime's container id and
    the pod's UID. Kept per (PID, start time), so a reused PID is read again.
@@ -34,6 +40,7 @@ from vgpu.core.errors import KubeError
 from vgpu.hookabi.grant import GRANT_SUFFIX, Grant, GrantError, read_grant
 from vgpu.plugin.discovery import ProcessSource
 from vgpu.plugin.monitor.cgroup import ContainerRef, container_of, start_time
+from vgpu.plugin.monitor.mounts import claim_of, device_of, process_grant
 from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
@@ -46,13 +53,21 @@ class Owner:
     """A vGPU container: its pod and name, as the grant's folder name and the API server give them."""
 
     pod_uid: str
-    container: str
+    container: str  # "" while the API server has not said which of a DRA pod's containers
     namespace: str = ""  # "" until the API server said
     pod: str = ""
+    grant: str = ""  # the grant's name as mountinfo gave it; "": the device plugin's, by name
 
     @property
     def folder(self) -> str:
-        return f"{self.pod_uid}_{self.container}"
+        """The grant's name (its file without ``.limits``)."""
+        return self.grant or f"{self.pod_uid}_{self.container}"
+
+    @property
+    def claim(self) -> str:
+        """The DRA claim's UID the container runs under; "" for a device-plugin container."""
+        found = claim_of(self.folder)
+        return found[0] if found else ""
 
 
 @dataclass
@@ -117,22 +132,31 @@ class HostView:
         self.list_pods = list_pods
         self.proc = proc
         self.relist_s = relist_s
-        self._refs: dict[int, tuple[int, ContainerRef | None]] = {}  # pid -> (start time, container)
+        # pid -> (start time, its container, the grant its mountinfo names)
+        self._refs: dict[int, tuple[int, ContainerRef | None, str | None]] = {}
+        self._grants_device: tuple[int, int] | None = None
         self._by_id: dict[str, tuple[str, str]] = {}  # container id -> (pod uid, container name)
         self._pods: dict[str, tuple[str, str]] = {}  # pod uid -> (namespace, name)
         self._listed_at = -1e9
 
-    def _ref(self, pid: int) -> ContainerRef | None:
+    def _ref(self, pid: int) -> tuple[ContainerRef | None, str | None]:
+        """The process's container (by its cgroup) and grant (by its mounts)."""
         try:
             started = start_time(pid, self.proc)
             cached = self._refs.get(pid)
             if cached is not None and cached[0] == started:
-                return cached[1]
+                return cached[1], cached[2]
             ref = container_of(pid, self.proc)
         except OSError:
-            return None  # gone: its memory goes with it
-        self._refs[pid] = (started, ref)
-        return ref
+            return None, None  # gone: its memory goes with it
+        if self._grants_device is None:
+            self._grants_device = device_of(self.paths.grants_dir)
+        try:
+            grant = process_grant(pid, self.proc, self._grants_device)
+        except OSError:
+            grant = None  # gone since, or unreadable: the cgroup's word alone
+        self._refs[pid] = (started, ref, grant)
+        return ref, grant
 
     def same_process(self, pid: int) -> bool:
         """``pid`` is still the process this view read (not gone, its number not reused since)."""
@@ -170,8 +194,13 @@ class HostView:
         except OSError:
             return []
 
-    def owner(self, ref: ContainerRef) -> Owner | None:
-        """The vGPU container ``ref`` is, or None when it is none (or cannot be told yet)."""
+    def owner(self, ref: ContainerRef | None, grant: str | None = None) -> Owner | None:
+        """The vGPU container ``ref`` is, under ``grant`` where its mounts named one, or None
+        when it is none (or cannot be told yet)."""
+        if grant is not None:
+            return self._granted_owner(ref, grant)
+        if ref is None:
+            return None
         if ref.container_id not in self._by_id:
             self._relist()
         known = self._by_id.get(ref.container_id)
@@ -187,10 +216,25 @@ class HostView:
         namespace, pod = self._pods.get(uid, ("", ""))
         return Owner(uid, name, namespace, pod)
 
+    def _granted_owner(self, ref: ContainerRef | None, grant: str) -> Owner:
+        """The owner of a process whose mounts name ``grant``: a device-plugin grant names its pod
+        and container itself; a DRA grant its claim, and the cgroup and the pod's status the rest."""
+        uid, name = "", ""
+        if claim_of(grant) is None:
+            uid, _, name = grant.partition("_")
+        elif ref is not None:
+            if ref.container_id not in self._by_id:
+                self._relist()
+            uid, name = self._by_id.get(ref.container_id, (ref.pod_uid or "", ""))
+        if uid not in self._pods:
+            self._relist()
+        namespace, pod = self._pods.get(uid, ("", ""))
+        return Owner(uid, name, namespace, pod, grant)
+
     def resolve(self, pid: int) -> tuple[Owner, Grant] | None:
         """The vGPU container of a host PID and its grant; None for a process of none."""
-        ref = self._ref(pid)
-        owner = self.owner(ref) if ref is not None else None
+        ref, mounted = self._ref(pid)
+        owner = self.owner(ref, mounted)
         grant = self._grant(owner.folder) if owner is not None else None
         return None if owner is None or grant is None else (owner, grant)
 
@@ -209,8 +253,8 @@ class HostView:
             unattributed[uuid] = 0
             for proc in self.source.processes(uuid) or []:
                 live.add(proc.pid)
-                ref = self._ref(proc.pid)
-                owner = self.owner(ref) if ref is not None else None
+                ref, mounted = self._ref(proc.pid)
+                owner = self.owner(ref, mounted)
                 grant = None
                 if owner is not None:
                     if owner.folder not in grants:

@@ -1,0 +1,222 @@
+"""DRA's cluster side against the sandbox's real API server and kube-scheduler (Kubernetes 1.34+;
+shares of a card 1.36+): the chart's DRA objects accepted by the server, and the example claim
+templates allocated by kube-scheduler's own DRA allocator from a ResourceSlice of the shape the
+vgpu DRA plugin publishes, on a KWOK node labelled openaios.io/gpu-mode=dra.
+
+On an older control plane (the default $HOME/.cache/vgpu/bin, 1.33) the module skips, naming why;
+run it with VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from vgpu_sandbox.cluster import Sandbox
+
+from tests.support import wait_for
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vgpu"
+NS = "vgpu-dra-e2e"
+TAINT = "vgpu.openaios.io/dra-e2e"
+DRIVER = "vgpu.openaios.io"
+MIB = 1 << 20
+
+
+def server_version(sandbox: Sandbox) -> str:
+    out = sandbox.kubectl("version", "-o", "json")
+    return str(json.loads(out.stdout)["serverVersion"]["gitVersion"])
+
+
+@pytest.fixture(scope="module")
+def dra(sandbox: Sandbox) -> Iterator[str]:
+    version = server_version(sandbox)
+    if "resource.k8s.io/v1" not in sandbox.kubectl("api-versions").stdout.split():
+        pytest.skip(
+            f"the sandbox's API server ({version}) serves no resource.k8s.io/v1 (Kubernetes 1.34+): "
+            "run with VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136"
+        )
+    sandbox.kubectl("create", "namespace", NS)
+    try:
+        yield version
+    finally:
+        sandbox.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        sandbox.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found", check=False)
+
+
+def render(sandbox: Sandbox, version: str) -> str:
+    result = subprocess.run(
+        [str(sandbox.bin("helm")), "template", "vgpu", str(CHART), "-n", NS, "--set", "dra.enabled=true"]
+        + ["--kube-version", version.lstrip("v").split("+")[0]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_api_server_accepts_every_dra_object_of_the_chart(sandbox: Sandbox, dra: str) -> None:
+    rendered = render(sandbox, dra)
+    result = sandbox.kubectl("apply", "--dry-run=server", "-n", NS, "-f", "-", input=rendered)
+    applied = result.stdout
+    for what in (
+        "deviceclass.resource.k8s.io/vgpu.openaios.io",
+        "daemonset.apps/vgpu-dra-plugin",
+        "validatingadmissionpolicy.admissionregistration.k8s.io/vgpu-vgpu-dra-e2e-dra-plugin-slices",
+        "clusterrole.rbac.authorization.k8s.io/vgpu-vgpu-dra-e2e-dra-plugin",
+    ):
+        assert f"{what} created (server dry run)" in applied, applied
+
+
+def _node(name: str) -> dict[str, Any]:
+    res = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake"},
+            "labels": {"kubernetes.io/hostname": name, "type": "kwok", "openaios.io/gpu-mode": "dra"},
+        },
+        "spec": {"taints": [{"key": TAINT, "value": "only", "effect": "NoSchedule"}]},
+        "status": {"capacity": res, "allocatable": res},
+    }
+
+
+def _slice(node: str, model: str, memory_mib: int) -> dict[str, Any]:
+    """The node's slice as docs/dra.md describes it: one card, memory in bytes, cores 100."""
+    total = str(memory_mib * MIB)
+    device = {
+        "name": "gpu-0",
+        "attributes": {
+            "uuid": {"string": f"GPU-{node}"},
+            "productName": {"string": model},
+            "index": {"int": 0},
+            "numaNode": {"int": -1},
+            "computeCapability": {"version": "9.0.0"},
+            "driverVersion": {"version": "570.124.6"},
+        },
+        "capacity": {
+            "memory": {
+                "value": total,
+                "requestPolicy": {
+                    "default": "1Gi",
+                    "validRange": {"min": "1Mi", "max": total, "step": "1Mi"},
+                },
+            },
+            "cores": {
+                "value": "100",
+                "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+            },
+        },
+        "allowMultipleAllocations": True,
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-{DRIVER}"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [device],
+        },
+    }
+
+
+def _example(kind: str, name: str) -> dict[str, Any]:
+    for doc in yaml.safe_load_all((REPO / "examples" / "dra.yaml").read_text()):
+        if doc["kind"] == kind and doc["metadata"]["name"] == name:
+            doc["metadata"]["namespace"] = NS
+            return dict(doc)
+    raise AssertionError(f"examples/dra.yaml has no {kind} {name}")
+
+
+def _pod(name: str, template: str, node: str) -> dict[str, Any]:
+    pod = _example("Pod", "dra-small-slice")
+    pod["metadata"] = {"name": name, "namespace": NS}
+    pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = template
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    pod["spec"]["tolerations"] = [{"key": TAINT, "operator": "Exists", "effect": "NoSchedule"}]
+    pod["spec"]["terminationGracePeriodSeconds"] = 0
+    return pod
+
+
+def _apply(sandbox: Sandbox, *objs: dict[str, Any]) -> None:
+    doc = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(doc))
+
+
+def _get(sandbox: Sandbox, *args: str) -> Any:
+    return json.loads(sandbox.kubectl("get", "-o", "json", *args).stdout)
+
+
+def _claim_of(sandbox: Sandbox, pod: str) -> dict[str, Any] | None:
+    for claim in _get(sandbox, "resourceclaims", "-n", NS)["items"]:
+        owners = claim["metadata"].get("ownerReferences") or []
+        if any(o.get("name") == pod for o in owners) and (claim.get("status") or {}).get("allocation"):
+            return dict(claim)
+    return None
+
+
+def _scheduled_message(sandbox: Sandbox, pod: str) -> str:
+    p = _get(sandbox, "pod", "-n", NS, pod)
+    conds = [c for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+    return str(conds[0].get("message", "")) if conds and conds[0]["status"] == "False" else ""
+
+
+def test_kube_scheduler_shares_a_card_by_the_example_templates_capacities(sandbox: Sandbox, dra: str) -> None:
+    node = "dra-e2e-" + uuid.uuid4().hex[:6]
+    whole_node = node + "-h200"
+    rendered = [d for d in yaml.safe_load_all(render(sandbox, dra)) if d and d["kind"] == "DeviceClass"]
+    _apply(sandbox, *rendered, _node(node), _node(whole_node))
+    try:
+        _apply(sandbox, _slice(node, "NVIDIA A100", 10000), _slice(whole_node, "NVIDIA H200", 143771))
+        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-3000mi-30"))
+        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-whole-h200"))
+        # a 10000 MiB card: three claims of 3000 MiB and 30 cores share it, the fourth has no room
+        _apply(sandbox, *[_pod(f"share-{i}", "vgpu-3000mi-30", node) for i in range(4)])
+        wait_for(
+            lambda: sum(_claim_of(sandbox, f"share-{i}") is not None for i in range(4)) == 3,
+            "three claims allocated on the card",
+            120,
+            every=0.5,
+        )
+        claims = [c for c in (_claim_of(sandbox, f"share-{i}") for i in range(4)) if c is not None]
+        for claim in claims:
+            [result] = claim["status"]["allocation"]["devices"]["results"]
+            assert (result["driver"], result["pool"], result["device"]) == (DRIVER, node, "gpu-0")
+            consumed = result["consumedCapacity"]
+            assert (consumed["memory"], consumed["cores"]) == ("3000Mi", "30"), consumed
+        assert len({c["status"]["allocation"]["devices"]["results"][0].get("shareID") for c in claims}) == 3
+        left = next(f"share-{i}" for i in range(4) if _claim_of(sandbox, f"share-{i}") is None)
+        wait_for(lambda: "cannot allocate all claims" in _scheduled_message(sandbox, left), "the reason", 60)
+        # the whole H200: all its memory and cores, and no room beside it for any other claim
+        _apply(
+            sandbox,
+            _pod("whole", "vgpu-whole-h200", whole_node),
+            _pod("beside", "vgpu-3000mi-30", whole_node),
+        )
+        wait_for(lambda: _claim_of(sandbox, "whole") is not None, "the whole card allocated", 120, every=0.5)
+        [result] = _claim_of(sandbox, "whole")["status"]["allocation"]["devices"]["results"]  # type: ignore[index]
+        assert result["consumedCapacity"] == {"memory": "143771Mi", "cores": "100"}
+        wait_for(
+            lambda: "cannot allocate all claims" in _scheduled_message(sandbox, "beside"),
+            "beside refused",
+            60,
+        )
+    finally:
+        sandbox.kubectl("delete", "pods", "-n", NS, "--all", "--wait=false", check=False)
+        sandbox.kubectl("delete", "resourceslices", f"{node}-{DRIVER}", f"{whole_node}-{DRIVER}", check=False)
+        sandbox.kubectl("delete", "nodes", node, whole_node, "--wait=false", check=False)

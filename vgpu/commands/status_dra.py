@@ -1,0 +1,96 @@
+"""``vgpu status`` for DRA nodes: the cards from the nodes' ResourceSlices and the shares from the
+allocated ResourceClaims (docs/dra.md), in the same per-card form as the device plugin's nodes.
+
+A DRA node publishes one ResourceSlice of driver ``vgpu.openaios.io`` (pool = the node's name),
+one device per healthy card with the attributes ``uuid``, ``productName``, ``index`` and the
+capacities ``memory`` (bytes) and ``cores`` (100). A claim's allocation names the pool and device
+of each request and, where the card is shared (consumable capacity, 1.36), what it consumes; a
+claim allocated without ``consumedCapacity`` (1.34 and 1.35) holds the whole card. The pods a
+claim serves are its ``status.reservedFor``. Anything malformed is skipped: status never fails
+on what a cluster holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vgpu.core.errors import RequestError
+from vgpu.core.gpumode import DRA_DRIVER
+from vgpu.core.quantity import parse_quantity
+
+MIB = 1 << 20
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+CLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"
+
+
+def _quantity(value: Any) -> int | None:
+    try:
+        return parse_quantity(value, "capacity")
+    except RequestError:
+        return None
+
+
+def _attr(device: dict[str, Any], name: str, kind: str) -> Any:
+    return ((device.get("attributes") or {}).get(name) or {}).get(kind)
+
+
+def _capacity(device: dict[str, Any], name: str) -> int | None:
+    return _quantity(((device.get("capacity") or {}).get(name) or {}).get("value"))
+
+
+def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """node -> device name -> {index, uuid, model, memory_mib, cores} of the driver's slices."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for s in slices:
+        spec = s.get("spec") or {}
+        node = spec.get("nodeName")
+        if spec.get("driver") != DRA_DRIVER or not isinstance(node, str):
+            continue
+        for d in spec.get("devices") or []:
+            memory, cores = _capacity(d, "memory"), _capacity(d, "cores")
+            if not isinstance(d.get("name"), str) or memory is None:
+                continue
+            index = _attr(d, "index", "int")
+            out.setdefault(node, {})[d["name"]] = {
+                "index": index if isinstance(index, int) else -1,
+                "uuid": str(_attr(d, "uuid", "string") or ""),
+                "model": str(_attr(d, "productName", "string") or ""),
+                "memory_mib": memory // MIB,
+                "cores": cores if cores is not None else 100,
+            }
+    return out
+
+
+def dra_shares(claims: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each allocated request of the driver as {node, device, namespace, claim, request, pods,
+    memory_mib, cores}; memory_mib/cores None where the claim holds the whole card."""
+    out: list[dict[str, Any]] = []
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        status = claim.get("status") or {}
+        results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+        pods = sorted(
+            str(r.get("name", ""))
+            for r in status.get("reservedFor") or []
+            if isinstance(r, dict) and r.get("resource") == "pods"
+        )
+        for r in results:
+            if not isinstance(r, dict) or r.get("driver") != DRA_DRIVER:
+                continue
+            consumed = r.get("consumedCapacity") or {}
+            memory = _quantity(consumed.get("memory")) if "memory" in consumed else None
+            cores = _quantity(consumed.get("cores")) if "cores" in consumed else None
+            out.append(
+                {
+                    "node": str(r.get("pool", "")),
+                    "device": str(r.get("device", "")),
+                    "namespace": str(meta.get("namespace", "")),
+                    "claim": str(meta.get("name", "")),
+                    "request": str(r.get("request", "")),
+                    "pods": pods,
+                    "memory_mib": None if memory is None else -(-memory // MIB),
+                    "cores": cores,
+                }
+            )
+    return out
