@@ -330,3 +330,26 @@ def test_a_bad_flag_is_one_line_naming_it(tmp_path: Path) -> None:
     )
     assert r.returncode == 2 and "--cdi-dir" in r.stderr and "absolute" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_cdi_library_containerd_uses_reads_the_spec(node: Node) -> None:
+    """nvidia-ctk (built from Go modules by tools/build.sh) loads specs with the CNCF CDI library
+    that containerd 2 and CRI-O use: a spec it refuses, the runtime would refuse too."""
+    ctk = Path(os.environ.get("VGPU_BIN_DIR", Path.home() / ".cache/vgpu/bin")) / "current/nvidia-ctk"
+    if not ctk.exists():
+        pytest.skip(f"nvidia-ctk is not built at {ctk} (tools/build.sh nvidia-ctk)")
+    node.claims.add(claim("a", UID))
+    node.claims.add(claim("b", "uid-b"))
+    node.prepare(("a", UID), ("b", "uid-b"))
+    listed = subprocess.run(
+        [str(ctk), "cdi", "list", "--spec-dir", str(node.top / "cdi")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert listed.stdout.split() == [
+        f"vgpu.openaios.io/claim={UID}-gpu",
+        "vgpu.openaios.io/claim=uid-b-gpu",
+    ], listed.stderr
+    assert "error" not in listed.stderr.lower(), listed.stderr
