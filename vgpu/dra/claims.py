@@ -56,6 +56,11 @@ class ClaimPlan:
         return grouped
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` where it is an object, else empty: the checks below then name what is missing."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _whole(value: Any, field: str, source: str) -> int:
     try:
         return parse_quantity(value, field)
@@ -125,7 +130,7 @@ def _share(result: Mapping[str, Any], i: int, cards: Mapping[str, Card], node: s
 def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: str) -> ClaimPlan:
     """The shares this driver prepares for ``claim`` on ``node``; ``cards`` maps the slice's device
     names to the node's healthy cards. ``ClaimError`` naming the field for anything else."""
-    meta = claim.get("metadata") or {}
+    meta = _mapping(claim.get("metadata"))
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
     source = f"ResourceClaim {namespace}/{name}"
     if meta.get("uid") != uid:
@@ -134,10 +139,11 @@ def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: st
             "metadata.uid",
             f"is {meta.get('uid')!r}, the kubelet asked for {uid!r}: the claim was deleted and made again",
         )
-    allocation = (claim.get("status") or {}).get("allocation")
+    status = _mapping(claim.get("status"))
+    allocation = status.get("allocation")
     if not isinstance(allocation, Mapping):
         raise ClaimError(source, "status.allocation", "missing: the claim is not allocated yet")
-    results = (allocation.get("devices") or {}).get("results") or []
+    results = _mapping(allocation.get("devices")).get("results") or []
     if not isinstance(results, list):
         raise ClaimError(source, RESULTS, "must be a list")
     shares = tuple(
@@ -147,9 +153,10 @@ def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: st
     )
     if not shares:
         raise ClaimError(source, RESULTS, f"has no device of driver {DRIVER}")
+    refs = status.get("reservedFor")
     reserved = tuple(
         {k: str(ref.get(k) or "") for k in ("resource", "name", "uid")}
-        for ref in (claim.get("status") or {}).get("reservedFor") or []
+        for ref in (refs if isinstance(refs, list) else [])
         if isinstance(ref, Mapping)
     )
     return ClaimPlan(namespace, name, uid, shares, reserved)
