@@ -33,6 +33,16 @@ def record_path(state_dir: Path, claim_uid: str) -> Path:
     return dra_dir(state_dir) / "claims" / f"{claim_uid}.json"
 
 
+def _entry_ok(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("devices"), list)
+        and all(isinstance(d, dict) for d in entry["devices"])
+        and isinstance(entry.get("folders"), list)
+        and all(isinstance(f, str) and "/" not in f for f in entry["folders"])
+    )
+
+
 class Checkpoint:
     """The prepared claims by UID; every change is on disk before the call returns."""
 
@@ -52,8 +62,8 @@ class Checkpoint:
             version = doc.get("version") if isinstance(doc, dict) else None
             return self._set_aside(f"version {version!r}, this plugin reads {CHECKPOINT_VERSION}")
         claims = doc.get("claims")
-        if not isinstance(claims, dict) or not all(isinstance(v, dict) for v in claims.values()):
-            return self._set_aside("claims is not a mapping of claim UIDs")
+        if not isinstance(claims, dict) or not all(_entry_ok(v) for v in claims.values()):
+            return self._set_aside("claims is not a mapping of claim UIDs to answers and folders")
         return claims
 
     def _set_aside(self, why: str) -> dict[str, dict[str, Any]]:
