@@ -84,3 +84,9 @@ def test_versions_become_semantic_versions() -> None:
 
 def test_a_long_node_name_still_gives_a_valid_slice_name() -> None:
     assert len(slice_name("n" * 253)) == 253
+
+
+def test_a_card_under_1gib_defaults_to_all_of_it_within_the_range() -> None:
+    s = build_slice("n", [replace(CARDS[0], memory_mib=512)], 1)
+    policy = s["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"]
+    assert policy["default"] == str(512 << 20) == policy["validRange"]["max"]

@@ -25,6 +25,7 @@ MIB = 1 << 20
 # A claim that names no memory gets 1 GiB of the card, one that names no cores the whole card's
 # compute (100: no SM cap); a card is shared only between claims that each ask for cores.
 DEFAULT_MEMORY = "1Gi"
+DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_CORES = 100
 CORES = 100
 _NUMBERS = re.compile(r"^[0-9]+(\.[0-9]+)*$")
@@ -79,7 +80,8 @@ def device(card: Card, driver_version: str = "", memory_scaling: float = 1.0) ->
             "memory": {
                 "value": str(total),
                 "requestPolicy": {
-                    "default": DEFAULT_MEMORY,
+                    # the API server refuses a default past the range's max (a card under 1 GiB)
+                    "default": DEFAULT_MEMORY if total >= DEFAULT_MEMORY_BYTES else str(total),
                     "validRange": {"min": "1Mi", "max": str(total), "step": "1Mi"},
                 },
             },
