@@ -260,3 +260,16 @@ def test_the_checkpoint_is_written_whole_and_read_back(tmp_path: Path) -> None:
     assert Checkpoint(tmp_path).get("a") == doc["claims"]["a"]
     (tmp_path / "dra/checkpoint.json").write_text(json.dumps({"version": 99, "claims": {}}))
     assert Checkpoint(tmp_path).uids() == []  # a version it does not know: set aside, not guessed
+
+
+def test_the_device_plugins_sweep_leaves_prepared_claims_alone(tmp_path: Path) -> None:
+    from vgpu.plugin.paths import sweep_container_dirs
+
+    p = preparer(tmp_path, Claims(claim()))
+    p.prepare("ns", UID, "c")
+    gone_pod = p.paths.containers_dir / "pod-gone_main"
+    gone_pod.mkdir()
+    removed = sweep_container_dirs(p.paths, live_pod_uids=set(), min_age_s=0, now=2e9)
+    assert removed == [gone_pod]  # a pod's folder goes; the claim's does not
+    folder = folder_name(UID, "gpu")
+    assert (p.paths.containers_dir / folder).is_dir() and p.paths.grant(folder).is_file()
