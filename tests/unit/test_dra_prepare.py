@@ -273,3 +273,20 @@ def test_the_device_plugins_sweep_leaves_prepared_claims_alone(tmp_path: Path) -
     assert removed == [gone_pod]  # a pod's folder goes; the claim's does not
     folder = folder_name(UID, "gpu")
     assert (p.paths.containers_dir / folder).is_dir() and p.paths.grant(folder).is_file()
+
+
+def test_a_prepare_cut_short_is_finished_by_the_next_one(tmp_path: Path) -> None:
+    (tmp_path / "cdi").write_text("not a folder")  # the spec cannot be written: cut short after the grant
+    claims = Claims(claim())
+    p = preparer(tmp_path, claims)
+    with pytest.raises(OSError):
+        p.prepare("ns", UID, "c")
+    folder = folder_name(UID, "gpu")
+    assert p.paths.grant(folder).is_file() and Checkpoint(tmp_path / "state").uids() == []
+    (tmp_path / "cdi").unlink()
+    again = preparer(tmp_path, claims)  # as after a restart: nothing says the claim is prepared
+    devices = again.prepare("ns", UID, "c")
+    assert devices[0]["cdiDeviceIDs"] == [f"vgpu.openaios.io/claim={UID}-gpu"]
+    assert read_grant(p.paths.grant(folder)).limits == (3000 << 20,)
+    assert sorted(q.name for q in p.paths.grants_dir.iterdir()) == [f"{folder}.hook", f"{folder}.limits"]
+    assert Checkpoint(tmp_path / "state").uids() == [UID]
