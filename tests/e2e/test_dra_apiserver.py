@@ -50,6 +50,7 @@ def cluster() -> Iterator[Sandbox]:
         sb = Sandbox(top / "sandbox")
         try:
             sb.up(Spec(nodes=1, gpus_per_node=1, product=False))
+            assert sb.api_get("/version")["gitVersion"].startswith("v1.36.")
             yield sb
         finally:
             sb.down()
