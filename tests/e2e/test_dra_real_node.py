@@ -12,8 +12,9 @@ Needs what tests/e2e/test_real_node.py needs, with the 1.36 pieces of ``$HOME/.c
 missing, where they are not built. Run it under the machine's real-node lock:
 ``flock /tmp/vgpu-realnode.lock pytest tests/e2e/test_dra_real_node.py``.
 
-Written before the 1.36 kubelet and containerd 2 were built on the machine it was written on: the
-steps follow the API as the upstream sources describe it, not yet a run.
+The sandbox's real node must run containerd 2 with CDI (``realnode.CDI_SPEC_DIRS``, from the
+1.36 work); with the Debian containerd 1.6 node there is no CDI and the test is skipped. The
+sandbox's kubelet has a ``--root-dir`` of its own, so the plugin is pointed at its registry.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group
 
 
 def _why_not() -> str | None:
+    if getattr(realnode, "CDI_SPEC_DIRS", None) is None:
+        return "the sandbox's real node runs containerd without CDI (containerd 2 comes with the 1.36 work)"
     for marker in ("kube-v1.36.3/.complete", "kubelet-v1.36.3/.complete"):
         if not (BIN136 / marker).exists():
             return f"{BIN136 / marker} is missing: the 1.36 pieces are not built (branch k136)"
@@ -60,11 +63,11 @@ def _why_not() -> str | None:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Sandbox]:
-    why = _why_not()
-    if why:
-        pytest.skip(f"no 1.36 real node here: {why}")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGPU_BIN_DIR", str(BIN136))
+        mp.setenv("VGPU_BIN_DIR", str(BIN136))  # the real node's kubelet and containerd too
+        why = _why_not()
+        if why:
+            pytest.skip(f"no 1.36 real node here: {why}")
         top = Path(tempfile.mkdtemp(prefix="vgpu-dra-rn-", dir="/tmp"))
         sb = Sandbox(top / "sandbox")
         try:
@@ -90,6 +93,9 @@ def plugin(node: Sandbox) -> Iterator[subprocess.Popen[bytes]]:
     node.kubectl("apply", "-f", "-", input=json.dumps(device_class))
     argv = [
         str(VGPU), "dra-plugin", f"--node-name={NODE}", f"--kubeconfig={node.kubeconfig}",
+        # the sandbox's kubelet has a --root-dir of its own: its plugin watcher looks there
+        f"--registry-dir={lay.kubelet_root / 'plugins_registry'}",
+        f"--plugin-dir={lay.kubelet_root / 'plugins' / 'vgpu.openaios.io'}",
         f"--fake-nvml={lay.gpus_file}", f"--hook-library={HOOK}", "--slice-interval=1",
     ]  # fmt: skip
     proc = start(argv, node.logs_dir / "dra-plugin.log")
@@ -146,6 +152,26 @@ def _logs(node: Sandbox, name: str) -> str:
     return node.kubectl("logs", "-n", "default", name, check=False).stdout
 
 
+def _running(node: Sandbox, name: str, timeout: float = 180) -> str:
+    """The pod's log once its workload holds its memory; on time-out an error with what the
+    pod, its claims and the plugin say."""
+    try:
+        wait_for(lambda: "holding" in _logs(node, name), f"{name} holding", timeout=timeout, every=2)
+    except AssertionError as err:
+        described = node.kubectl("describe", "pod", "-n", "default", name, check=False).stdout
+        claims = node.kubectl("get", "resourceclaims", "-A", "-o", "yaml", check=False).stdout
+        plugin_log = (node.logs_dir / "dra-plugin.log").read_text(errors="replace")[-3000:]
+        kubelet = (node.logs_dir / "kubelet.log").read_text(errors="replace")
+        dra_lines = "\n".join(
+            line for line in kubelet.splitlines() if "dra" in line.lower() or "plugin" in line.lower()
+        )[-3000:]
+        raise AssertionError(
+            f"{err}\n--- pod\n{described[-3000:]}\n--- claims\n{claims[-3000:]}\n--- plugin\n{plugin_log}"
+            f"\n--- kubelet (DRA)\n{dra_lines}"
+        ) from err
+    return _logs(node, name)
+
+
 def _fields(text: str) -> dict[str, str]:
     return dict(re.findall(r"^(\w+)=(.*)$", text, re.M))
 
@@ -154,13 +180,13 @@ def test_a_claim_of_3000mi_holds_its_container_and_claims_share_the_card(
     node: Sandbox, plugin: subprocess.Popen[bytes]
 ) -> None:
     _apply(node, _pod("dra-a", "3000Mi", "30"))
-    wait_for(lambda: "holding" in _logs(node, "dra-a"), "dra-a holding", timeout=180)
-    fields = _fields(_logs(node, "dra-a"))
+    fields = _fields(_running(node, "dra-a"))
+    print(f"[dra real node] dra-a (3000Mi, 30 cores): chunks={fields['chunks']} refused={fields['refused']}")
     # 640 MiB of context charge and 9 chunks of 256 MiB fit in 3000 MiB; the 10th is refused
     assert (fields["chunks"], fields["refused"]) == ("9", "2"), _logs(node, "dra-a")
     # a second claim on the same card: 4000Mi and 50 cores still fit beside the first
     _apply(node, _pod("dra-b", "4000Mi", "50"))
-    wait_for(lambda: "holding" in _logs(node, "dra-b"), "dra-b holding", timeout=180)
+    _running(node, "dra-b")
     claims = _get(node, "resourceclaims", "-n", "default")["items"]
     devices = {r["device"] for c in claims for r in c["status"]["allocation"]["devices"]["results"]}
     assert devices == {"gpu-0"}  # both on the one card
@@ -172,11 +198,12 @@ def test_a_claim_of_3000mi_holds_its_container_and_claims_share_the_card(
         cond = next((c for c in pod["status"].get("conditions", []) if c["type"] == "PodScheduled"), {})
         return cond.get("message", "") if cond.get("reason") == "Unschedulable" else ""
 
-    message = wait_for(unschedulable, "dra-c unschedulable", timeout=60)
+    message = wait_for(unschedulable, "dra-c unschedulable", timeout=60, every=1)
+    print(f"[dra real node] dra-c Pending: {message}")
     assert "cannot allocate all claims" in message or "resourceclaim" in message.lower(), message
     # the capacity comes back when a pod goes
     node.kubectl("delete", "pod", "-n", "default", "dra-b", "--wait=true", timeout=120)
-    wait_for(lambda: "holding" in _logs(node, "dra-c"), "dra-c running once dra-b is gone", timeout=180)
+    _running(node, "dra-c")
 
 
 def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subprocess.Popen[bytes]) -> None:
@@ -187,6 +214,7 @@ def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subp
         lambda: _get(node, "pod", "-n", "default", "dra-a")["status"]["phase"] == "Running",
         "dra-a running after the kubelet restart",
         timeout=120,
+        every=1,
     )
     assert log.read_text().count("prepared ResourceClaim default/dra-a") == prepared
     assert _get(node, "pod", "-n", "default", "dra-a")["status"]["containerStatuses"][0]["restartCount"] == 0
