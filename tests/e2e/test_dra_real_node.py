@@ -96,6 +96,8 @@ def plugin(node: Sandbox) -> Iterator[subprocess.Popen[bytes]]:
         # the sandbox's kubelet has a --root-dir of its own: its plugin watcher looks there
         f"--registry-dir={lay.kubelet_root / 'plugins_registry'}",
         f"--plugin-dir={lay.kubelet_root / 'plugins' / 'vgpu.openaios.io'}",
+        # the grants and region folders in the sandbox's folder, not the machine's /var/lib/vgpu
+        f"--state-dir={_state_dir(node)}",
         f"--fake-nvml={lay.gpus_file}", f"--hook-library={HOOK}", "--slice-interval=1",
     ]  # fmt: skip
     proc = start(argv, node.logs_dir / "dra-plugin.log")
@@ -104,10 +106,23 @@ def plugin(node: Sandbox) -> Iterator[subprocess.Popen[bytes]]:
             lambda: node.kubectl("get", "resourceslices", "-o", "name", check=False).stdout.strip(),
             "the real node's ResourceSlice",
             timeout=60,
+            every=1,
         )
         yield proc
     finally:
+        node.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", "--timeout=60s", check=False)
         stop(proc)
+        # what the kubelet did not unprepare (a failed test) goes with the node: the specs are in
+        # the machine's /var/run/cdi, which containerd reads
+        for record in (_state_dir(node) / "dra/claims").glob("*.json"):
+            (CDI_DIR / f"vgpu.openaios.io-claim_{record.stem}.json").unlink(missing_ok=True)
+
+
+CDI_DIR = Path("/var/run/cdi")
+
+
+def _state_dir(node: Sandbox) -> Path:
+    return realnode.layout_of(node).root / "vgpu-dra"
 
 
 WORKLOAD = "t_alloc link alloc 256; echo holding; sleep infinity"
@@ -218,3 +233,21 @@ def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subp
     )
     assert log.read_text().count("prepared ResourceClaim default/dra-a") == prepared
     assert _get(node, "pod", "-n", "default", "dra-a")["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_deleting_the_pods_unprepares_their_claims(node: Sandbox, plugin: subprocess.Popen[bytes]) -> None:
+    """The kubelet calls NodeUnprepareResources once a pod's containers are gone: the spec, the
+    grant, the region folder and the record go, and the checkpoint forgets the claim."""
+    state = _state_dir(node)
+    prepared = [p.stem for p in (state / "dra/claims").glob("*.json")]
+    assert prepared, "the tests above left no prepared claim to unprepare"
+    node.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", "--timeout=120s", timeout=150)
+
+    def all_gone() -> bool:
+        return not any(
+            (CDI_DIR / f"vgpu.openaios.io-claim_{uid}.json").exists() for uid in prepared
+        ) and not list((state / "dra/claims").glob("*.json"))
+
+    wait_for(all_gone, "the claims unprepared", timeout=60, every=1)
+    assert not list((state / "containers").glob("dra_*")) and not list((state / "grants").glob("dra_*"))
+    assert json.loads((state / "dra/checkpoint.json").read_text())["claims"] == {}
