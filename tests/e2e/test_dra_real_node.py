@@ -232,6 +232,13 @@ def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subp
         every=1,
     )
     assert log.read_text().count("prepared ResourceClaim default/dra-a") == prepared
+    # the kubelet deletes the node's slices when it starts; the plugin publishes its slice again
+    wait_for(
+        lambda: "real-node-0-vgpu.openaios.io" in node.kubectl("get", "resourceslices", "-o", "name").stdout,
+        "the slice after the kubelet restart",
+        timeout=60,
+        every=1,
+    )
     assert _get(node, "pod", "-n", "default", "dra-a")["status"]["containerStatuses"][0]["restartCount"] == 0
 
 
