@@ -28,11 +28,13 @@ from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, RequestError
 from vgpu.core.requests import asks_for_vgpu, parse_pod
+from vgpu.dra import claims as dra_claims
 from vgpu.extender import worker
 from vgpu.extender.app import _dumps, create_app
 from vgpu.extender.state import SchedulerState
 from vgpu.hookabi import grant as grants
 from vgpu.hookabi import layout, region
+from vgpu.plugin.discovery import Card
 
 CONFIG = SchedulerConfig()
 
@@ -241,6 +243,36 @@ def check_grant_file(data: bytes) -> None:
     assert grants.decode(grants.encode(got, got.seq)) == got
 
 
+# ---------------------------------------------------------------------------------------------
+# vgpu/dra/claims.py: a ResourceClaim as the DRA plugin reads it at NodePrepareResources
+
+_DRA_CARDS = {
+    "gpu-0": Card(uuid="GPU-0", index=0, model="m", memory_mib=81920),
+    "gpu-1": Card(uuid="GPU-1", index=1, model="m", memory_mib=81920, minor=5),
+}
+
+
+def check_resource_claim(data: bytes) -> None:
+    """plan over any claim object: shares of the node's known cards within their bounds (whole
+    MiB, at least 1, 1..100 cores), or a ClaimError naming the field."""
+    claim = _json(data)
+    if not isinstance(claim, dict):
+        return  # the API server answers a claim object or nothing
+    meta = claim.get("metadata")
+    uid = str(meta.get("uid")) if isinstance(meta, dict) else ""
+    try:
+        got = dra_claims.plan(claim, uid, _DRA_CARDS, "node-a")
+    except dra_claims.ClaimError as err:
+        assert err.field, f"a ClaimError must name the field: {err}"
+        return
+    assert got.shares
+    for share in got.shares:
+        card = _DRA_CARDS[share.device]
+        assert share.uuid == card.uuid and share.memory_mib >= 1 and 1 <= share.cores <= 100
+        assert share.request
+    assert sum(len(v) for v in got.requests().values()) == len(got.shares)
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "devices_annotation": check_devices_annotation,
     "allocation_annotation": check_allocation_annotation,
@@ -249,4 +281,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "worker_head": check_worker_head,
     "region_file": check_region_file,
     "grant_file": check_grant_file,
+    "resource_claim": check_resource_claim,
 }

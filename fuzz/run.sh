@@ -21,6 +21,7 @@ HARNESSES=(
   config_env:fuzz_config:
   region_hook:fuzz_region:
   grant_file:py:
+  resource_claim:py:json
   grant_hook:fuzz_grant:
 )
 

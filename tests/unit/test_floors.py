@@ -15,7 +15,7 @@ import grimp
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = 450  # lines; a longer module says why in an "# Over 450 lines: ..." line near its top
-GENERATED = {"vgpu/plugin/api"}
+GENERATED = {"vgpu/plugin/api", "vgpu/dra/api"}
 
 
 def _cycles_module():  # tools/ is not a package; load the script as the lint step runs it
@@ -88,6 +88,15 @@ def test_the_nodes_two_commands_only_call_its_wiring() -> None:
         assert graph.direct_import_exists(importer=command, imported="vgpu.plugin.node")
         for part in ("vgpu.plugin.daemon", "vgpu.plugin.devices", "vgpu.kube.client"):
             assert not graph.direct_import_exists(importer=command, imported=part), (command, part)
+
+
+def test_the_dra_plugin_command_only_calls_its_wiring_and_no_shell_imports_it() -> None:
+    graph = grimp.build_graph("vgpu")
+    assert graph.direct_import_exists(importer="vgpu.dra.cli", imported="vgpu.dra.node")
+    for part in ("vgpu.dra.prepare", "vgpu.dra.server", "vgpu.dra.publish", "vgpu.kube.resourceapi"):
+        assert not graph.direct_import_exists(importer="vgpu.dra.cli", imported=part), part
+    for shell in ("vgpu.plugin", "vgpu.extender", "vgpu.kube", "vgpu.core", "vgpu.hookabi"):
+        assert not graph.chain_exists(importer=shell, imported="vgpu.dra", as_packages=True), shell
 
 
 def test_no_module_of_the_product_is_long_without_a_reason_at_its_top() -> None:

@@ -30,6 +30,7 @@ from vgpu.core.errors import VgpuError
 COMMANDS: dict[str, tuple[str, str]] = {
     "extender": ("vgpu.extender.cli", "the kube-scheduler extender and admission webhook"),
     "device-plugin": ("vgpu.plugin.cli", "the kubelet device plugin for one node"),
+    "dra-plugin": ("vgpu.dra.cli", "the DRA driver's node plugin: ResourceSlices, claims through CDI"),
     "monitor": ("vgpu.plugin.monitor.cli", "the node monitor: /metrics from the hook's regions"),
     "status": ("vgpu.commands.status", "which container got which vGPU, per node and card"),
     "limits": ("vgpu.commands.limits", "change a running container's limits through its region"),

@@ -10,8 +10,10 @@ of the folder, the grant and the hook library.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import Protocol
 
 from vgpu.core.annotations import ContainerAllocation
 from vgpu.hookabi.grant import Grant, write_grant
@@ -68,34 +70,7 @@ def container_response(
     # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
     paths.containers_dir.chmod(0o700)
     host_dir.chmod(0o777)
-    envs = {
-        "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in container.devices),
-        "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{inside}/{REGION_FILE_NAME}",
-        "CUDA_TASK_PRIORITY": priority,
-    }
-    scaling = Fraction(repr(config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
-    spill = config.oversubscribe and scaling > 1
-    for i, d in enumerate(container.devices):
-        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
-        envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
-        if spill:
-            # The card's share of the (scaled-up) grant stays on the card; the rest spills.
-            envs[f"CUDA_DEVICE_MEMORY_BUDGET_{i}"] = f"{math.floor(d.memory_mib / scaling)}m"
-    if config.oversubscribe:
-        envs["CUDA_OVERSUBSCRIBE"] = "true"
-    envs["CUDA_SM_POLICY"] = config.sm_policy
-    # The limits themselves go where the container can only read them: the hook takes them
-    # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
-    grant = Grant(
-        uuids=tuple(d.uuid for d in container.devices),
-        limits=tuple(d.memory_mib << 20 for d in container.devices),
-        sm_limits=tuple(min(d.cores, 100) for d in container.devices),
-        budgets=tuple(math.floor(d.memory_mib / scaling) << 20 if spill else 0 for d in container.devices),
-        priority=int(priority),
-        sm_policy=1 if config.sm_policy == "elastic" else 0,
-        oversubscribe=config.oversubscribe,
-        region_path=f"{inside}/{REGION_FILE_NAME}",
-    )
+    envs, grant = limits(container.devices, config, f"{inside}/{REGION_FILE_NAME}", priority)
     record = write_grant_file(paths, host_dir.name, grant)
     # Which hook version the container gets, where it cannot reach: the version stays on the
     # host while the record does (vgpu/plugin/hooklib.py).
@@ -123,3 +98,52 @@ def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:
     record = paths.grant(folder_name)
     write_grant(record, grant)
     return record
+
+
+class Share(Protocol):
+    """One card of a container's grant: contract 3's ``DeviceAllocation``, or a DRA claim's result."""
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def memory_mib(self) -> int: ...
+
+    @property
+    def cores(self) -> int: ...
+
+
+def limits(
+    devices: Sequence[Share], config: NodeConfig, region_path: str, priority: str
+) -> tuple[dict[str, str], Grant]:
+    """Contract 4's environment and the grant for a container holding ``devices`` (the device
+    plugin's Allocate and the DRA plugin's prepared claims hold a container alike)."""
+    envs = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in devices),
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": region_path,
+        "CUDA_TASK_PRIORITY": priority,
+    }
+    scaling = Fraction(repr(config.device_memory_scaling))  # 1.2 as 6/5, exactly: no 2499.999
+    spill = config.oversubscribe and scaling > 1
+    for i, d in enumerate(devices):
+        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.memory_mib}m"
+        envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(d.cores, 100))
+        if spill:
+            # The card's share of the (scaled-up) grant stays on the card; the rest spills.
+            envs[f"CUDA_DEVICE_MEMORY_BUDGET_{i}"] = f"{math.floor(d.memory_mib / scaling)}m"
+    if config.oversubscribe:
+        envs["CUDA_OVERSUBSCRIBE"] = "true"
+    envs["CUDA_SM_POLICY"] = config.sm_policy
+    # The limits themselves go where the container can only read them: the hook takes them
+    # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
+    grant = Grant(
+        uuids=tuple(d.uuid for d in devices),
+        limits=tuple(d.memory_mib << 20 for d in devices),
+        sm_limits=tuple(min(d.cores, 100) for d in devices),
+        budgets=tuple(math.floor(d.memory_mib / scaling) << 20 if spill else 0 for d in devices),
+        priority=int(priority),
+        sm_policy=1 if config.sm_policy == "elastic" else 0,
+        oversubscribe=config.oversubscribe,
+        region_path=region_path,
+    )
+    return envs, grant

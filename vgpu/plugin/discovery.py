@@ -25,6 +25,7 @@ class Card:
     healthy: bool = True
     links: Mapping[str, str] = field(default_factory=dict)  # peer uuid -> "nvlink" | "pcie" ...
     minor: int = -1  # the driver's minor number (/dev/nvidia<minor>); -1: unknown, the index stands in
+    compute_capability: str = ""  # "9.0" (major.minor); "": unknown
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ The file::
         links: {GPU-...: nvlink}                          # default {}
         memoryUsedMiB: 0                                  # what the monitor reports, default 0
         utilization: 0                                    # percent, default 0
+        computeCapability: "9.0"                          # major.minor, default unknown
 
+    driverVersion: 570.124.06                             # optional: the driver's version (DRA attribute)
     processDir: /var/lib/vgpu-stub/procs                  # optional: per-process memory (below)
 
 The file is watched: edit ``healthy`` and the plugin
@@ -36,6 +38,7 @@ since the previous call that its kernels ran (a whole percent, as NVML's ``smUti
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -47,7 +50,20 @@ from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
-KEYS = {"index", "uuid", "model", "memoryMiB", "numa", "healthy", "links", "memoryUsedMiB", "utilization"}
+KEYS = {
+    "index",
+    "uuid",
+    "model",
+    "memoryMiB",
+    "numa",
+    "healthy",
+    "links",
+    "memoryUsedMiB",
+    "utilization",
+    "computeCapability",
+}
+_CAPABILITY = re.compile(r"^[0-9]{1,3}\.[0-9]{1,3}$")
+_DRIVER_VERSION = re.compile(r"^[0-9]{1,5}(\.[0-9]{1,5}){1,3}$")
 
 
 def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardUsage]]:
@@ -86,6 +102,11 @@ def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardU
         model = item.get("model", "Fake GPU")
         if not isinstance(model, str):
             raise ConfigError(source, f"{path}.model", "must be a string")
+        capability = item.get("computeCapability", "")
+        if not isinstance(capability, str) or (capability and not _CAPABILITY.match(capability)):
+            raise ConfigError(
+                source, f"{path}.computeCapability", f"must be MAJOR.MINOR such as '9.0', got {capability!r}"
+            )
         index = _int(item, "index", path, source, minimum=0, default=i)
         if any(c.index == index for c in cards):
             raise ConfigError(source, f"{path}.index", f"duplicate index {index}")
@@ -98,6 +119,7 @@ def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardU
                 numa=_int(item, "numa", path, source, minimum=-1, default=-1),
                 healthy=healthy,
                 links=dict(links),
+                compute_capability=capability,
             )
         )
         usage[uuid] = CardUsage(
@@ -106,6 +128,16 @@ def parse_fake_gpus(text: str, source: str) -> tuple[list[Card], dict[str, CardU
             utilization_percent=_int(item, "utilization", path, source, minimum=0, default=0),
         )
     return sorted(cards, key=lambda c: c.index), usage
+
+
+def parse_driver_version(text: str, source: str) -> str:
+    """The file's optional ``driverVersion`` ("" without one); raises ConfigError naming it."""
+    doc = yaml.safe_load(text)
+    value = doc.get("driverVersion", "") if isinstance(doc, dict) else ""
+    value = str(value) if isinstance(value, float) else value  # 570.86 reads as a number
+    if not isinstance(value, str) or (value and not _DRIVER_VERSION.match(value)):
+        raise ConfigError(source, "driverVersion", f"must be a version such as 570.124.06, got {value!r}")
+    return value
 
 
 def parse_process_dir(text: str, source: str) -> Path | None:
@@ -147,6 +179,7 @@ class FakeDiscovery:
         text = self.path.read_text()
         self._cards, self._usage = parse_fake_gpus(text, str(self.path))
         self.process_dir = parse_process_dir(text, str(self.path))
+        self.driver_version = parse_driver_version(text, str(self.path))
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again

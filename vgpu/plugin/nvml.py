@@ -68,6 +68,10 @@ class NvmlDiscovery:
         except pynvml.NVMLError as err:
             log.warning("NVML events unavailable (%s); card health is not watched", err)
         self._static = [self._describe(i, h) for i, h in enumerate(self._handles)]
+        try:
+            self.driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            self.driver_version = ""
         self._samples_at = [0] * len(self._handles)  # the newest utilization sample seen, per card (us)
         self._sm: list[dict[int, int]] = [{} for _ in self._handles]  # pid -> SM percent, per card
         self._sampled = [0.0] * len(self._handles)  # when the samples were last read (monotonic s)
@@ -119,7 +123,15 @@ class NvmlDiscovery:
             numa=self._numa(handle),
             links=self._links(index, handle),
             minor=self._minor(handle),
+            compute_capability=self._capability(handle),
         )
+
+    def _capability(self, handle: Any) -> str:
+        try:
+            major, minor = self._nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        except self._nvml.NVMLError:
+            return ""
+        return f"{int(major)}.{int(minor)}"
 
     def _minor(self, handle: Any) -> int:
         try:

@@ -11,6 +11,8 @@ PLUGIN_SOCKET_NAME = "vgpu.sock"
 KUBELET_SOCKET_NAME = "kubelet.sock"
 REGION_FILE_NAME = "vgpu.region"
 HOOK_LIBRARY_NAME = "libvgpu.so"
+# The DRA plugin's region folders and grants are named dra_<claim-uid>_<request> (no pod UID).
+DRA_PREFIX = "dra"
 # Where the hook library appears inside a container; /etc/ld.so.preload names it.
 CONTAINER_HOOK_PATH = "/usr/local/vgpu/" + HOOK_LIBRARY_NAME
 
@@ -79,18 +81,14 @@ def _entries(folder: Path) -> list[Path]:
         return []
 
 
-# The DRA plugin's folders and grants (``dra_<claim-uid>_<request>``): it removes them itself when
-# the kubelet unprepares the claim; a device plugin on the same node (one started there against the
-# one-mode-per-node rule, or one whose node changed mode) must never take them for a gone pod's.
-DRA_PREFIX = "dra_"
-
-
 def _stale(entry: Path, live_pod_uids: set[str], min_age_s: float, now: float) -> bool:
     """``entry`` (named ``<pod-uid>_...``) belongs to a pod gone from the node and is older than
-    ``min_age_s``; a failing stat raises OSError."""
-    if entry.name.startswith(DRA_PREFIX):
+    ``min_age_s``; a failing stat raises OSError. The DRA plugin's entries (``dra_<claim-uid>_...``)
+    are never stale here: they go when the kubelet unprepares their claim (vgpu/dra/prepare.py)."""
+    owner = entry.name.partition("_")[0]
+    if owner == DRA_PREFIX:
         return False
-    return entry.name.partition("_")[0] not in live_pod_uids and now - entry.stat().st_mtime >= min_age_s
+    return owner not in live_pod_uids and now - entry.stat().st_mtime >= min_age_s
 
 
 def sweep_container_dirs(

@@ -32,11 +32,11 @@ from pathlib import Path
 
 from vgpu.hookabi.grant import GRANT_SUFFIX
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin.paths import DRA_PREFIX
 
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 # a grant's name: the device plugin's <pod-uid>_<container> or DRA's dra_<claim-uid>_<request>
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-DRA_PREFIX = "dra_"
 DELETED = "//deleted"  # the kernel's mark on a bind mount whose source file was removed
 
 
@@ -103,7 +103,8 @@ def process_grant(pid: int, proc: Path, device: tuple[int, int] | None) -> str |
 
 def claim_of(grant: str) -> tuple[str, str] | None:
     """(claim UID, request) of a DRA grant's name ``dra_<claim-uid>_<request>``; None for another."""
-    if not grant.startswith(DRA_PREFIX):
+    prefix, sep, rest = grant.partition("_")
+    if prefix != DRA_PREFIX or not sep:
         return None
-    claim, sep, request = grant[len(DRA_PREFIX) :].partition("_")
+    claim, sep, request = rest.partition("_")
     return (claim, request) if sep and claim and request else None

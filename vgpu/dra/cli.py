@@ -1,0 +1,94 @@
+"""``vgpu dra-plugin``: the DRA driver's node plugin (docs/dra.md#the-node-plugin)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from vgpu.dra.node import DraSettings, build
+from vgpu.plugin.config import INJECT_MODES
+from vgpu.plugin.node import serve
+
+DEFAULT_HOOK = "/usr/local/vgpu/libvgpu.so"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--node-name", required=True, help="this node's name (the pool and the slice are named after it)"
+    )
+    parser.add_argument(
+        "--plugin-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins/vgpu.openaios.io"),
+        help="where the DRA socket (dra.sock) is served (default /var/lib/kubelet/plugins/vgpu.openaios.io)",
+    )
+    parser.add_argument(
+        "--registry-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins_registry"),
+        help="the kubelet's plugin registration folder (default /var/lib/kubelet/plugins_registry)",
+    )
+    parser.add_argument(
+        "--cdi-dir",
+        type=Path,
+        default=Path("/var/run/cdi"),
+        help="where the claims' CDI specs go (default /var/run/cdi)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/vgpu"),
+        help="grants, region folders, hook versions, checkpoint, claim records (default /var/lib/vgpu)",
+    )
+    parser.add_argument("--config", type=Path, help="the node config YAML the device plugin reads")
+    parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
+    parser.add_argument("--kubeconfig", type=Path, help="kubeconfig file; in-cluster config without it")
+    parser.add_argument(
+        "--hook-library",
+        type=Path,
+        default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
+        help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
+    )
+    parser.add_argument(
+        "--driver-inject",
+        choices=INJECT_MODES,
+        help="plugin: the CDI spec carries the driver's device nodes and libraries (nodes without NVIDIA's "
+        "container toolkit); default: the node config's driverInject",
+    )
+    parser.add_argument(
+        "--driver-root", type=Path, default=Path("/"), help="where this process sees the driver (default /)"
+    )
+    parser.add_argument(
+        "--driver-host-root", default="/", help="the same folder as the host names it (default /)"
+    )
+    parser.add_argument(
+        "--slice-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often the node's ResourceSlice is checked against its cards (default 10)",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
+
+
+def settings(args: argparse.Namespace) -> DraSettings:
+    return DraSettings(
+        node=args.node_name,
+        plugin_dir=args.plugin_dir,
+        registry_dir=args.registry_dir,
+        cdi_dir=args.cdi_dir,
+        state_dir=args.state_dir,
+        config=args.config,
+        fake_nvml=args.fake_nvml,
+        kubeconfig=args.kubeconfig,
+        hook_library=args.hook_library,
+        driver_inject=args.driver_inject,
+        driver_root=args.driver_root,
+        driver_host_root=args.driver_host_root,
+        slice_interval_s=args.slice_interval,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve("dra-plugin", lambda: build(settings(args)), args.log_level)

@@ -1,0 +1,116 @@
+"""``vgpu dra-plugin``'s parts for one node, built from its flags: every setting checked first.
+
+Discovery (NVML or ``--fake-nvml``), the node config, the hook library and, under
+``driverInject: plugin``, the driver's files come from the device plugin's own pieces
+(vgpu/plugin/node.py), so a DRA container is held exactly as a device-plugin one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from vgpu.core.errors import ConfigError
+from vgpu.dra.prepare import Preparer, StatePaths
+from vgpu.dra.publish import SlicePublisher
+from vgpu.dra.server import DraServer
+from vgpu.plugin.config import load_node_config
+from vgpu.plugin.discovery import Discovery
+from vgpu.plugin.node import NodeSettings, driver_files, hook_install, open_discovery
+
+log = logging.getLogger(__name__)
+
+# Unix socket paths must fit sockaddr_un (107 bytes and a NUL).
+SOCKET_PATH_MAX = 107
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    node: str
+    plugin_dir: Path = Path("/var/lib/kubelet/plugins/vgpu.openaios.io")
+    registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    cdi_dir: Path = Path("/var/run/cdi")
+    state_dir: Path = Path("/var/lib/vgpu")
+    config: Path | None = None
+    fake_nvml: Path | None = None
+    kubeconfig: Path | None = None
+    hook_library: Path | None = None
+    driver_inject: str | None = None
+    driver_root: Path = Path("/")
+    driver_host_root: str = "/"
+    slice_interval_s: float = 10.0
+
+
+class DraPlugin:
+    """The publisher of the node's slice and the kubelet's gRPC server, started and stopped together."""
+
+    def __init__(
+        self, discovery: Discovery, publisher: SlicePublisher, server: DraServer, preparer: Preparer
+    ):
+        self.discovery = discovery
+        self.publisher = publisher
+        self.server = server
+        self.preparer = preparer
+
+    def start(self) -> None:
+        self.publisher.start()
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.publisher.stop()
+        self.discovery.close()
+
+
+def _check_dirs(settings: DraSettings) -> None:
+    for flag, folder, name in (
+        ("--plugin-dir", settings.plugin_dir, "dra.sock"),
+        ("--registry-dir", settings.registry_dir, "vgpu.openaios.io-reg.sock"),
+    ):
+        if not folder.is_absolute():
+            raise ConfigError(flag, "", f"{folder} must be an absolute path")
+        if len(str(folder / name).encode()) > SOCKET_PATH_MAX:
+            raise ConfigError(
+                flag, "", f"{folder / name} is longer than a unix socket path may be (107 bytes)"
+            )
+    for flag, folder in (("--cdi-dir", settings.cdi_dir), ("--state-dir", settings.state_dir)):
+        if not folder.is_absolute():
+            raise ConfigError(
+                flag, "", f"{folder} must be an absolute path (the runtime reads it on the host)"
+            )
+
+
+def build(settings: DraSettings) -> DraPlugin:
+    """Every part of the node's DRA plugin, every setting checked, nothing started."""
+    from vgpu.kube.resourceapi import ResourceClient
+
+    if not settings.node:
+        raise ConfigError(
+            "--node-name", "", "must name this node (the Node object; the pool is named after it)"
+        )
+    _check_dirs(settings)
+    node_settings = NodeSettings(
+        node=settings.node,
+        config=settings.config,
+        fake_nvml=settings.fake_nvml,
+        kubeconfig=settings.kubeconfig,
+        hook_library=settings.hook_library,
+        driver_inject=settings.driver_inject,
+        driver_root=settings.driver_root,
+        driver_host_root=settings.driver_host_root,
+    )
+    config = load_node_config(settings.config, settings.node)
+    paths = StatePaths(Path("/"), settings.state_dir)
+    driver = driver_files(node_settings, config)
+    discovery = open_discovery(node_settings)
+    hook = hook_install(node_settings, paths)
+    client = ResourceClient(str(settings.kubeconfig) if settings.kubeconfig else None)
+    publisher = SlicePublisher(
+        settings.node, discovery, client, config.device_memory_scaling, settings.slice_interval_s
+    )
+    preparer = Preparer(
+        settings.node, paths, settings.cdi_dir, config, client, publisher.cards, hook=hook, driver=driver
+    )
+    server = DraServer(preparer, settings.plugin_dir, settings.registry_dir, on_registered=publisher.kick)
+    return DraPlugin(discovery, publisher, server, preparer)

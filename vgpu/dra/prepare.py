@@ -1,0 +1,239 @@
+"""NodePrepareResources and NodeUnprepareResources: a claim's shares made into host files.
+
+For each request of a prepared claim the plugin writes what the device plugin's Allocate writes
+for a container (contract 4, docs/contracts.md), named so that nothing of the device plugin can
+collide with it (``dra_<claim-uid>_<request>``, never a pod UID):
+
+    <state-dir>/grants/dra_<claim-uid>_<request>.limits   the grant (contract 5), mounted read-only
+    <state-dir>/grants/dra_<claim-uid>_<request>.hook     the hook version handed out (hooklib.py)
+    <state-dir>/containers/dra_<claim-uid>_<request>/     the region folder, mounted read-write
+    <cdi-dir>/vgpu.openaios.io-claim_<claim-uid>.json      the CDI spec: one device per request
+    <state-dir>/dra/claims/<claim-uid>.json               the claim's record (contract 7)
+    <state-dir>/dra/checkpoint.json                       the answer given, by claim UID
+
+Every container given a claim's request shares its region and grant: the request's memory and
+cores are held across all of them, as a claim shared between containers shares its device.
+
+Idempotent: a claim in the checkpoint is answered from it, nothing written again; a plugin
+killed half way leaves files the next prepare of the claim writes over (the checkpoint, written
+last, is what says a claim is prepared). Unprepare removes the files the checkpoint names, or,
+for a claim it does not know, whatever carries the claim's UID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from vgpu.dra import cdi
+from vgpu.dra.claims import ClaimError, ClaimPlan, Share, plan
+from vgpu.dra.slices import device_name
+from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
+from vgpu.hookabi.grant import GRANT_SUFFIX
+from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin.answer import limits, write_grant_file
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.discovery import Card
+from vgpu.plugin.driver import DriverFiles
+from vgpu.plugin.hooklib import RECORD_SUFFIX, HookInstall, hand_out
+from vgpu.plugin.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME, HostPaths
+
+log = logging.getLogger(__name__)
+
+# A claim carries no priority of its own: its containers get the device plugin's default.
+PRIORITY = "1"
+
+
+@dataclass(frozen=True)
+class StatePaths(HostPaths):
+    """The device plugin's host paths with ``--state-dir`` as its ``/var/lib/vgpu``."""
+
+    state_dir: Path = Path("/var/lib/vgpu")
+
+    @property
+    def vgpu_dir(self) -> Path:
+        return self.state_dir
+
+
+class ClaimSource(Protocol):
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+def folder_name(claim_uid: str, request: str) -> str:
+    return f"{DRA_PREFIX}_{claim_uid}_{cdi.safe(request)}"
+
+
+def folder_inside(folder: str) -> str:
+    """The region folder as the container sees it."""
+    return f"/var/lib/vgpu/containers/{folder}"
+
+
+class Preparer:
+    """Prepares and unprepares claims on one node; safe to call from several gRPC threads."""
+
+    def __init__(
+        self,
+        node: str,
+        paths: StatePaths,
+        cdi_dir: Path,
+        config: NodeConfig,
+        claims: ClaimSource,
+        cards: Callable[[], list[Card]],
+        hook: HookInstall | None = None,
+        driver: DriverFiles | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.node = node
+        self.paths = paths
+        self.cdi_dir = cdi_dir
+        self.config = config
+        self.claims = claims
+        self.cards = cards
+        self.hook = hook
+        self.driver = driver
+        self.checkpoint = checkpoint or Checkpoint(paths.state_dir)
+        self._lock = threading.Lock()
+        self.writes = 0  # claims prepared from the API server (not from the checkpoint): tests, logs
+
+    def _healthy(self) -> dict[str, Card]:
+        return {device_name(c.index): c for c in self.cards() if c.healthy}
+
+    def prepare(self, namespace: str, uid: str, name: str) -> list[dict[str, Any]]:
+        """The claim's devices for the kubelet (``requestNames``, ``poolName``, ``deviceName``,
+        ``cdiDeviceIDs``); ``ClaimError`` naming the field, ``KubeError``, ``OSError``."""
+        with self._lock:
+            done = self.checkpoint.get(uid)
+            if done is not None:
+                return list(done["devices"])
+            claim = self.claims.get_resource_claim(namespace, name)
+            if claim is None:
+                raise ClaimError(f"ResourceClaim {namespace}/{name}", "", "not found in the API server")
+            claim_plan = plan(claim, uid, self._healthy(), self.node)
+            devices, folders = self._write(claim_plan)
+            self.checkpoint.put(
+                uid, {"namespace": namespace, "name": name, "devices": devices, "folders": folders}
+            )
+            self.writes += 1
+            log.info(
+                "prepared ResourceClaim %s/%s (%s): %s",
+                namespace,
+                name,
+                uid,
+                ", ".join(f"{s.request} {s.device} {s.memory_mib}Mi {s.cores}%" for s in claim_plan.shares),
+            )
+            return devices
+
+    def _write(self, claim_plan: ClaimPlan) -> tuple[list[dict[str, Any]], list[str]]:
+        uid = claim_plan.uid
+        edits: dict[str, cdi.Edits] = {}
+        devices: list[dict[str, Any]] = []
+        folders: list[str] = []
+        requests: list[dict[str, Any]] = []
+        for request, shares in claim_plan.requests().items():
+            folder = folder_name(uid, request)
+            folders.append(folder)
+            edits[request] = self._request_files(folder, shares)
+            for j, share in enumerate(shares):
+                devices.append(
+                    {
+                        "requestNames": [request],
+                        "poolName": self.node,
+                        "deviceName": share.device,
+                        # one CDI device per request carries all its cards; the kubelet needs it once
+                        "cdiDeviceIDs": [cdi.device_id(uid, request)] if j == 0 else [],
+                    }
+                )
+                requests.append(
+                    {
+                        "request": request,
+                        "device": share.device,
+                        "uuid": share.uuid,
+                        "memoryBytes": share.memory_mib << 20,
+                        "cores": share.cores,
+                        "shareID": share.share_id,
+                        "grant": str(self.paths.grant(folder)),
+                        "regionDir": str(self.paths.containers_dir / folder),
+                    }
+                )
+        cdi.write_json(cdi.spec_path(self.cdi_dir, uid), cdi.spec(uid, edits))
+        record = {
+            "version": RECORD_VERSION,
+            "namespace": claim_plan.namespace,
+            "name": claim_plan.name,
+            "uid": uid,
+            "node": self.node,
+            "pods": [
+                {"name": r["name"], "uid": r["uid"]}
+                for r in claim_plan.reserved_for
+                if r["resource"] == "pods"
+            ],
+            "requests": requests,
+        }
+        cdi.write_json(record_path(self.paths.state_dir, uid), record)
+        return devices, folders
+
+    def _request_files(self, folder: str, shares: list[Share]) -> cdi.Edits:
+        """One request's region folder, grant and hook record on the host, and its CDI edits."""
+        nodes: list[str] = []
+        if self.driver is not None:
+            try:
+                nodes = [d.container_path for d in self.driver.devices([s.minor for s in shares])]
+            except FileNotFoundError as err:
+                raise ClaimError(
+                    f"node {self.node}",
+                    "",
+                    f"driverInject is plugin but {err} is missing: load the NVIDIA driver's modules "
+                    "(nvidia-modprobe) or fix the node's /dev",
+                ) from err
+        inside = folder_inside(folder)
+        host_dir = self.paths.containers_dir / folder
+        host_dir.mkdir(parents=True, exist_ok=True)
+        self.paths.containers_dir.chmod(0o700)  # only root reaches the folders on the host
+        host_dir.chmod(0o777)  # the container's processes, whatever their user, create the region
+        env, grant = limits(shares, self.config, f"{inside}/{REGION_FILE_NAME}", PRIORITY)
+        grant_file = write_grant_file(self.paths, folder, grant)
+        hand_out(self.paths, folder, self.hook)
+        mounts: list[tuple[str, str, bool]] = [
+            (inside, str(host_dir), False),
+            (GRANT_PATH_IN_CONTAINER, str(grant_file), True),
+        ]
+        if self.hook is not None:
+            mounts += [
+                (CONTAINER_HOOK_PATH, str(self.hook.library), True),
+                ("/etc/ld.so.preload", str(self.hook.preload), True),
+            ]
+        if self.driver is not None:
+            mounts += [(m.container_path, m.host_path, True) for m in self.driver.mounts()]
+        return cdi.Edits(env=env, mounts=mounts, device_nodes=nodes)
+
+    def unprepare(self, uid: str) -> None:
+        """Remove what prepare made for the claim (nothing to remove is no error); ``OSError``."""
+        with self._lock:
+            entry = self.checkpoint.get(uid)
+            prefix = f"{DRA_PREFIX}_{uid}_"
+            folders = set(entry["folders"] if entry else [])
+            for where in (self.paths.containers_dir, self.paths.grants_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    folders.update(
+                        p.name.removesuffix(GRANT_SUFFIX).removesuffix(RECORD_SUFFIX)
+                        for p in where.iterdir()
+                        if p.name.startswith(prefix)
+                    )
+            for folder in sorted(folders):
+                shutil.rmtree(self.paths.containers_dir / folder, ignore_errors=True)
+                for path in (self.paths.grant(folder), self.paths.grants_dir / f"{folder}{RECORD_SUFFIX}"):
+                    path.unlink(missing_ok=True)
+            cdi.spec_path(self.cdi_dir, uid).unlink(missing_ok=True)
+            record_path(self.paths.state_dir, uid).unlink(missing_ok=True)
+            self.checkpoint.remove(uid)
+            if entry is not None:
+                log.info("unprepared ResourceClaim %s/%s (%s)", entry["namespace"], entry["name"], uid)
+
+    def prepared(self) -> Mapping[str, dict[str, Any]]:
+        return {uid: e for uid in self.checkpoint.uids() if (e := self.checkpoint.get(uid)) is not None}

@@ -1,0 +1,128 @@
+"""The node's ResourceSlice kept in step with its cards.
+
+``SlicePublisher`` holds the node's current cards (health events from discovery change them)
+and makes the API server's slice offer exactly the healthy ones: created when missing, replaced
+with the pool's generation one higher when what it offers changed (a card went unhealthy or came
+back), left alone otherwise. It checks every ``interval_s`` (the kubelet deletes a node's slices
+when it starts and when a plugin stays away) and at once after a health event or a registration.
+
+The slice is not deleted when the plugin stops: a plugin restarting (an upgrade, a crash) must not
+make the scheduler see the node's cards vanish while claims run on them. It goes with the Node
+(its owner), and the kubelet removes it once the plugin has been gone past its grace period.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from dataclasses import replace
+
+from vgpu.core.errors import ConflictError, KubeError
+from vgpu.core.service import Service
+from vgpu.dra.slices import build_slice, fingerprint, slice_name
+from vgpu.kube.resourceapi import ResourceClient
+from vgpu.plugin.discovery import Card, Discovery
+
+log = logging.getLogger(__name__)
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        node: str,
+        discovery: Discovery,
+        client: ResourceClient,
+        memory_scaling: float = 1.0,
+        interval_s: float = 10.0,
+    ) -> None:
+        self.node = node
+        self.discovery = discovery
+        self.client = client
+        self.memory_scaling = memory_scaling
+        self.interval_s = interval_s
+        self.driver_version = str(getattr(discovery, "driver_version", "") or "")
+        self._lock = threading.Lock()
+        self._cards = list(discovery.cards())
+        self._kick = threading.Event()
+        self._node_uid: str | None = None
+        self.generation: int | None = None  # the pool's generation as last written or read
+        self.writes = 0  # slices created or replaced (tests)
+        self._loop = Service("dra-slices", self._run)
+        self._health = Service("dra-health", self._watch_health)
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return list(self._cards)
+
+    def kick(self) -> None:
+        """Check the slice now (after a registration: the kubelet may have wiped it)."""
+        self._kick.set()
+
+    def sync(self) -> bool:
+        """One check: the slice on the server offers the healthy cards. True when it was written."""
+        if self._node_uid is None:
+            self._node_uid = self.client.node_uid(self.node)
+        name = slice_name(self.node)
+        existing = self.client.get_resource_slice(name)
+        generation = 1
+        if existing is not None:
+            generation = int(((existing.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+        desired = build_slice(
+            self.node, self.cards(), generation, self.driver_version, self.memory_scaling, self._node_uid
+        )
+        if existing is not None and fingerprint(existing) == fingerprint(desired):
+            self.generation = generation
+            return False
+        if existing is None:
+            self.client.create_resource_slice(desired)
+        else:
+            desired["spec"]["pool"]["generation"] = generation + 1
+            desired["metadata"]["resourceVersion"] = (existing.get("metadata") or {}).get("resourceVersion")
+            if not self._node_uid:  # keep an owner set earlier
+                owners = (existing.get("metadata") or {}).get("ownerReferences")
+                if owners:
+                    desired["metadata"]["ownerReferences"] = copy.deepcopy(owners)
+            self.client.replace_resource_slice(desired)
+        self.generation = desired["spec"]["pool"]["generation"]
+        self.writes += 1
+        log.info(
+            "ResourceSlice %s: %d card(s) at pool generation %d",
+            name,
+            len(desired["spec"]["devices"]),
+            self.generation,
+        )
+        return True
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.sync()
+            except ConflictError:
+                continue  # changed under us: read it again at once
+            except KubeError as err:
+                log.warning("cannot publish the ResourceSlice of %s: %s; retrying", self.node, err)
+            self._kick.wait(self.interval_s)
+            self._kick.clear()
+
+    def _watch_health(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            events = self.discovery.wait_health_events(1.0)
+            if not events:
+                continue
+            with self._lock:
+                health = {e.uuid: e.healthy for e in events}
+                self._cards = [replace(c, healthy=health.get(c.uuid, c.healthy)) for c in self._cards]
+            for e in events:
+                log.warning("card %s is %s (%s)", e.uuid, "healthy" if e.healthy else "unhealthy", e.reason)
+            self.kick()
+
+    def start(self) -> None:
+        self._health.start()
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stopping.set()
+        self._kick.set()  # wakes the loop, which then sees the stop
+        self._loop.stop()
+        self._health.stop()
