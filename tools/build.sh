@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the sandbox's binaries from the Go module proxy into a cache keyed by version. Builds only
-# what is missing.
+# Builds the sandbox's binaries from the Go module proxy (and etcd from Debian's
+# package) into a cache keyed by version. Builds only what is missing.
 #
 #   tools/build.sh [kube|kubelet|containerd|crictl|nvidia-ctk|kwok|helm|etcd|ocipack]...   (default: etcd kwok helm kube ocipack)
 #
@@ -121,11 +121,18 @@ ocipack_version() {
   printf '%s-%s' "$GGCR_VERSION" "$h"
 }
 
-# etcd from Go modules (tools/etcd: upstream's etcdmain). Debian 12's etcd 3.4 cannot answer the
-# progress requests kube-apiserver 1.36 needs for watch-list streams (RequestWatchProgress), and
-# its clients' informers then lag by a minute.
 build_etcd() {
-  (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$1/etcd" .)
+  local out=$1 v=$2 work; work=$(mktemp -d)
+  # apt-get download needs package lists; fetch them once if this machine has none.
+  if ! (cd "$work" && apt-get download "etcd-server=$v" >/dev/null 2>&1); then
+    apt-get update >/dev/null 2>&1 || true
+    (cd "$work" && apt-get download "etcd-server=$v") || {
+      log "etcd: could not download Debian's etcd-server $v; check that apt-get reaches Debian's packages"
+      rm -rf "$work"; return 1; }
+  fi
+  dpkg-deb -x "$work"/etcd-server_*.deb "$work/root" || { rm -rf "$work"; return 1; }
+  cp "$work/root/usr/bin/etcd" "$out/etcd"
+  rm -rf "$work"
 }
 
 pieces=("$@")
@@ -139,7 +146,7 @@ for p in "${pieces[@]}"; do
     nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION" build_nvidia_ctk ;;
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
     helm) build_once helm "$HELM_VERSION" build_helm ;;
-    etcd) build_once etcd "$ETCD_VERSION" build_etcd ;;
+    etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
     ocipack) build_once ocipack "$(ocipack_version)" build_ocipack ;;
     *) log "unknown piece '$p'; choose from kube kubelet containerd crictl nvidia-ctk kwok helm etcd ocipack"; exit 2 ;;
   esac
