@@ -52,64 +52,25 @@ from bench_scheduler import (
 from vgpu_sandbox import controlplane
 from vgpu_sandbox.cluster import Sandbox, Spec
 
+from vgpu.dra.slices import DRIVER, build_slice
 from vgpu.kube.client import Kube
+from vgpu.plugin.discovery import Card
 
-DRIVER = "vgpu.openaios.io"
-MIB = 1 << 20
 CARD_MIB = 81920
 TEMPLATE = "bench-1000mi-10"
 RESOURCE = "/apis/resource.k8s.io/v1"
 
 
 def slice_items(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ResourceSlice per node, 8 cards each, as `vgpu dra-plugin` publishes them."""
+    """One ResourceSlice per node, 8 cards each, built by `vgpu dra-plugin`'s own builder."""
     out = []
     for node in nodes:
         name = node["metadata"]["name"]
-        devices = [
-            {
-                "name": f"gpu-{k}",
-                "attributes": {
-                    "uuid": {"string": f"GPU-{name}-{k}"},
-                    "productName": {"string": "NVIDIA A100"},
-                    "index": {"int": k},
-                    "numaNode": {"int": k // 4},
-                    "computeCapability": {"version": "8.0.0"},
-                    "driverVersion": {"version": "570.124.6"},
-                },
-                "capacity": {
-                    "memory": {
-                        "value": str(CARD_MIB * MIB),
-                        "requestPolicy": {
-                            "default": "1Gi",
-                            "validRange": {"min": "1Mi", "max": str(CARD_MIB * MIB), "step": "1Mi"},
-                        },
-                    },
-                    "cores": {
-                        "value": "100",
-                        "requestPolicy": {
-                            "default": "100",
-                            "validRange": {"min": "1", "max": "100", "step": "1"},
-                        },
-                    },
-                },
-                "allowMultipleAllocations": True,
-            }
+        cards = [
+            Card(f"GPU-{name}-{k}", k, "NVIDIA A100", CARD_MIB, numa=k // 4, compute_capability="8.0")
             for k in range(8)
         ]
-        out.append(
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceSlice",
-                "metadata": {"name": f"{name}-{DRIVER}"},
-                "spec": {
-                    "driver": DRIVER,
-                    "nodeName": name,
-                    "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
-                    "devices": devices,
-                },
-            }
-        )
+        out.append(build_slice(name, cards, 1, driver_version="570.124.6"))
     return out
 
 

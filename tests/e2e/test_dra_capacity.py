@@ -19,8 +19,9 @@ from vgpu_sandbox import nodes
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import poll
+from vgpu.dra.slices import DRIVER, build_slice
+from vgpu.plugin.discovery import Card
 
-DRIVER = "vgpu.openaios.io"
 NODE = nodes.node_name(0)
 DEVICE = "gpu-0"
 CARD_MIB = 8192  # two claims of 3000Mi fit, a third does not
@@ -28,40 +29,11 @@ PREFIX = "dra-cap"
 
 
 def _slice() -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{PREFIX}-{NODE}"},
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": NODE,
-            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-            "devices": [
-                {
-                    "name": DEVICE,
-                    "allowMultipleAllocations": True,
-                    "attributes": {
-                        "uuid": {"string": nodes.gpu_uuid(NODE, 0)},
-                        "productName": {"string": "NVIDIA H100 80GB HBM3"},
-                        "index": {"int": 0},
-                        "computeCapability": {"version": "9.0.0"},
-                        "numaNode": {"int": -1},
-                        "driverVersion": {"version": "570.124.6"},
-                    },
-                    "capacity": {
-                        "memory": {
-                            "value": f"{CARD_MIB}Mi",
-                            "requestPolicy": {"default": "1Mi", "validRange": {"min": "1Mi", "step": "1Mi"}},
-                        },
-                        "cores": {
-                            "value": "100",
-                            "requestPolicy": {"default": "1", "validRange": {"min": "1", "step": "1"}},
-                        },
-                    },
-                }
-            ],
-        },
-    }
+    """The node's slice as `vgpu dra-plugin` builds it (vgpu/dra/slices.py), under this test's name."""
+    card = Card(nodes.gpu_uuid(NODE, 0), 0, "NVIDIA H100 80GB HBM3", CARD_MIB, compute_capability="9.0")
+    obj = build_slice(NODE, [card], 1, driver_version="570.124.6")
+    obj["metadata"]["name"] = f"{PREFIX}-{NODE}"
+    return obj
 
 
 def _device_class() -> dict[str, Any]:

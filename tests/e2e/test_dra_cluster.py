@@ -21,6 +21,8 @@ import yaml
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import wait_for
+from vgpu.dra.slices import DRIVER, build_slice
+from vgpu.plugin.discovery import Card
 
 pytestmark = pytest.mark.e2e
 
@@ -28,8 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
 NS = "vgpu-dra-e2e"
 TAINT = "vgpu.openaios.io/dra-e2e"
-DRIVER = "vgpu.openaios.io"
-MIB = 1 << 20
 
 
 def server_version(sandbox: Sandbox) -> str:
@@ -95,44 +95,9 @@ def _node(name: str) -> dict[str, Any]:
 
 
 def _slice(node: str, model: str, memory_mib: int) -> dict[str, Any]:
-    """The node's slice as docs/dra.md describes it: one card, memory in bytes, cores 100."""
-    total = str(memory_mib * MIB)
-    device = {
-        "name": "gpu-0",
-        "attributes": {
-            "uuid": {"string": f"GPU-{node}"},
-            "productName": {"string": model},
-            "index": {"int": 0},
-            "numaNode": {"int": -1},
-            "computeCapability": {"version": "9.0.0"},
-            "driverVersion": {"version": "570.124.6"},
-        },
-        "capacity": {
-            "memory": {
-                "value": total,
-                "requestPolicy": {
-                    "default": "1Gi",
-                    "validRange": {"min": "1Mi", "max": total, "step": "1Mi"},
-                },
-            },
-            "cores": {
-                "value": "100",
-                "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
-            },
-        },
-        "allowMultipleAllocations": True,
-    }
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-{DRIVER}"},
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": node,
-            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-            "devices": [device],
-        },
-    }
+    """The node's slice as `vgpu dra-plugin` builds it (vgpu/dra/slices.py): one card."""
+    card = Card(f"GPU-{node}", 0, model, memory_mib, compute_capability="9.0")
+    return build_slice(node, [card], 1, driver_version="570.124.6")
 
 
 def _example(kind: str, name: str) -> dict[str, Any]:
