@@ -17,11 +17,9 @@ Run as root on the GPU machine: ``python3 -m pytest -m gpu tests/gpu/test_comput
 
 from __future__ import annotations
 
-import mmap
 import os
 import selectors
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -33,9 +31,9 @@ import pytest
 from gpu_figures import record
 from test_limits_gpu import LOOPS, Child, busy_ns, hook_env
 
-from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container
+from tests.support.attacks import BucketWriter
+from tests.support.cgroups import granted_container, kubepods_cgroups, reap
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.hookabi.layout import HEADER_LAYOUT
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.nvml import NvmlDiscovery
@@ -151,20 +149,13 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path, nvml: NvmlDiscovery) -> Iterator[Node]:
-    root = cgroup_root()
-    if root is None:
-        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
     tmp_path.chmod(0o755)
-    cgroups = root / f"vgpu-gpu-gate-{os.getpid()}-{tmp_path.name}"
-    with cgroup_folder(cgroups):
+    with kubepods_cgroups(tmp_path, "vgpu-gpu-gate") as cgroups:
         made = Node(tmp_path, cgroups, nvml)
         try:
             yield made
         finally:
-            for child in made.children:
-                if child.proc.poll() is None:
-                    child.proc.kill()
-                child.proc.wait(timeout=60)
+            reap([child.proc for child in made.children], timeout=60)
             for freeze in cgroups.rglob("cgroup.freeze"):
                 freeze.write_text("0")
 
@@ -199,33 +190,6 @@ class Meter:
         """Percent of ``span`` (monotonic ns) the process's kernels ran, by the driver's samples."""
         a, b = span
         return 100.0 * sum(busy for p, end, busy in self.samples if p == pid and a < end <= b) / (b - a)
-
-
-class BucketWriter:
-    """The attack: a second process of the container writes its region's compute bucket full every
-    millisecond (here a thread of the test with its own map of the region file)."""
-
-    def __init__(self, region: Path) -> None:
-        self.region, self.writes = region, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.region.exists() or self.region.stat().st_size < HEADER_LAYOUT.size:
-            if self.stop.wait(0.001):
-                return
-        with self.region.open("r+b") as f, mmap.mmap(f.fileno(), HEADER_LAYOUT.size) as m:
-            while not self.stop.wait(0.001):
-                struct.pack_into("<q", m, HEADER_LAYOUT.offsets["tokens"], 1 << 60)
-                self.writes += 1
-
-    def __enter__(self) -> BucketWriter:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
 
 
 def _run(child: Child) -> tuple[int, int]:

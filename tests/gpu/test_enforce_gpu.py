@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import wait_for
-from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container, reaped_at
+from tests.support.cgroups import granted_container, kubepods_cgroups, reap, reaped_at
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.nvml import NvmlDiscovery
@@ -123,19 +123,12 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path, built: Path, nvml: NvmlDiscovery) -> Iterator[Node]:
-    root = cgroup_root()
-    if root is None:
-        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
-    cgroups = root / f"vgpu-gpu-test-{os.getpid()}-{tmp_path.name}"
-    with cgroup_folder(cgroups):
+    with kubepods_cgroups(tmp_path, "vgpu-gpu-test") as cgroups:
         made = Node(tmp_path, cgroups, nvml, built)
         try:
             yield made
         finally:
-            for child in made.children:
-                if child.poll() is None:
-                    child.kill()
-                child.wait(timeout=30)
+            reap(made.children, timeout=30)
 
 
 def _line(child: subprocess.Popen[str], word: str, timeout: float = 60) -> dict[str, str]:

@@ -12,7 +12,6 @@ make cgroups); skipped otherwise, saying why.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -24,7 +23,7 @@ import yaml
 from hook_harness import Built, build, env
 
 from tests.support import wait_for
-from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container, reaped_at
+from tests.support.cgroups import granted_container, kubepods_cgroups, reap, reaped_at
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
@@ -80,19 +79,12 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    root = cgroup_root()
-    if root is None:
-        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
-    cgroups = root / f"vgpu-test-{os.getpid()}-{tmp_path.name}"
-    with cgroup_folder(cgroups):
+    with kubepods_cgroups(tmp_path) as cgroups:
         made = Node(tmp_path, cgroups)
         try:
             yield made
         finally:
-            for child in made.children:
-                if child.poll() is None:
-                    child.kill()
-                child.wait(timeout=10)
+            reap(made.children)
         shutil.rmtree(tmp_path / "procs", ignore_errors=True)
 
 

@@ -12,12 +12,8 @@ Needs root (cgroups); skipped otherwise, saying why. Each test prints its figure
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import shutil
-import struct
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +22,9 @@ import pytest
 import yaml
 from hook_harness import Built, build, env
 
-from tests.support.cgroups import cgroup_folder, cgroup_root, granted_container
+from tests.support.attacks import BucketWriter
+from tests.support.cgroups import granted_container, kubepods_cgroups, reap
 from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
-from vgpu.hookabi.layout import HEADER_LAYOUT
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.hostview import HostView
@@ -92,19 +88,12 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    root = cgroup_root()
-    if root is None:
-        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
-    cgroups = root / f"vgpu-test-{os.getpid()}-{tmp_path.name}"
-    with cgroup_folder(cgroups):
+    with kubepods_cgroups(tmp_path) as cgroups:
         made = Node(tmp_path, cgroups)
         try:
             yield made
         finally:
-            for child in made.children:
-                if child.poll() is None:
-                    child.kill()
-                child.wait(timeout=10)
+            reap(made.children)
             for freeze in cgroups.rglob("cgroup.freeze"):
                 freeze.write_text("0")
         shutil.rmtree(tmp_path / "procs", ignore_errors=True)
@@ -112,35 +101,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 def _values(out: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and " " not in line)
-
-
-class BucketWriter:
-    """A second process of the container as the attack has it: the region's compute bucket written
-    full every millisecond (here a thread of the test, writing through its own map of the file)."""
-
-    def __init__(self, region: Path) -> None:
-        self.region = region
-        self.stop = threading.Event()
-        self.writes = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.region.exists() or self.region.stat().st_size < HEADER_LAYOUT.size:
-            if self.stop.wait(0.001):
-                return
-        with self.region.open("r+b") as f, mmap.mmap(f.fileno(), HEADER_LAYOUT.size) as m:
-            tokens = HEADER_LAYOUT.offsets["tokens"]
-            while not self.stop.wait(0.001):
-                struct.pack_into("<q", m, tokens, 1 << 60)
-                self.writes += 1
-
-    def __enter__(self) -> BucketWriter:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
 
 
 def _rate(node: Node, built: Built, limit: int, seconds: float) -> tuple[subprocess.Popen[str], Path, Path]:

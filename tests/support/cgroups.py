@@ -9,9 +9,11 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.plugin.paths import HostPaths
@@ -44,6 +46,25 @@ def cgroup_folder(folder: Path) -> Iterator[Path]:
                 sub.rmdir()
         if folder.exists():
             folder.rmdir()
+
+
+@contextmanager
+def kubepods_cgroups(tmp_path: Path, prefix: str = "vgpu-test") -> Iterator[Path]:
+    """A folder of kubepods-like cgroups for one test (removed at the end); the test skips, saying
+    why, where this process cannot make cgroups."""
+    root = cgroup_root()
+    if root is None:
+        pytest.skip("needs root and a writable cgroup hierarchy to put processes into kubepods-like cgroups")
+    with cgroup_folder(root / f"{prefix}-{os.getpid()}-{tmp_path.name}") as folder:
+        yield folder
+
+
+def reap(children: Iterable[subprocess.Popen[str]], timeout: float = 10) -> None:
+    """Kills the test's processes still running and waits for every one."""
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=timeout)
 
 
 def granted_container(
