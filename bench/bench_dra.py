@@ -40,9 +40,9 @@ from typing import Any
 from bench_scheduler import (
     LAST_CPU,
     NAMESPACE,
-    SCHEDULER,
     WATCHED,
     Extender,
+    alone_then_extender,
     burst,
     create,
     node_items,
@@ -185,24 +185,8 @@ def run(n: int, pods: int, pairs: int, work: Path) -> None:
         ext_share, dra_share = [], []
         for k in range(1, pairs + 1):
             tag = f"[{n} nodes] {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
-            alone = burst(
-                sb,
-                kube,
-                "plain-bench",
-                pods,
-                {"cpu": "10m"},
-                lambda: start_scheduler(sb, folder, "plain", plain),
-            )
-            print(f"{tag} kube-scheduler alone:            {pods} pods, {alone:6.1f} pods/s", flush=True)
-            print(f"{tag}   {LAST_CPU[0]}", flush=True)
-            delete_all(sb, kube)
-            rate = burst(
-                sb,
-                kube,
-                SCHEDULER,
-                pods,
-                {"nvidia.com/gpumem": "1000"},
-                lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),  # noqa: B023
+            alone, rate = alone_then_extender(
+                sb, kube, folder, plain, ext, pods, tag, lambda: delete_all(sb, kube)
             )
             ext_share.append(100.0 * rate / alone)
             print(f"{tag} extender path (gpumem 1000):     {pods} pods, {rate:6.1f} pods/s", flush=True)

@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,35 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
     return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], passed, cpu
 
 
+def alone_then_extender(
+    sb: Sandbox,
+    kube: Kube,
+    folder: Path,
+    plain: str,
+    ext: Extender,
+    pods: int,
+    tag: str,
+    clean: Callable[[], None],
+) -> tuple[float, float]:
+    """One burst through kube-scheduler alone (``plain``: its config) and one through kube-scheduler
+    with the extender, the first printed with its CPU and followed by ``clean``; (alone, extender)
+    pods/s."""
+    start = lambda: start_scheduler(sb, folder, "plain", plain)  # noqa: E731
+    alone = burst(sb, kube, "plain-bench", pods, {"cpu": "10m"}, start)
+    print(f"{tag} kube-scheduler alone:           {pods} pods, {alone:6.1f} pods/s", flush=True)
+    print(f"{tag}   {LAST_CPU[0]}", flush=True)
+    clean()
+    rate = burst(
+        sb,
+        kube,
+        SCHEDULER,
+        pods,
+        {"nvidia.com/gpumem": "1000"},
+        lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),
+    )
+    return alone, rate
+
+
 def run_size(
     n: int,
     pods: int,
@@ -423,24 +453,8 @@ def run_size(
         shares = []
         for k in range(1, pairs + 1):
             tag = f"[{n} nodes] pair {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
-            alone = burst(
-                sb,
-                kube,
-                "plain-bench",
-                pods,
-                {"cpu": "10m"},
-                lambda: start_scheduler(sb, folder, "plain", plain),
-            )
-            print(f"{tag} kube-scheduler alone:           {pods} pods, {alone:6.1f} pods/s", flush=True)
-            print(f"{tag}   {LAST_CPU[0]}", flush=True)
-            delete_pods(sb, kube)
-            rate = burst(
-                sb,
-                kube,
-                SCHEDULER,
-                pods,
-                {"nvidia.com/gpumem": "1000"},
-                lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),
+            alone, rate = alone_then_extender(
+                sb, kube, folder, plain, ext, pods, tag, lambda: delete_pods(sb, kube)
             )
             shares.append(100.0 * rate / alone)
             print(
