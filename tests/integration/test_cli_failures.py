@@ -164,6 +164,21 @@ def case_device_plugin(w: World) -> None:
     one_line_failure(vgpu(*argv[:-2], f"--fake-nvml={w.tmp / 'none.yaml'}"), "--fake-nvml", "cannot read")
 
 
+def case_dra_plugin(w: World) -> None:
+    argv = [
+        "dra-plugin",
+        "--node-name=n1",
+        f"--kubeconfig={w.kubeconfig}",
+        f"--plugin-dir={w.tmp / 'plugins'}",
+        f"--registry-dir={w.tmp / 'registry'}",
+        f"--cdi-dir={w.tmp / 'cdi'}",
+        f"--state-dir={w.tmp / 'state'}",
+        f"--fake-nvml={w.gpus}",
+    ]
+    daemon_kept_retrying(run_daemon(argv, until="cannot reach"), w.server)
+    one_line_failure(vgpu(*argv[:-1], f"--fake-nvml={w.tmp / 'none.yaml'}"), "--fake-nvml", "cannot read")
+
+
 def case_monitor(w: World) -> None:
     port = closed_port()
 
@@ -274,6 +289,7 @@ CASES: dict[tuple[str, ...], Callable[[World], None]] = {
     ("sandbox", "status"): case_sandbox_status,
     ("sandbox", "kubeconfig"): case_sandbox_kubeconfig,
     ("sandbox", "down"): case_sandbox_down,
+    ("dra-plugin",): case_dra_plugin,
 }
 
 
