@@ -2,7 +2,7 @@
 # Builds the sandbox's binaries from the Go module proxy (and etcd from Debian's
 # package) into a cache keyed by version. Builds only what is missing.
 #
-#   tools/build.sh [kube|kubelet|crictl|nvidia-ctk|kwok|helm|etcd|ocipack]...   (default: etcd kwok helm kube ocipack)
+#   tools/build.sh [kube|kubelet|containerd|crictl|nvidia-ctk|kwok|helm|etcd|ocipack]...   (default: etcd kwok helm kube ocipack)
 #
 # VGPU_BIN_DIR picks the cache (default: <repo>/.cache/bin). Each piece lands in
 # $VGPU_BIN_DIR/<piece>-<version>/ and is linked from $VGPU_BIN_DIR/current/.
@@ -69,6 +69,21 @@ build_kubelet() {
   (cd "$here/kubelet" && go build -trimpath -pgo=off -ldflags "$ld" -o "$out/kubelet" .)
 }
 
+# containerd 2 for the sandbox's real node: containerd, its runc shim and ctr, from their own
+# module (tools/containerd). Debian's containerd (1.6) has no CDI, which DRA drivers hand devices to
+# containers through. Without cgo, and without the snapshotters that need it or a kernel module
+# (btrfs, devmapper, zfs): the node uses overlayfs or native. The shim drops gRPC as upstream's
+# static build does. runc stays Debian's.
+build_containerd() {
+  local pkg=github.com/containerd/containerd/v2 tags="no_btrfs no_devmapper no_zfs urfave_cli_no_docs"
+  local ld="-s -w -X $pkg/version.Version=$2 -X $pkg/version.Package=$pkg -X $pkg/version.Revision=module"
+  (cd "$here/containerd" &&
+    go build -trimpath -tags "$tags" -ldflags "$ld" -o "$1/containerd" $pkg/cmd/containerd &&
+    go build -trimpath -tags "$tags" -ldflags "$ld" -o "$1/ctr" $pkg/cmd/ctr &&
+    go build -trimpath -tags "$tags no_grpc" -ldflags "$ld" -o "$1/containerd-shim-runc-v2" \
+      $pkg/cmd/containerd-shim-runc-v2)
+}
+
 # crictl, to stop and remove the real node's pod sandboxes through the CRI.
 build_crictl() {
   (cd "$here/crictl" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$2" \
@@ -126,13 +141,14 @@ for p in "${pieces[@]}"; do
   case $p in
     kube) build_once kube "$KUBE_VERSION" build_kube ;;
     kubelet) build_once kubelet "$KUBE_VERSION" build_kubelet ;;
+    containerd) build_once containerd "$CONTAINERD_VERSION" build_containerd ;;
     crictl) build_once crictl "$CRICTL_VERSION" build_crictl ;;
     nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION" build_nvidia_ctk ;;
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
     helm) build_once helm "$HELM_VERSION" build_helm ;;
     etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
     ocipack) build_once ocipack "$(ocipack_version)" build_ocipack ;;
-    *) log "unknown piece '$p'; choose from kube kubelet crictl nvidia-ctk kwok helm etcd ocipack"; exit 2 ;;
+    *) log "unknown piece '$p'; choose from kube kubelet containerd crictl nvidia-ctk kwok helm etcd ocipack"; exit 2 ;;
   esac
 done
 log "binaries in $bin_dir/current"

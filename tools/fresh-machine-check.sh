@@ -93,7 +93,7 @@ done
 goroot=${VGPU_FRESH_GOROOT:-$(go env GOROOT 2>/dev/null || true)}
 [ -n "$goroot" ] || goroot=/usr/local/go
 go=$goroot/bin/go
-[ -x "$go" ] || die "no Go toolchain at $goroot; set VGPU_FRESH_GOROOT to one (Go 1.25 or newer)"
+[ -x "$go" ] || die "no Go toolchain at $goroot; set VGPU_FRESH_GOROOT to one (Go 1.26.8 or newer)"
 sha=$(git -C "$repo" rev-parse --verify "$ref^{commit}") || die "--ref $ref is not a commit of $repo"
 abs_base=$(realpath -m "$base")
 case $abs_base/ in "$(realpath "$repo")"/*) die "--dir $base is inside the clone $repo; pick a folder outside it" ;; esac

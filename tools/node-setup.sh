@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # What the sandbox's real node needs (vgpu sandbox up --real-node; tests/e2e/test_real_node.py):
-# containerd, runc, the CNI plugins and iproute2 from Debian's packages, and the kubelet, crictl and
-# nvidia-ctk built from Go modules (tools/build.sh). The images come from `make images`.
+# runc, the CNI plugins and iproute2 from Debian's packages, and containerd 2 (with its shim and
+# ctr), the kubelet, crictl and nvidia-ctk built from Go modules (tools/build.sh). Debian's
+# containerd (1.6) has no CDI, so the node's containerd is built too. The images come from
+# `make images`.
 #
 # A real node needs root. Elsewhere this says so and exits 0: the real-node tests then skip,
 # naming the reason. It never replaces a container runtime the machine already has: a package
-# is installed only when its program is missing (Docker's containerd.io stays as it is).
+# is installed only when its program is missing, and the containerd built here lives in the
+# binaries' cache, never on PATH (a machine's own containerd, Debian's or Docker's, stays as it is).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
@@ -15,7 +18,6 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 missing=()
-command -v containerd >/dev/null || missing+=(containerd)
 command -v runc >/dev/null || [ -x /usr/sbin/runc ] || missing+=(runc)
 [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || missing+=(containernetworking-plugins)
 # The sandbox makes the pods' bridge with ip(8); a minimal Debian (debootstrap, container images)
@@ -37,5 +39,4 @@ if [ ${#missing[@]} -gt 0 ]; then
     }
   fi
 fi
-# The Debian package starts containerd where systemd runs; the sandbox runs its own, apart.
-bash "$here/build.sh" kubelet crictl nvidia-ctk
+bash "$here/build.sh" kubelet containerd crictl nvidia-ctk

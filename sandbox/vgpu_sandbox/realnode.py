@@ -1,10 +1,12 @@
 """The sandbox's real node: the upstream kubelet, containerd and runc on this machine.
 
 ``vgpu sandbox up --real-node`` adds, beside the KWOK nodes, one node (``real-node-0``) that runs
-pods for real: containerd (Debian's package) with its own configuration, root, state and socket
-under the sandbox's folder, runc, the CNI bridge plugin on a bridge of its own, and the kubelet
-1.33 built from Go modules (``tools/build.sh kubelet``). The images it runs are the ones
-``make images`` built (``tools/images.sh``), imported into containerd's ``k8s.io`` namespace.
+pods for real: containerd 2 built from Go modules (``tools/build.sh containerd``: containerd, its
+runc shim and ctr) with its own configuration, root, state and socket under the sandbox's folder
+and CDI on (``/etc/cdi``, ``/var/run/cdi``), runc (Debian's), the CNI bridge plugin on a bridge of
+its own, and the kubelet built from Go modules at the control plane's pin (``tools/build.sh
+kubelet``). The images it runs are the ones ``make images`` built (``tools/images.sh``), imported
+into containerd's ``k8s.io`` namespace.
 
 The node has no NVIDIA driver: the chart's device plugin describes its cards with the fake NVML
 backend (``gpus.yaml`` here), and the sample workload image carries the stub driver libraries.
@@ -54,12 +56,12 @@ POD_SUBNET = "10.244.200.0/24"
 NODE_IP = "10.244.200.1"
 HOST_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 HOST_PATHS = (Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/lib/vgpu"))
-SYSTEM_BINARIES = {
-    "containerd": "containerd",
-    "containerd-shim-runc-v2": "containerd",
-    "ctr": "containerd",
-    "runc": "runc",
-}
+SYSTEM_BINARIES = {"runc": "runc"}
+# containerd 2 (tools/build.sh containerd): Debian's containerd 1.6 has no CDI.
+CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
+# Where CDI specs are read from (containerd's defaults, written out): DRA drivers write theirs to
+# /var/run/cdi, nvidia-ctk's generated ones live in /etc/cdi.
+CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 CNI_DIRS = (Path("/usr/lib/cni"), Path("/opt/cni/bin"))
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
 IMAGES = ("device-plugin", "scheduler", "kube-scheduler", "sample", "pause")
@@ -178,7 +180,7 @@ def why_not(real_gpu: bool = False) -> str | None:
     if missing:
         return (
             f"the container runtime is not installed (Debian packages {', '.join(missing)}); "
-            "run `make setup` as root, or `apt-get install containerd runc containernetworking-plugins`"
+            "run `make setup` as root, or `apt-get install runc containernetworking-plugins`"
         )
     if not (Path("/sys/fs/cgroup/cgroup.controllers").exists() or Path("/sys/fs/cgroup/memory").is_dir()):
         return "no cgroup hierarchy is mounted at /sys/fs/cgroup, so runc cannot contain processes"
@@ -195,7 +197,11 @@ def why_not(real_gpu: bool = False) -> str | None:
         return f"this machine cannot create namespaces (unshare: {probe.stderr.strip() or probe.returncode})"
     lacking = [n for n in _tools(real_gpu) if not (binaries.bin_dir() / n).exists()]
     if lacking:
-        return f"{' and '.join(lacking)} not built: run `make setup` (tools/build.sh kubelet crictl)"
+        pieces = ["kubelet", "containerd"] + ([] if real_gpu else ["crictl"])
+        return (
+            f"{', '.join(lacking)} not built in {binaries.bin_dir()}: run `make setup` as root "
+            f"(tools/build.sh {' '.join(pieces)}), or point VGPU_BIN_DIR at the cache that holds them"
+        )
     have = built_images()
     absent = [n for n in _images(real_gpu) if n not in have]
     if absent:
@@ -213,7 +219,7 @@ def why_not(real_gpu: bool = False) -> str | None:
 
 
 def _tools(real_gpu: bool) -> tuple[str, ...]:
-    return ("kubelet",) if real_gpu else ("kubelet", "crictl")
+    return ("kubelet", *CONTAINERD_BINARIES) + (() if real_gpu else ("crictl",))
 
 
 def _images(real_gpu: bool) -> tuple[str, ...]:
@@ -239,14 +245,23 @@ def snapshotter() -> str:
 def containerd_config(
     lay: NodeLayout, sandbox_image: str, cni_bin: Path, snapshotter: str = "overlayfs"
 ) -> str:
-    """containerd 1.6's config (version 2), every path its own; the CRI as the kubelet needs it."""
-    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    """containerd 2's config (version 3), every path its own; the CRI as the kubelet needs it.
+
+    Version 3 splits the CRI into ``io.containerd.cri.v1.images`` (snapshotter, the pause image),
+    ``io.containerd.cri.v1.runtime`` (runtimes, CNI, CDI) and ``io.containerd.grpc.v1.cri`` (the
+    server). The runc shim is named by path (``runtime_path``), so that a machine's other
+    containerd (Debian's shim on PATH) is never picked; nvidia-ctk copies it into the nvidia
+    runtime. NRI is off: its socket would be a fixed host path."""
+    images = 'plugins."io.containerd.cri.v1.images"'
+    runtime = 'plugins."io.containerd.cri.v1.runtime"'
+    shim = (binaries.bin_dir() / "containerd-shim-runc-v2").resolve()
+    cdi_dirs = ", ".join(f'"{d}"' for d in CDI_SPEC_DIRS)
     return f"""\
-version = 2
+version = 3
 root = "{lay.containerd_root}"
 state = "{lay.containerd_state}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.nri.v1.nri"]
 
 [grpc]
   address = "{lay.containerd_socket}"
@@ -254,25 +269,33 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 [plugins."io.containerd.internal.v1.opt"]
   path = "{lay.containerd_root}/opt"
 
-[{cri}]
-  sandbox_image = "{sandbox_image}"
+[{images}]
+  snapshotter = "{snapshotter}"
+
+[{images}.pinned_images]
+  sandbox = "{sandbox_image}"
+
+[{runtime}]
   # Machines that refuse writes to oom_score_adj (some micro-VMs) fail every container otherwise.
   restrict_oom_score_adj = true
   enable_selinux = false
+  # Devices handed to containers by name (DRA drivers, nvidia-ctk's specs).
+  enable_cdi = true
+  cdi_spec_dirs = [{cdi_dirs}]
 
-[{cri}.containerd]
-  snapshotter = "{snapshotter}"
+[{runtime}.containerd]
   default_runtime_name = "runc"
 
-[{cri}.containerd.runtimes.runc]
+[{runtime}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
+  runtime_path = "{shim}"
 
-[{cri}.containerd.runtimes.runc.options]
+[{runtime}.containerd.runtimes.runc.options]
   Root = "{lay.runc_root}"
   SystemdCgroup = false
 
-[{cri}.cni]
-  bin_dir = "{cni_bin}"
+[{runtime}.cni]
+  bin_dirs = ["{cni_bin}"]
   conf_dir = "{lay.cni_conf_dir}"
 """
 
@@ -321,6 +344,9 @@ def kubelet_config(
         "cgroupsPerQOS": False,
         "enforceNodeAllocatable": [],
         "failSwapOn": False,
+        # From 1.35 on the kubelet refuses cgroup v1 hosts unless told otherwise; the sandbox runs
+        # on the machine's hierarchy as it is (some CI machines and micro-VMs still have v1).
+        "failCgroupV1": False,
         "localStorageCapacityIsolation": False,
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
@@ -529,9 +555,8 @@ def _save_record(lay: NodeLayout, record: dict[str, Any]) -> None:
 
 
 def _ctr(lay: NodeLayout, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    ctr = _system_binary("ctr") or "ctr"
     return subprocess.run(
-        [ctr, f"--address={lay.containerd_socket}", "--namespace=k8s.io", *args],
+        [str(binaries.bin_dir() / "ctr"), f"--address={lay.containerd_socket}", "--namespace=k8s.io", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -557,7 +582,7 @@ def _crictl(lay: NodeLayout, *args: str, timeout: float = 120) -> subprocess.Com
 
 def _containerd_argv(lay: NodeLayout) -> list[str]:
     return [
-        _system_binary("containerd") or "containerd",
+        str(binaries.bin_dir() / "containerd"),
         f"--config={lay.containerd_config}",
         "--log-level=info",
     ]

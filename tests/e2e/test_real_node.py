@@ -1,4 +1,4 @@
-"""The path a user walks, on a real node: the upstream kubelet 1.33, containerd and runc run the
+"""The path a user walks, on a real node: the upstream kubelet 1.36, containerd 2 and runc run the
 images `make images` built; the playbook prepares the node (roles/gpu_node against the node's own
 containerd) and installs the chart, whose device-plugin DaemonSet pod registers with the real
 kubelet; a pod asking for part of a GPU is placed by the extender, the kubelet calls Allocate, and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from vgpu_sandbox import binaries
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import container, pod, poll
@@ -19,9 +20,18 @@ def test_all_simulated_gpu_nodes_are_ready_and_labelled(sandbox: Sandbox) -> Non
 
 
 def test_apiserver_reports_the_pinned_kubernetes_version(sandbox: Sandbox) -> None:
+    pins = dict(
+        line.split("=", 1)
+        for line in (binaries.repo_root() / "tools" / "versions.env").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
+    pinned = pins["KUBE_VERSION"]  # v1.36.3
     version = json.loads(sandbox.kubectl("version", "-o", "json").stdout)
-    assert version["serverVersion"]["gitVersion"].startswith("v1.33.")
-    assert version["serverVersion"]["minor"] == "33"
+    assert version["serverVersion"]["gitVersion"] == pinned, (
+        f"the API server is {version['serverVersion']['gitVersion']}, tools/versions.env pins {pinned}: "
+        "VGPU_BIN_DIR points at a cache of another version"
+    )
+    assert version["serverVersion"]["minor"] == pinned.split(".")[1]
 
 
 def test_kube_scheduler_binds_a_pod_asking_for_one_gpu_to_a_simulated_node(sandbox: Sandbox) -> None:

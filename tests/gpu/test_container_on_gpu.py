@@ -2,11 +2,12 @@
 (on real NVML) handed out, and the hook, loaded through the container's /etc/ld.so.preload,
 holds the real driver to the grant.
 
-Runs with `pytest -m gpu` on a GPU machine that has containerd, ctr and runc on PATH (Debian's
-packages unpacked anywhere will do). The container's root file system holds the hook's test
-programs and the C library they need; the NVIDIA driver's libraries and device nodes are put in,
-as the NVIDIA container runtime does. The kubelet's side is the sandbox's stand-in
-(tests/e2e/test_real_node.py runs the upstream kubelet, on the stub driver).
+Runs with `pytest -m gpu` on a GPU machine that has runc on PATH and containerd 2 built into
+VGPU_BIN_DIR (`tools/build.sh containerd`, as the sandbox's real node has it). The container's
+root file system holds the hook's test programs and the C library they need; the NVIDIA driver's
+libraries and device nodes are put in, as the NVIDIA container runtime does. The kubelet's side
+is the sandbox's stand-in (tests/e2e/test_real_node.py runs the upstream kubelet, on the stub
+driver).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from test_plugin_on_gpu import bind_pod, plugin_on_real_nvml  # tests/gpu is on sys.path
-from vgpu_sandbox import realnode
+from vgpu_sandbox import binaries, realnode
 
 from vgpu.plugin.hooklib import install_hook
 from vgpu.plugin.nvml import NvmlDiscovery
@@ -37,6 +38,11 @@ DRIVER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 
 def _tool(name: str) -> str:
+    if name in realnode.CONTAINERD_BINARIES:
+        built = binaries.bin_dir() / name
+        if not built.exists():
+            pytest.skip(f"{name} is not built in {built.parent}: run `tools/build.sh containerd`")
+        return str(built)
     found = shutil.which(name)
     if not found:
         pytest.skip(
@@ -107,8 +113,7 @@ def work() -> Iterator[Path]:
 
 
 def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_its_grant(work: Path) -> None:
-    for name in ("containerd", "ctr", "runc"):
-        _tool(name)
+    tools = {name: _tool(name) for name in ("containerd", "ctr", "runc")}
     if not (BUILD / "libvgpu.so").exists() or not all((BUILD / "tests" / p).exists() for p in PROGRAMS):
         pytest.skip("the hook is not built: make native")
 
@@ -132,12 +137,14 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
                 realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
             )
             containerd = subprocess.Popen(
-                ["containerd", f"--config={lay.containerd_config}"],
+                [tools["containerd"], f"--config={lay.containerd_config}"],
                 stdout=open(work / "containerd.log", "wb"),  # noqa: SIM115 - closed with the process
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # ctr's containers find their shim on PATH: the one built with this containerd
+                env={**os.environ, "PATH": f"{binaries.bin_dir()}:{os.environ.get('PATH', '')}"},
             )
-            ctr = ["ctr", f"--address={lay.containerd_socket}", "--namespace=vgpu-test"]
+            ctr = [tools["ctr"], f"--address={lay.containerd_socket}", "--namespace=vgpu-test"]
             deadline = time.monotonic() + 30
             while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
                 assert time.monotonic() < deadline, (work / "containerd.log").read_text()[-3000:]

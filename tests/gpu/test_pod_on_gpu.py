@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import realnode
+from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 pytestmark = pytest.mark.gpu
@@ -130,7 +130,7 @@ def _image(box: Sandbox) -> None:
         lay = realnode.layout_of(box)
         done = subprocess.run(
             [
-                shutil.which("ctr") or "ctr",
+                str(binaries.bin_dir() / "ctr"),  # containerd 2's own (tools/build.sh containerd)
                 f"--address={lay.containerd_socket}",
                 "--namespace=k8s.io",
                 "images",

@@ -155,6 +155,7 @@ def _version_play(tmp_path: Path, git_version: str, **extra: str) -> subprocess.
     ("git_version", "tag"),
     [
         ("v1.33.4", "v1.33.4"),
+        ("v1.36.3", "v1.36.3"),
         ("v1.33.4-eks-2f8c1e3", "v1.33.4"),
         ("v1.30.2-gke.1587003", "v1.30.2"),
         ("v1.31.1+k3s1", "v1.31.1"),
@@ -173,8 +174,8 @@ def test_the_kube_scheduler_tag_follows_the_clusters_version_also_for_eks_gke_an
     ("git_version", "message"),
     [
         ("v1.24.17-eks-5e0fdde", "Fix: upgrade the cluster to 1.25.0 or newer"),
-        ("v1.36.0", "Fix: use a vgpu release that supports 1.36"),
-        ("v1.34.99-gke.1", None),
+        ("v1.37.0", "Fix: use a vgpu release that supports 1.37"),
+        ("v1.36.99-gke.1", None),
         ("unknown", 'reports its version as \\"unknown\\", which has no MAJOR.MINOR.PATCH'),
     ],
 )

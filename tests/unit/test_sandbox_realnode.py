@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import ipaddress
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
-from vgpu_sandbox import realnode
+from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec, State
 from vgpu_sandbox.errors import SandboxError
 
@@ -18,19 +19,43 @@ def test_containerd_keeps_every_path_under_the_node_and_sets_what_the_kubelet_ne
     config = tomllib.loads(
         realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/usr/lib/cni"))
     )
-    assert config["version"] == 2
+    assert config["version"] == 3  # containerd 2's layout: the CRI split in images and runtime
     paths = [config["root"], config["state"], config["grpc"]["address"]]
-    cri = config["plugins"]["io.containerd.grpc.v1.cri"]
-    runc = cri["containerd"]["runtimes"]["runc"]
+    images = config["plugins"]["io.containerd.cri.v1.images"]
+    runtime = config["plugins"]["io.containerd.cri.v1.runtime"]
+    runc = runtime["containerd"]["runtimes"]["runc"]
     paths += [
         runc["options"]["Root"],
-        cri["cni"]["conf_dir"],
+        runtime["cni"]["conf_dir"],
         config["plugins"]["io.containerd.internal.v1.opt"]["path"],
     ]
     assert all(p.startswith(str(lay.root) + "/") for p in paths), paths
-    assert cri["sandbox_image"] == "registry.k8s.io/pause:3.10"
-    assert cri["restrict_oom_score_adj"] is True and runc["options"]["SystemdCgroup"] is False
-    assert cri["cni"]["bin_dir"] == "/usr/lib/cni"
+    assert images["pinned_images"]["sandbox"] == "registry.k8s.io/pause:3.10"
+    assert images["snapshotter"] == "overlayfs"
+    assert runtime["restrict_oom_score_adj"] is True and runc["options"]["SystemdCgroup"] is False
+    assert runtime["cni"]["bin_dirs"] == ["/usr/lib/cni"]
+    # CDI, where DRA drivers (/var/run/cdi) and nvidia-ctk (/etc/cdi) put their device specs.
+    assert runtime["enable_cdi"] is True and runtime["cdi_spec_dirs"] == ["/etc/cdi", "/var/run/cdi"]
+    # The shim that came with this containerd, never another one on PATH (Debian's 1.6).
+    assert runc["runtime_path"] == str((binaries.bin_dir() / "containerd-shim-runc-v2").resolve())
+    assert "io.containerd.nri.v1.nri" in config["disabled_plugins"]  # its socket is a host path
+
+
+def test_without_containerd_2_built_the_reason_names_the_piece_to_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "current").mkdir()
+    for name in ("kubelet", "crictl"):  # a cache built before containerd was one of its pieces
+        (tmp_path / "current" / name).touch(mode=0o755)
+    monkeypatch.setenv("VGPU_BIN_DIR", str(tmp_path))
+    monkeypatch.setattr(realnode.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(realnode, "_system_binary", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(realnode, "_cni_dir", lambda: Path("/usr/lib/cni"))
+    monkeypatch.setattr(realnode.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    reason = realnode.why_not()
+    assert reason is not None
+    assert "containerd, containerd-shim-runc-v2, ctr not built" in reason, reason
+    assert "tools/build.sh kubelet containerd crictl" in reason and "VGPU_BIN_DIR" in reason, reason
 
 
 def test_the_kubelet_answers_only_the_sandboxs_ca_on_the_nodes_own_address(tmp_path: Path) -> None:
@@ -43,6 +68,7 @@ def test_the_kubelet_answers_only_the_sandboxs_ca_on_the_nodes_own_address(tmp_p
     assert config["authentication"]["x509"]["clientCAFile"] == str(tmp_path / "ca.crt")
     assert config["registerWithTaints"] == [realnode.TAINT, realnode.RESERVED]
     assert config["containerRuntimeEndpoint"] == f"unix://{lay.containerd_socket}"
+    assert config["failCgroupV1"] is False  # the kubelet 1.35+ refuses cgroup v1 hosts otherwise
     # The node's address is the bridge's gateway, inside the pods' subnet and not loopback.
     ip = ipaddress.ip_address(realnode.NODE_IP)
     assert ip in ipaddress.ip_network(realnode.POD_SUBNET) and not ip.is_loopback

@@ -6,6 +6,7 @@
 package main
 
 import (
+	"context"
 	"os"
 
 	_ "time/tzdata"
@@ -18,5 +19,5 @@ import (
 )
 
 func main() {
-	os.Exit(cli.Run(app.NewKubeletCommand()))
+	os.Exit(cli.Run(app.NewKubeletCommand(context.Background())))
 }

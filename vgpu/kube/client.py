@@ -127,8 +127,8 @@ class Kube:
 
         The API server merges a Binding's annotations into the pod as it sets ``spec.nodeName``,
         in one update: the pod is never bound without them, nor annotated without being bound.
-        The UID is sent as kube-scheduler's own binder sends it, but the API server (1.33, tested in
-        tests/e2e/test_kube_client.py) does not hold the Binding to it: a pod deleted and re-created
+        The UID is sent as kube-scheduler's own binder sends it, but the API server (1.33 and 1.36,
+        tested in tests/e2e/test_kube_client.py) does not hold the Binding to it: a pod deleted and re-created
         under the same name between ``filter`` and ``bind`` is bound, as with kube-scheduler alone.
         The reply (a Status object, which the generated client would fail to read back as a
         V1Binding) is not decoded; an HTTP error becomes a :class:`KubeError` as for every call.
