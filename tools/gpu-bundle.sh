@@ -20,7 +20,8 @@
 # manylinux x86_64) are installed into a folder here, without kubernetes' asyncio client, and
 # that folder goes into one tar.xz (33 MB of wheels -> 12 MB). KWOK and crictl stay behind: the
 # real-GPU sandbox runs no simulated nodes (--nodes 0) and needs no crictl. Each part carries
-# versions.txt (what its binaries say they are); a make whose binaries differ from it starts over.
+# versions.txt (the bundle's layout and what its binaries say they are); a make over a part without
+# it (an older bundle) or with other binaries makes that part again, keeping only the wheels.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
@@ -35,6 +36,8 @@ WHEELS=(flask==3.1.3 itsdangerous==2.2.0 blinker==1.9.0 gunicorn==27.0.1 kuberne
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 urllib3==2.8.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
   grpcio==1.85.3 protobuf==7.36.2)
+# 2: containerd 2 from \$VGPU_BIN_DIR (containerd.tar.xz), runtime.tar.xz only runc and the CNI
+LAYOUT=2
 # containerd 2's binaries, staged beside the kubelet (vgpu_sandbox.realnode.CONTAINERD_BINARIES)
 CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
@@ -64,11 +67,12 @@ make_bundle() {
     [ -x "$bins/$name" ] || die "$bins/$name is missing: tools/build.sh (or point VGPU_BIN_DIR at the 1.36 cache)"
   done
   local versions
-  versions=$("$bins/kubelet" --version && "$bins/containerd" --version && "$bins/etcd" --version | sed -n 1p)
+  versions=$(echo "layout $LAYOUT" && "$bins/kubelet" --version && "$bins/containerd" --version &&
+    "$bins/etcd" --version | sed -n 1p)
   for part in "$a" "$b"; do
-    if [ -s "$part/versions.txt" ] && [ "$(cat "$part/versions.txt")" != "$versions" ]; then
-      log "$part was made from other binaries: starting over"
-      rm -f "$part"/*.xz "$part"/*.tar "$part/SHA256SUMS"
+    if [ "$(cat "$part/versions.txt" 2>/dev/null)" != "$versions" ]; then
+      log "$part is not from these binaries or this layout: making it again (the wheels kept)"
+      find "$part" -maxdepth 1 -type f ! -name site.tar.xz -delete
     fi
     printf '%s\n' "$versions" >"$part/versions.txt"
   done
