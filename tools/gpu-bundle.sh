@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The real node's parts for a GPU machine that reaches no network (tests/gpu/test_pod_on_gpu.py):
-# the control plane's and the kubelet's binaries, containerd, runc and the CNI plugins, the
+# The real node's parts for a GPU machine that reaches no network (tests/gpu/test_pod_on_gpu.py,
+# tests/gpu/test_dra_gpu.py): the control plane's and the kubelet's binaries (Kubernetes 1.36),
+# containerd 2 (with CDI, for DRA), runc and the CNI plugins, the
 # Python packages the product needs beyond what that machine's Python has, and the pause image.
 # Made here, in two parts of under 64 MiB each (what one call to such a machine may carry), and
 # unpacked there into $VGPU_STAGE (default /tmp/vgpu-stage), part by part.
@@ -12,11 +13,15 @@
 #
 # How it is made: the Go binaries are already stripped (-s -w), so each is compressed on its own
 # with xz -7 (kube, the multi-call kube-apiserver/controller-manager/scheduler/kubectl: 123 MB ->
-# 24 MB); containerd, containerd-shim-runc-v2, ctr, runc (Debian's packages, unpacked) and the CNI
-# bridge/host-local/loopback plugins go into one tar.xz; the wheels (pip download for Python 3.12,
+# 24 MB); containerd 2, containerd-shim-runc-v2 and ctr (tools/build.sh containerd, from
+# $VGPU_BIN_DIR/current) go into one tar.xz and are staged into $VGPU_STAGE/bin/current, where the
+# real node looks for them (vgpu_sandbox.realnode.CONTAINERD_BINARIES); runc (Debian's package,
+# unpacked, found on PATH) and the CNI bridge/host-local/loopback plugins go into another; the wheels (pip download for Python 3.12,
 # manylinux x86_64) are installed into a folder here, without kubernetes' asyncio client, and
 # that folder goes into one tar.xz (33 MB of wheels -> 12 MB). KWOK and crictl stay behind: the
-# real-GPU sandbox runs no simulated nodes (--nodes 0) and needs no crictl.
+# real-GPU sandbox runs no simulated nodes (--nodes 0) and needs no crictl. Each part carries
+# versions.txt (the bundle's layout and what its binaries say they are); a make over a part without
+# it (an older bundle) or with other binaries makes that part again, keeping only the wheels.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
@@ -31,6 +36,10 @@ WHEELS=(flask==3.1.3 itsdangerous==2.2.0 blinker==1.9.0 gunicorn==27.0.1 kuberne
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 urllib3==2.8.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
   grpcio==1.85.3 protobuf==7.36.2)
+# 2: containerd 2 from \$VGPU_BIN_DIR (containerd.tar.xz), runtime.tar.xz only runc and the CNI
+LAYOUT=2
+# containerd 2's binaries, staged beside the kubelet (vgpu_sandbox.realnode.CONTAINERD_BINARIES)
+CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
 log() { printf 'gpu-bundle: %s\n' "$*" >&2; }
@@ -54,12 +63,24 @@ made() {
 make_bundle() {
   local a=$repo/.cache/gpu-a b=$repo/.cache/gpu-b
   mkdir -p "$a" "$b" "$work"
-  for name in kube kubelet etcd; do
-    [ -x "$bins/$name" ] || die "$bins/$name is missing: make setup"
+  for name in kube kubelet etcd "${CONTAINERD[@]}"; do
+    [ -x "$bins/$name" ] || die "$bins/$name is missing: tools/build.sh (or point VGPU_BIN_DIR at the 1.36 cache)"
   done
+  local versions
+  versions=$(echo "layout $LAYOUT" && "$bins/kubelet" --version && "$bins/containerd" --version &&
+    "$bins/etcd" --version | sed -n 1p)
+  for part in "$a" "$b"; do
+    if [ "$(cat "$part/versions.txt" 2>/dev/null)" != "$versions" ]; then
+      log "$part is not from these binaries or this layout: making it again (the wheels kept)"
+      find "$part" -maxdepth 1 -type f ! -name site.tar.xz -delete
+    fi
+    printf '%s\n' "$versions" >"$part/versions.txt"
+  done
+  log "binaries: $(echo "$versions" | tr '\n' ';')"
   made "$a/kube.xz" xz -7 -T2 -c "$bins/kube"
   made "$a/kubelet.xz" xz -7 -T2 -c "$bins/kubelet"
   made "$b/etcd.xz" xz -7 -T2 -c "$bins/etcd"
+  made "$b/containerd.tar.xz" bash -c "tar -C '$bins' -chf - ${CONTAINERD[*]} | xz -7 -T2"
   if [ ! -s "$a/site.tar.xz" ]; then
     mkdir -p "$work/wheels"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -75,14 +96,13 @@ make_bundle() {
   if [ ! -s "$b/runtime.tar.xz" ]; then
     rm -rf "$work/root"
     mkdir -p "$work/root/cni"
-    for deb in "$debs"/containerd_*.deb "$debs"/runc_*.deb; do
-      [ -f "$deb" ] || die "no $deb: apt-get download containerd runc into $debs"
+    for deb in "$debs"/runc_*.deb; do
+      [ -f "$deb" ] || die "no $deb: apt-get download runc into $debs"
       dpkg-deb -x "$deb" "$work/root"
     done
     cp /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/loopback "$work/root/cni/"
   fi
-  made "$b/runtime.tar.xz" bash -c "tar -C '$work/root' -cf - usr/bin/containerd \
-    usr/bin/containerd-shim-runc-v2 usr/bin/ctr usr/sbin/runc cni | xz -7 -T2"
+  made "$b/runtime.tar.xz" bash -c "tar -C '$work/root' -cf - usr/sbin/runc cni | xz -7 -T2"
   # iproute2's ip with its libraries, for a machine image without it (used only where ip is missing)
   if [ ! -s "$b/iproute.tar.xz" ]; then
     rm -rf "$work/iproute" && mkdir -p "$work/iproute"
@@ -92,8 +112,15 @@ make_bundle() {
     done
   fi
   made "$b/iproute.tar.xz" bash -c "tar -C '$work' -cf - iproute | xz -7"
-  (cd "$a" && sha256sum ./* >SHA256SUMS) && (cd "$b" && sha256sum ./* >SHA256SUMS)
-  log "part a: $(du -sh "$a" | cut -f1), part b: $(du -sh "$b" | cut -f1)"
+  for part in "$a" "$b"; do
+    (cd "$part" && rm -f SHA256SUMS && sha256sum ./* >SHA256SUMS.tmp && mv SHA256SUMS.tmp SHA256SUMS)
+  done
+  local part size
+  for part in "$a" "$b"; do
+    size=$(du -sb "$part" | cut -f1)
+    [ "$size" -lt $((64 << 20)) ] || die "$part is $((size >> 20)) MiB: over the 64 MiB one call may carry"
+    log "$part: $((size >> 20)) MiB ($size bytes)"
+  done
 }
 
 stage_part() {
@@ -115,6 +142,7 @@ stage_part() {
   else
     xz -dc "$src/etcd.xz" >"$stage/bin/current/etcd"
     chmod +x "$stage/bin/current/etcd"
+    tar -xJf "$src/containerd.tar.xz" -C "$stage/bin/current"
     tar -xJf "$src/runtime.tar.xz" -C "$stage/root"
     tar -xJf "$src/iproute.tar.xz" -C "$stage"
     mkdir -p "$stage/fallback"
@@ -130,7 +158,7 @@ stage_part() {
 
 print_env() {
   cat <<EOF
-export PATH=$stage/root/usr/bin:$stage/root/usr/sbin:\$PATH:$stage/fallback
+export PATH=$stage/root/usr/sbin:\$PATH:$stage/fallback
 export PYTHONPATH=$stage/site:$repo:$repo/sandbox
 export VGPU_BIN_DIR=$stage/bin
 export VGPU_IMAGE_DIR=$stage/images

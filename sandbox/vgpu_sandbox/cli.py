@@ -51,6 +51,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "handing containers the driver itself; pair with --nodes 0 (docs/sandbox.md)",
     )
     up.add_argument(
+        "--dra",
+        action="store_true",
+        help="with --real-node: the node in DRA mode, `vgpu dra-plugin` there instead of a device plugin "
+        "(on the real cards with --real-gpu, on the stub driver's fake cards without); pods ask "
+        "through ResourceClaims of the DeviceClass vgpu.openaios.io (docs/dra.md)",
+    )
+    up.add_argument(
         "--scheduler-in-cluster",
         action="store_true",
         help="with --real-node: no local extender, kube-scheduler or webhook; the chart's scheduler "
@@ -82,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
                 product=not args.control_plane_only,
                 real_node=args.real_node,
                 real_gpu=args.real_gpu,
+                dra=args.dra,
                 local_scheduler=not args.scheduler_in_cluster,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))
             extra = " and the real node real-node-0" if spec.real_node else ""
             print(f"sandbox: up in {seconds:.1f}s with {spec.nodes} nodes{extra}", file=sys.stderr)
-            if spec.real_node and not spec.real_gpu:
+            if spec.real_node and not (spec.real_gpu or spec.dra):
                 print(
                     f"sandbox: prepare the node and install the chart with: "
                     f"ansible-playbook -i {sandbox.state_dir}/inventory.yml playbooks/site.yml",

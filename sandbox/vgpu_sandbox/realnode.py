@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import binaries, nodes, procs, realgpu
+from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -699,6 +699,11 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     sandbox.wait_for(f"{NAME} to register and be Ready (kubelet)", ready, 120, ["kubelet", "containerd"])
     record["timings"]["containerd_to_ready_s"] = round(time.monotonic() - t0, 1)
     _save_record(lay, record)
+    if spec.dra:
+        where = "this machine's GPUs (real NVML)" if spec.real_gpu else "the stub driver's cards (fake NVML)"
+        progress(f"real node: starting the DRA plugin on {where} for {NAME}")
+        realdra.start_plugin(sandbox, spec, NAME, lay.root, lay.kubelet_root, lay.gpus_file)
+        return
     if spec.real_gpu:
         progress(f"real node: starting the device plugin on this machine's GPUs (real NVML) for {NAME}")
         realgpu.start_plugin(sandbox, spec, NAME, lay.root)
@@ -839,6 +844,8 @@ def stop(sandbox: Handle, pids: dict[str, int]) -> None:
                 _ctr(lay, "tasks", "delete", "--force", task, timeout=30)
     if "containerd" in pids:
         procs.stop_all([pids["containerd"]], None, grace=10)
+    with contextlib.suppress(OSError):
+        realdra.forget_specs(lay.root)  # DRA mode: the specs of claims the kubelet left prepared
     if temporary is not None:
         procs.stop_group(temporary, grace=10)
     shims = _shims_of(lay)

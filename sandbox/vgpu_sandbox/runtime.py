@@ -54,6 +54,9 @@ class Spec:
     # The real node on this machine's NVIDIA GPUs: the device plugin runs there on real NVML,
     # handing containers the driver itself (driverInject: plugin), instead of the chart on fake cards.
     real_gpu: bool = False
+    # The real node in DRA mode: ``vgpu dra-plugin`` (vgpu_sandbox.realdra) instead of a device
+    # plugin, on the real cards with real_gpu, on the stub driver's fake NVML without.
+    dra: bool = False
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
@@ -63,6 +66,8 @@ class Spec:
             (self.nodes >= 1 or self.real_node, "--nodes must be at least 1 (0 only with --real-node)"),
             (self.nodes >= 0, "--nodes must not be negative"),
             (self.real_node or not self.real_gpu, "--real-gpu needs --real-node"),
+            (self.real_node or not self.dra, "--dra needs --real-node: the DRA plugin serves the real node"),
+            (self.local_scheduler or not self.dra, "--dra runs no chart: leave out --scheduler-in-cluster"),
             (self.nodes <= 2000, "--nodes must be at most 2000"),
             (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
             (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),

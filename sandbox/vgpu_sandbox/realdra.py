@@ -1,0 +1,109 @@
+"""The real node in DRA mode (``vgpu sandbox up --real-node --dra``, with or without ``--real-gpu``).
+
+Instead of a device plugin, ``vgpu dra-plugin`` runs as a process of the sandbox for the real
+node: on the machine's NVIDIA cards (real NVML) with ``driverInject: plugin`` under
+``--real-gpu`` (the claims' CDI specs carry the driver's device nodes and libraries, the node's
+containerd running plain runc), or over the fake NVML file of the stub driver's cards otherwise
+(the sample image carries the stub driver). It is pointed at the sandbox kubelet's own plugin
+and registration folders (the kubelet runs with a ``--root-dir`` of its own), keeps its grants,
+region folders and records in the node's folder, and writes the claims' CDI specs to
+``/var/run/cdi``, where containerd 2 reads them. The node is labelled
+``openaios.io/gpu-mode=dra`` and the DeviceClass ``vgpu.openaios.io`` made as the chart makes
+them; pods ask for the cards through ResourceClaims (docs/dra.md) and the default scheduler
+places them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vgpu_sandbox import product
+from vgpu_sandbox.errors import SandboxError
+from vgpu_sandbox.runtime import Handle, Spec
+
+COMPONENT = "dra-plugin-real-node"
+DRIVER = "vgpu.openaios.io"
+MODE_LABEL = "openaios.io/gpu-mode"
+CDI_DIR = Path("/var/run/cdi")
+DEVICE_CLASS: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": DRIVER},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+}
+
+
+def state_dir(node_root: Path) -> Path:
+    """The plugin's ``--state-dir``: grants, region folders, hook versions, checkpoint, records."""
+    return node_root / "vgpu-dra"
+
+
+def argv(
+    sandbox: Handle, spec: Spec, node: str, node_root: Path, kubelet_root: Path, gpus_file: Path
+) -> list[str]:
+    """``vgpu dra-plugin`` for the real node; writes its node config into ``node_root``."""
+    hook = product.hook_library()
+    if hook is None:
+        raise SandboxError("native/hook/build/libvgpu.so is not built: run `make native`")
+    config: dict[str, Any] = {"split": spec.split}
+    if spec.real_gpu:
+        config["driverInject"] = "plugin"  # no NVIDIA container toolkit on the sandbox's runc
+    config_file = node_root / "dra-node-config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    return [
+        sys.executable,
+        "-m",
+        "vgpu.commands.cli",
+        "dra-plugin",
+        f"--node-name={node}",
+        f"--kubeconfig={sandbox.kubeconfig}",
+        f"--plugin-dir={kubelet_root / 'plugins' / DRIVER}",
+        f"--registry-dir={kubelet_root / 'plugins_registry'}",
+        f"--cdi-dir={CDI_DIR}",
+        f"--state-dir={state_dir(node_root)}",
+        f"--config={config_file}",
+        f"--hook-library={hook}",
+        "--slice-interval=2",
+        *([] if spec.real_gpu else [f"--fake-nvml={gpus_file}"]),
+    ]
+
+
+def start_plugin(
+    sandbox: Handle, spec: Spec, node: str, node_root: Path, kubelet_root: Path, gpus_file: Path
+) -> None:
+    """Label the node, make the DeviceClass, start the plugin; returns once the node's slice is there."""
+    sandbox.kubectl("label", "node", node, f"{MODE_LABEL}=dra", "--overwrite")
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    sandbox.launch(COMPONENT, argv(sandbox, spec, node, node_root, kubelet_root, gpus_file))
+
+    def published() -> bool:
+        slices = sandbox.api_get("/apis/resource.k8s.io/v1/resourceslices").get("items", [])
+        return any(
+            s["spec"].get("nodeName") == node
+            and s["spec"].get("driver") == DRIVER
+            and s["spec"].get("devices")
+            for s in slices
+        )
+
+    what = "real NVML" if spec.real_gpu else "fake NVML"
+    sandbox.wait_for(
+        f"the DRA plugin to publish {node}'s ResourceSlice ({what})", published, 90, [COMPONENT, "kubelet"]
+    )
+
+
+def forget_specs(node_root: Path, cdi_dir: Path = CDI_DIR) -> list[Path]:
+    """The CDI specs of the claims the node still had prepared (the kubelet gone before it
+    unprepared them): removed from the machine's CDI folder, which outlives the node."""
+    removed = []
+    for record in sorted((state_dir(node_root) / "dra" / "claims").glob("*.json")):
+        path = cdi_dir / f"{DRIVER}-claim_{record.stem}.json"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
