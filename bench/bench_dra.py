@@ -2,7 +2,7 @@
 extender path, on the same KWOK nodes in one run (docs/dra.md).
 
 Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36):
-    VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136 .venv/bin/python bench/bench_dra.py \\
+    .venv/bin/python bench/bench_dra.py \\
         [--nodes 1000] [--pods 500] [--pairs 1]
 
 One control-plane-only sandbox in a temp folder with N KWOK nodes of 8 cards (80 GiB each), each
@@ -158,7 +158,7 @@ def run(n: int, pods: int, pairs: int, work: Path) -> None:
         if "resource.k8s.io/v1" not in sb.kubectl("api-versions").stdout.split():
             raise SystemExit(
                 f"the control plane ({version}) serves no resource.k8s.io/v1: DRA needs Kubernetes 1.34+ "
-                "(VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136)"
+                "(`make setup` builds the pinned 1.36)"
             )
         sb.kubectl("create", "namespace", NAMESPACE)
         nodes, leases = node_items(n)

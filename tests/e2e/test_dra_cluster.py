@@ -3,8 +3,7 @@ shares of a card 1.36+): the chart's DRA objects accepted by the server, and the
 templates allocated by kube-scheduler's own DRA allocator from a ResourceSlice of the shape the
 vgpu DRA plugin publishes, on a KWOK node labelled openaios.io/gpu-mode=dra.
 
-On an older control plane (the default $HOME/.cache/vgpu/bin, 1.33) the module skips, naming why;
-run it with VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136.
+On a control plane older than 1.34 (tools/versions.env pins 1.36) the module skips, naming why.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def dra(sandbox: Sandbox) -> Iterator[str]:
     if "resource.k8s.io/v1" not in sandbox.kubectl("api-versions").stdout.split():
         pytest.skip(
             f"the sandbox's API server ({version}) serves no resource.k8s.io/v1 (Kubernetes 1.34+): "
-            "run with VGPU_BIN_DIR=$HOME/.cache/vgpu/bin136"
+            "run `make setup` (tools/versions.env pins 1.36)"
         )
     sandbox.kubectl("create", "namespace", NS)
     try:

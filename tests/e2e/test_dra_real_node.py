@@ -7,9 +7,9 @@
   scheduler's reason; the capacity comes back when a pod goes;
 - a kubelet restart keeps the prepared claims prepared (the pod keeps running, no second prepare).
 
-Needs what tests/e2e/test_real_node.py needs, with the 1.36 pieces of ``$HOME/.cache/vgpu/bin136``
-(the kubelet and the control plane) and containerd 2 (CDI on by default); skipped, naming what is
-missing, where they are not built. Run it under the machine's real-node lock:
+Needs what tests/e2e/test_real_node.py needs (``make setup`` as root: the 1.36 kubelet and
+control plane, containerd 2 with CDI on); skipped, naming what is missing, where they are not
+built. Run it under the machine's real-node lock:
 ``flock /tmp/vgpu-realnode.lock pytest tests/e2e/test_dra_real_node.py``.
 
 The sandbox's real node must run containerd 2 with CDI (``realnode.CDI_SPEC_DIRS``, from the
@@ -20,7 +20,6 @@ sandbox's kubelet has a ``--root-dir`` of its own, so the plugin is pointed at i
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -31,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import realnode
+from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import start, stop, wait_for
 from tests.support.groups import REAL_NODE
 
-BIN136 = Path(os.environ.get("VGPU_BIN136_DIR", Path.home() / ".cache/vgpu/bin136"))
 NODE = realnode.NAME
 CARD_MIB = 8192
 HOOK = Path(__file__).resolve().parents[2] / "native/hook/build/libvgpu.so"
@@ -47,35 +45,31 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group
 
 
 def _why_not() -> str | None:
-    if getattr(realnode, "CDI_SPEC_DIRS", None) is None:
-        return "the sandbox's real node runs containerd without CDI (containerd 2 comes with the 1.36 work)"
-    for marker in ("kube-v1.36.3/.complete", "kubelet-v1.36.3/.complete"):
-        if not (BIN136 / marker).exists():
-            return f"{BIN136 / marker} is missing: the 1.36 pieces are not built (branch k136)"
-    containerd = BIN136 / "current/containerd"
+    why = realnode.why_not()
+    if why:
+        return why
+    containerd = binaries.bin_dir() / "containerd"
     if not containerd.exists():
         return f"containerd 2 is not built at {containerd}"
     version = subprocess.run([str(containerd), "--version"], capture_output=True, text=True, check=False)
     if not re.search(r"\sv?2\.", version.stdout):
-        return f"{containerd} is not containerd 2.x: {version.stdout.strip()}"
-    return realnode.why_not()
+        return f"{containerd} is not containerd 2.x (no CDI): {version.stdout.strip()}"
+    return None
 
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Sandbox]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGPU_BIN_DIR", str(BIN136))  # the real node's kubelet and containerd too
-        why = _why_not()
-        if why:
-            pytest.skip(f"no 1.36 real node here: {why}")
-        top = Path(tempfile.mkdtemp(prefix="vgpu-dra-rn-", dir="/tmp"))
-        sb = Sandbox(top / "sandbox")
-        try:
-            sb.up(Spec(nodes=0, real_node=True, gpus_per_node=1, gpu_memory_mib=CARD_MIB, product=False))
-            yield sb
-        finally:
-            sb.down()
-            shutil.rmtree(top, ignore_errors=True)
+    why = _why_not()
+    if why:
+        pytest.skip(f"no real node with CDI here: {why}")
+    top = Path(tempfile.mkdtemp(prefix="vgpu-dra-rn-", dir="/tmp"))
+    sb = Sandbox(top / "sandbox")
+    try:
+        sb.up(Spec(nodes=0, real_node=True, gpus_per_node=1, gpu_memory_mib=CARD_MIB, product=False))
+        yield sb
+    finally:
+        sb.down()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

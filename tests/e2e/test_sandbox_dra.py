@@ -24,7 +24,7 @@ import pytest
 from vgpu_sandbox import realdra, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
-from tests.e2e.test_dra_real_node import BIN136, _pod, _why_not
+from tests.e2e.test_dra_real_node import _pod, _why_not
 from tests.support import wait_for
 from tests.support.groups import REAL_NODE
 
@@ -33,19 +33,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.xdist_group
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Sandbox]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGPU_BIN_DIR", str(BIN136))
-        why = _why_not()
-        if why:
-            pytest.skip(f"no 1.36 real node here: {why}")
-        top = Path(tempfile.mkdtemp(prefix="vgpu-sbx-dra-", dir="/tmp"))
-        sb = Sandbox(top / "sandbox")
-        try:
-            sb.up(Spec(nodes=0, real_node=True, dra=True, gpus_per_node=1, gpu_memory_mib=8192))
-            yield sb
-        finally:
-            sb.down()
-            shutil.rmtree(top, ignore_errors=True)
+    why = _why_not()
+    if why:
+        pytest.skip(f"no real node with CDI here: {why}")
+    top = Path(tempfile.mkdtemp(prefix="vgpu-sbx-dra-", dir="/tmp"))
+    sb = Sandbox(top / "sandbox")
+    try:
+        sb.up(Spec(nodes=0, real_node=True, dra=True, gpus_per_node=1, gpu_memory_mib=8192))
+        yield sb
+    finally:
+        sb.down()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_the_sandbox_in_dra_mode_prepares_a_claim_that_holds_its_container(node: Sandbox) -> None:
