@@ -141,7 +141,8 @@ def test_the_api_server_keeps_the_devices_shared_capacity_and_its_request_policy
     # Dropped silently where DRAConsumableCapacity is off: the API server clears disabled fields.
     assert stored.get("allowMultipleAllocations") is True, stored
     assert stored["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Mi", stored
-    assert stored["capacity"]["cores"]["requestPolicy"]["default"] == "1", stored
+    published = _slice()["spec"]["devices"][0]["capacity"]
+    assert stored["capacity"]["cores"]["requestPolicy"] == published["cores"]["requestPolicy"], stored
 
 
 def test_kube_scheduler_shares_one_device_between_claims_by_capacity_and_holds_back_one_that_does_not_fit(

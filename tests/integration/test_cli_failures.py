@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests import support
+from tests.support.tmp import short_dir
 from vgpu.commands.cli import build_parser
 from vgpu.hookabi.region import format_region
 from vgpu.plugin.paths import REGION_FILE_NAME
@@ -165,18 +166,19 @@ def case_device_plugin(w: World) -> None:
 
 
 def case_dra_plugin(w: World) -> None:
-    argv = [
-        "dra-plugin",
-        "--node-name=n1",
-        f"--kubeconfig={w.kubeconfig}",
-        f"--plugin-dir={w.tmp / 'plugins'}",
-        f"--registry-dir={w.tmp / 'registry'}",
-        f"--cdi-dir={w.tmp / 'cdi'}",
-        f"--state-dir={w.tmp / 'state'}",
-        f"--fake-nvml={w.gpus}",
-    ]
-    daemon_kept_retrying(run_daemon(argv, until="cannot reach"), w.server)
-    one_line_failure(vgpu(*argv[:-1], f"--fake-nvml={w.tmp / 'none.yaml'}"), "--fake-nvml", "cannot read")
+    with short_dir("vgpu-dra-cli-") as sockets:  # pytest's tmp_path is too long for a unix socket
+        argv = [
+            "dra-plugin",
+            "--node-name=n1",
+            f"--kubeconfig={w.kubeconfig}",
+            f"--plugin-dir={sockets / 'plugins'}",
+            f"--registry-dir={sockets / 'registry'}",
+            f"--cdi-dir={w.tmp / 'cdi'}",
+            f"--state-dir={w.tmp / 'state'}",
+            f"--fake-nvml={w.gpus}",
+        ]
+        daemon_kept_retrying(run_daemon(argv, until="cannot reach"), w.server)
+        one_line_failure(vgpu(*argv[:-1], f"--fake-nvml={w.tmp / 'none.yaml'}"), "--fake-nvml", "cannot read")
 
 
 def case_monitor(w: World) -> None:
