@@ -42,6 +42,8 @@ import pytest
 from vgpu_sandbox import binaries, realdra, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
+from tests.support import wait_for
+
 pytestmark = pytest.mark.gpu
 
 IMAGE = "docker.io/vgpu/host-torch:dev"
@@ -230,17 +232,6 @@ class Sampler:
         self.nvml.nvmlShutdown()
 
 
-def _wait(what: str, probe: Any, timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
-
-
 def test_a_pytorch_pod_is_held_to_its_claim_on_the_real_gpu(sandbox: Sandbox) -> None:
     box = sandbox
     t_start = time.monotonic()
@@ -255,7 +246,7 @@ def test_a_pytorch_pod_is_held_to_its_claim_on_the_real_gpu(sandbox: Sandbox) ->
             return out if "HOLDING" in out or "Traceback" in out else ""
 
         try:
-            text = _wait("the pod to allocate, loop and hold (kubectl logs)", logs, 240, 2.0)
+            text = wait_for(logs, "the pod to allocate, loop and hold (kubectl logs)", 240, 2.0)
         except AssertionError:
             described = box.kubectl("describe", "pod", "-n", "default", POD, check=False).stdout
             claims = box.kubectl("get", "resourceclaims", "-A", "-o", "yaml", check=False).stdout
@@ -333,4 +324,4 @@ def test_a_pytorch_pod_is_held_to_its_claim_on_the_real_gpu(sandbox: Sandbox) ->
     assert re.search(rf"default/{POD} claim \S+/gpu\s+{MEMORY_MIB} MiB\s+{CORES}%", status), status
     # The pod goes: the kubelet unprepares the claim and its spec leaves the CDI folder.
     box.kubectl("delete", "pod", "-n", "default", POD, "--wait=true", "--timeout=60s", timeout=90)
-    _wait("the claim's CDI spec to go (NodeUnprepareResources)", lambda: not spec_file.exists(), 60)
+    wait_for(lambda: not spec_file.exists(), "the claim's CDI spec to go (NodeUnprepareResources)", 60, 1.0)

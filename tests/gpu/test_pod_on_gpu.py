@@ -33,6 +33,8 @@ import pytest
 from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
+from tests.support import wait_for
+
 pytestmark = pytest.mark.gpu
 
 IMAGE = "docker.io/vgpu/host-torch:dev"
@@ -180,17 +182,6 @@ def _pod(python: str, prefix: str) -> dict[str, Any]:
     }
 
 
-def _wait(what: str, probe: Any, timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
-
-
 def test_a_pytorch_pod_on_the_real_gpu_is_held_to_3000_mib(sandbox: Sandbox) -> None:
     box = sandbox
     _image(box)
@@ -202,7 +193,7 @@ def test_a_pytorch_pod_on_the_real_gpu_is_held_to_3000_mib(sandbox: Sandbox) -> 
 
     t0 = time.monotonic()
     try:
-        text = _wait("the pod to allocate and hold (kubectl logs)", logs, 300, 2.0)
+        text = wait_for(logs, "the pod to allocate and hold (kubectl logs)", 300, 2.0)
     except AssertionError:
         described = box.kubectl("describe", "pod", "-n", "default", POD, check=False).stdout
         _out("pod-describe.txt", described)
@@ -228,7 +219,7 @@ def test_a_pytorch_pod_on_the_real_gpu_is_held_to_3000_mib(sandbox: Sandbox) -> 
         return out if found and int(found.group(1)) > 0 else ""
 
     try:
-        shown = status_text() if crashed else _wait("vgpu status to show the pod's usage", status, 60, 2.0)
+        shown = status_text() if crashed else wait_for(status, "vgpu status to show the pod's usage", 60, 2.0)
     except AssertionError:
         shown = status_text()
     _out("vgpu-status.txt", shown)
