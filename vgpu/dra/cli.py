@@ -7,10 +7,8 @@ import os
 from pathlib import Path
 
 from vgpu.dra.node import DraSettings, build
-from vgpu.plugin.config import INJECT_MODES
+from vgpu.plugin.cli import add_hook_arguments
 from vgpu.plugin.node import serve
-
-DEFAULT_HOOK = "/usr/local/vgpu/libvgpu.so"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -44,23 +42,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="the node config YAML the device plugin reads")
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
     parser.add_argument("--kubeconfig", type=Path, help="kubeconfig file; in-cluster config without it")
-    parser.add_argument(
-        "--hook-library",
-        type=Path,
-        default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
-        help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
-    )
-    parser.add_argument(
-        "--driver-inject",
-        choices=INJECT_MODES,
-        help="plugin: the CDI spec carries the driver's device nodes and libraries (nodes without NVIDIA's "
-        "container toolkit); default: the node config's driverInject",
-    )
-    parser.add_argument(
-        "--driver-root", type=Path, default=Path("/"), help="where this process sees the driver (default /)"
-    )
-    parser.add_argument(
-        "--driver-host-root", default="/", help="the same folder as the host names it (default /)"
+    add_hook_arguments(
+        parser,
+        inject_help="plugin: the CDI spec carries the driver's device nodes and libraries (nodes without "
+        "NVIDIA's container toolkit); default: the node config's driverInject",
     )
     parser.add_argument(
         "--slice-interval",

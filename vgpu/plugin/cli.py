@@ -15,6 +15,32 @@ from vgpu.plugin.node import NodeSettings, build_plugin, serve
 DEFAULT_HOOK = "/usr/local/vgpu/libvgpu.so"
 
 
+def add_hook_arguments(parser: argparse.ArgumentParser, inject_help: str) -> None:
+    """The hook library's and the driver's flags, alike for ``vgpu device-plugin`` and ``vgpu dra-plugin``."""
+    parser.add_argument(
+        "--hook-library",
+        type=Path,
+        default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
+        help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
+    )
+    parser.add_argument(
+        "--driver-inject",
+        choices=INJECT_MODES,
+        help=inject_help,
+    )
+    parser.add_argument(
+        "--driver-root",
+        type=Path,
+        default=Path("/"),
+        help="where this process sees the host's driver installation (driverInject: plugin; default /)",
+    )
+    parser.add_argument(
+        "--driver-host-root",
+        default="/",
+        help="the same folder as the host names it, e.g. /run/nvidia/driver (default /)",
+    )
+
+
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node", required=True, help="this node's name (the Node object the plugin reports on)"
@@ -27,28 +53,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
     parser.add_argument("--config", type=Path, help="node config YAML (split, deviceMemoryScaling, ...)")
     parser.add_argument("--monitor-listen", default="0.0.0.0:9394", help="HOST:PORT of /metrics")
-    parser.add_argument(
-        "--hook-library",
-        type=Path,
-        default=Path(os.environ.get("VGPU_HOOK_LIBRARY", DEFAULT_HOOK)),
-        help=f"libvgpu.so to install on the host, versioned by content (default {DEFAULT_HOOK})",
-    )
-    parser.add_argument(
-        "--driver-inject",
-        choices=INJECT_MODES,
-        help="runtime: NVIDIA's container toolkit gives containers the driver; plugin: Allocate hands them "
-        "its device nodes and libraries (nodes without the toolkit); default: the node config's driverInject",
-    )
-    parser.add_argument(
-        "--driver-root",
-        type=Path,
-        default=Path("/"),
-        help="where this process sees the host's driver installation (driverInject: plugin; default /)",
-    )
-    parser.add_argument(
-        "--driver-host-root",
-        default="/",
-        help="the same folder as the host names it, e.g. /run/nvidia/driver (default /)",
+    add_hook_arguments(
+        parser,
+        inject_help="runtime: NVIDIA's container toolkit gives containers the driver; plugin: Allocate "
+        "hands them its device nodes and libraries (nodes without the toolkit); default: the node "
+        "config's driverInject",
     )
     parser.add_argument(
         "--sweep-interval",
