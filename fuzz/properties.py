@@ -117,7 +117,14 @@ _INVENTORY = ann.encode_devices(
         )
     )
 )
-VERBS = ("/filter", "/prioritize", "/bind", "/webhook/mutate", "/webhook/validate")
+VERBS = (
+    "/filter",
+    "/prioritize",
+    "/bind",
+    "/webhook/mutate",
+    "/webhook/validate",
+    "/webhook/validate-config",
+)
 _routes: dict[str, Callable[[bytes], tuple[int, Any]]] | None = None
 
 
@@ -254,7 +261,8 @@ _DRA_CARDS = {
 
 def check_resource_claim(data: bytes) -> None:
     """plan over any claim object: shares of the node's known cards within their bounds (whole
-    MiB, at least 1, 1..100 cores), or a ClaimError naming the field."""
+    MiB, at least 1, 1..100 cores) and each request's configuration in range (contract 8), or a
+    ClaimError naming the field."""
     claim = _json(data)
     if not isinstance(claim, dict):
         return  # the API server answers a claim object or nothing
@@ -271,6 +279,9 @@ def check_resource_claim(data: bytes) -> None:
         assert share.uuid == card.uuid and share.memory_mib >= 1 and 1 <= share.cores <= 100
         assert share.request
     assert sum(len(v) for v in got.requests().values()) == len(got.shares)
+    for request in got.requests():  # the configuration of each request: checked, so in range
+        config = got.config(request)
+        assert config.priority in (None, 0, 1) and config.sm_policy in (None, "cap", "elastic")
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {

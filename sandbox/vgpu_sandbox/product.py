@@ -125,7 +125,8 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
 
 
 def webhook_configs(base_url: str, ca_b64: str) -> dict[str, object]:
-    """Mutating (route to vgpu-scheduler) and validating (refuse impossible requests) for pod CREATE.
+    """Mutating (route to vgpu-scheduler) and validating (refuse impossible requests) for pod
+    CREATE, and the check of DRA objects' vgpu configuration.
 
     failurePolicy Fail: a vGPU pod admitted without the webhook would reach the default scheduler
     and be placed without the ledger; refusing it while the extender is away is the safe side.
@@ -150,6 +151,23 @@ def webhook_configs(base_url: str, ca_b64: str) -> dict[str, object]:
             "timeoutSeconds": 10,
         }
 
+    # DRA claims, templates and classes whose vgpu configuration is malformed (contract 8), as the
+    # chart registers it with dra.enabled; Ignore: the DRA plugin checks the same at prepare.
+    config_hook = {
+        **hook("validate-config.vgpu.openaios.io", "/webhook/validate-config"),
+        "rules": [
+            {
+                "apiGroups": ["resource.k8s.io"],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": ["resourceclaims", "resourceclaimtemplates", "deviceclasses"],
+                "scope": "*",
+            }
+        ],
+        "failurePolicy": "Ignore",
+        "matchPolicy": "Equivalent",
+    }
+    del config_hook["namespaceSelector"]  # DeviceClasses have no namespace
     return {
         "apiVersion": "v1",
         "kind": "List",
@@ -164,7 +182,7 @@ def webhook_configs(base_url: str, ca_b64: str) -> dict[str, object]:
                 "apiVersion": "admissionregistration.k8s.io/v1",
                 "kind": "ValidatingWebhookConfiguration",
                 "metadata": {"name": "vgpu-webhook"},
-                "webhooks": [hook("validate.vgpu.openaios.io", "/webhook/validate")],
+                "webhooks": [hook("validate.vgpu.openaios.io", "/webhook/validate"), config_hook],
             },
         ],
     }

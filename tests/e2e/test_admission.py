@@ -217,3 +217,79 @@ def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
         sandbox.kubectl("delete", "validatingwebhookconfiguration", hook_name, check=False)
         sandbox.kubectl("delete", "lease", "--all", "-n", STRICT_NS, check=False)
         sandbox.kubectl("delete", "namespace", STRICT_NS, "--wait=false", check=False)
+
+
+def _claim_with(params: dict[str, Any], name: str) -> str:
+    """A ResourceClaim asking the vgpu DeviceClass for a share, configured with ``params`` (contract 8)."""
+    return json.dumps(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": "vgpu.openaios.io",
+                                "capacity": {"requests": {"memory": "3000Mi", "cores": "30"}},
+                            },
+                        }
+                    ],
+                    "config": [
+                        {
+                            "requests": ["gpu"],
+                            "opaque": {
+                                "driver": "vgpu.openaios.io",
+                                "parameters": {
+                                    "apiVersion": "vgpu.openaios.io/v1",
+                                    "kind": "VgpuConfig",
+                                    **params,
+                                },
+                            },
+                        }
+                    ],
+                }
+            },
+        }
+    )
+
+
+def test_a_claim_whose_vgpu_configuration_is_malformed_is_denied_naming_the_field(sandbox: Sandbox) -> None:
+    if "resource.k8s.io/v1" not in sandbox.kubectl("api-versions").stdout.split():
+        pytest.skip(
+            "the sandbox's API server serves no resource.k8s.io/v1 (Kubernetes 1.34+): run make setup"
+        )
+    bad = sandbox.kubectl(
+        "create",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=_claim_with({"priority": "high"}, "adm-bad"),
+        check=False,
+    )
+    assert bad.returncode != 0
+    assert 'admission webhook "validate-config.vgpu.openaios.io" denied the request' in bad.stderr
+    assert (
+        "ResourceClaim default/adm-bad: spec.devices.config[0].opaque.parameters.priority: "
+        "must be 0 (high) or 1 (normal)"
+    ) in bad.stderr
+    unknown = sandbox.kubectl(
+        "create",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=_claim_with({"gpumem": 3000}, "adm-unknown"),
+        check=False,
+    )
+    assert unknown.returncode != 0 and "parameters.gpumem: is not a field of VgpuConfig" in unknown.stderr
+    good = sandbox.kubectl(
+        "create",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=_claim_with({"priority": 0, "smPolicy": "elastic"}, "adm-good"),
+        check=False,
+    )
+    assert good.returncode == 0, good.stderr

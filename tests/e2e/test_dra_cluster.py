@@ -20,6 +20,8 @@ import yaml
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import wait_for
+from vgpu.core.claimconfig import VgpuConfig
+from vgpu.dra.claims import plan
 from vgpu.dra.slices import DRIVER, build_slice
 from vgpu.plugin.discovery import Card
 
@@ -184,3 +186,51 @@ def test_kube_scheduler_shares_a_card_by_the_example_templates_capacities(sandbo
         sandbox.kubectl("delete", "pods", "-n", NS, "--all", "--wait=false", check=False)
         sandbox.kubectl("delete", "resourceslices", f"{node}-{DRIVER}", f"{whole_node}-{DRIVER}", check=False)
         sandbox.kubectl("delete", "nodes", node, whole_node, "--wait=false", check=False)
+
+
+def _vgpu_config(**params: Any) -> dict[str, Any]:
+    parameters = {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params}
+    return {"opaque": {"driver": DRIVER, "parameters": parameters}}
+
+
+def test_kube_scheduler_hands_the_driver_the_classs_configuration_then_the_claims(
+    sandbox: Sandbox, dra: str
+) -> None:
+    """Contract 8 end to end on the cluster side: a DeviceClass that makes its claims go first, a
+    template that keeps its share capped; the real allocator copies both into the allocation, the
+    class's first, and the DRA plugin's reading of that allocation gives the claim's word over the
+    class's field by field."""
+    node = "dra-e2e-" + uuid.uuid4().hex[:6]
+    klass = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "vgpu-first.openaios.io"},
+        "spec": {
+            "selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}],
+            "config": [_vgpu_config(priority=0, smPolicy="elastic")],
+        },
+    }
+    template = _example("ResourceClaimTemplate", "vgpu-8000mi-50-first")  # the example, as written
+    template["metadata"]["name"] = "first-capped"
+    devices = template["spec"]["spec"]["devices"]
+    devices["requests"][0]["exactly"]["deviceClassName"] = klass["metadata"]["name"]
+    devices["config"] = [{"requests": ["gpu"], **_vgpu_config(smPolicy="cap")}]
+    _apply(sandbox, klass, _node(node))
+    try:
+        _apply(sandbox, _slice(node, "NVIDIA A100", 10000))
+        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-8000mi-50-first"), template)
+        _apply(sandbox, _pod("first", "first-capped", node))
+        wait_for(lambda: _claim_of(sandbox, "first") is not None, "the claim allocated", 120, every=0.5)
+        claim = _claim_of(sandbox, "first")
+        assert claim is not None
+        config = claim["status"]["allocation"]["devices"]["config"]
+        assert [c["source"] for c in config] == ["FromClass", "FromClaim"]
+        card = Card(f"GPU-{node}", 0, "NVIDIA A100", 10000)
+        prepared = plan(claim, claim["metadata"]["uid"], {"gpu-0": card}, node)
+        assert prepared.config("gpu") == VgpuConfig(priority=0, sm_policy="cap")
+        assert [(s.memory_mib, s.cores) for s in prepared.shares] == [(8000, 50)]
+    finally:
+        sandbox.kubectl("delete", "pods", "-n", NS, "first", "--wait=false", check=False)
+        sandbox.kubectl("delete", "resourceslices", f"{node}-{DRIVER}", check=False)
+        sandbox.kubectl("delete", "nodes", node, "--wait=false", check=False)
+        sandbox.kubectl("delete", "deviceclass", "vgpu-first.openaios.io", "--ignore-not-found", check=False)

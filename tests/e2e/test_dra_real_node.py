@@ -35,6 +35,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import start, stop, wait_for
 from tests.support.groups import REAL_NODE
+from vgpu.hookabi.grant import read_grant
 
 NODE = realnode.NAME
 CARD_MIB = 8192
@@ -122,8 +123,10 @@ def _state_dir(node: Sandbox) -> Path:
 WORKLOAD = "t_alloc link alloc 256; echo holding; sleep infinity"
 
 
-def _pod(name: str, memory: str, cores: str) -> list[dict[str, Any]]:
-    template = {
+def _pod(name: str, memory: str, cores: str, **config: Any) -> list[dict[str, Any]]:
+    """A claim template asking for ``memory`` and ``cores`` (with ``config``: its vgpu
+    configuration, contract 8) and a pod of the sample image under it."""
+    template: dict[str, Any] = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
         "metadata": {"name": name, "namespace": "default"},
@@ -143,6 +146,11 @@ def _pod(name: str, memory: str, cores: str) -> list[dict[str, Any]]:
             }
         },
     }
+    if config:
+        parameters = {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **config}
+        template["spec"]["spec"]["devices"]["config"] = [
+            {"requests": ["gpu"], "opaque": {"driver": "vgpu.openaios.io", "parameters": parameters}}
+        ]
     pod = realnode.sample_pod(name, WORKLOAD, None, CARD_MIB)
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": name}]
     pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
@@ -193,9 +201,24 @@ def test_a_claim_of_3000mi_holds_its_container_and_claims_share_the_card(
     print(f"[dra real node] dra-a (3000Mi, 30 cores): chunks={fields['chunks']} refused={fields['refused']}")
     # 640 MiB of context charge and 9 chunks of 256 MiB fit in 3000 MiB; the 10th is refused
     assert (fields["chunks"], fields["refused"]) == ("9", "2"), _logs(node, "dra-a")
-    # a second claim on the same card: 4000Mi and 50 cores still fit beside the first
-    _apply(node, _pod("dra-b", "4000Mi", "50"))
+    # a second claim on the same card: 4000Mi and 50 cores still fit beside the first; its
+    # configuration makes it first on the card, through the CDI edits containerd applied
+    _apply(node, _pod("dra-b", "4000Mi", "50", priority=0, smPolicy="elastic"))
     _running(node, "dra-b")
+    env = node.kubectl(
+        "exec", "-n", "default", "dra-b", "--", "/bin/sh", "-c", "echo $CUDA_TASK_PRIORITY $CUDA_SM_POLICY"
+    ).stdout.split()
+    assert env == ["0", "elastic"], env
+    claim_b = next(
+        c
+        for c in _get(node, "resourceclaims", "-n", "default")["items"]
+        if any(o["name"] == "dra-b" for o in c["metadata"].get("ownerReferences") or [])
+    )
+    grant = read_grant(_state_dir(node) / "grants" / f"dra_{claim_b['metadata']['uid']}_gpu.limits")
+    assert (grant.priority, grant.sm_policy, grant.sm_limits) == (0, 1, (50,))
+    print(
+        f"[dra real node] dra-b configured priority 0, elastic: container env {env}, grant {grant.priority}"
+    )
     claims = _get(node, "resourceclaims", "-n", "default")["items"]
     devices = {r["device"] for c in claims for r in c["status"]["allocation"]["devices"]["results"]}
     assert devices == {"gpu-0"}  # both on the one card

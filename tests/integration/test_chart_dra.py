@@ -13,6 +13,7 @@ import pytest
 import yaml
 from chart_support import CHART, REPO, container, find, helm, render, template
 
+from vgpu.core.claimconfig import VgpuConfig, check_entries
 from vgpu.plugin.monitor import cli as monitor_cli
 
 K134 = "1.34.0"
@@ -52,6 +53,30 @@ def test_the_schema_check_rejects_a_misspelt_device_class_so_the_check_above_can
     dc["spec"]["selector"] = dc["spec"].pop("selectors")
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dc, K136, strict=True)
+
+
+def _config_hooks(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        hook
+        for o in objs
+        if o["kind"] == "ValidatingWebhookConfiguration"
+        for hook in o["webhooks"]
+        if hook["name"] == "validate-config.vgpu.openaios.io"
+    ]
+
+
+def test_the_webhook_checks_dra_configuration_only_with_dra_and_never_blocks_on_failure() -> None:
+    assert _config_hooks(render(kube_version=K136)) == []
+    [hook] = _config_hooks(render(*DRA, kube_version=K136))
+    assert hook["clientConfig"]["service"]["path"] == "/webhook/validate-config"
+    assert hook["failurePolicy"] == "Ignore"  # the DRA plugin checks again before a container starts
+    [rule] = hook["rules"]
+    assert rule["apiGroups"] == ["resource.k8s.io"] and rule["apiVersions"] == ["v1"]
+    assert set(rule["resources"]) == {"resourceclaims", "resourceclaimtemplates", "deviceclasses"}
+    assert rule["operations"] == ["CREATE", "UPDATE"] and rule["scope"] == "*"
+    assert hook["matchPolicy"] == "Equivalent"  # v1beta1 and v1beta2 writes reach it as v1
+    # the webhook off: none of it, DRA or not
+    assert _config_hooks(render(*DRA, "--set", "webhook.enabled=false", kube_version=K136)) == []
 
 
 def test_the_device_class_selects_the_driver_by_cel() -> None:
@@ -228,6 +253,9 @@ def test_the_example_claim_templates_are_valid_and_ask_the_chart_s_device_class_
     assert share["capacity"]["requests"] == {"memory": "3000Mi", "cores": "30"}
     whole = templates["vgpu-whole-h200"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
     assert whole["capacity"]["requests"]["cores"] == "100"
+    first = templates["vgpu-8000mi-50-first"]["spec"]["spec"]["devices"]
+    [entry] = check_entries(first["config"], "spec.devices.config", "example")
+    assert entry.config == VgpuConfig(priority=0, sm_policy="elastic") and entry.requests == ("gpu",)
     pods = [d for d in docs if d["kind"] == "Pod"]
     assert {p["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] for p in pods} == set(templates)
     for p in pods:  # no extended resources beside the claim: the claim alone is the vGPU

@@ -29,13 +29,18 @@ CARDS = [
 BY_NAME = {"gpu-0": CARDS[0], "gpu-1": CARDS[1]}
 
 
-def claim(results: list[dict[str, Any]] | None = None, uid: str = UID) -> dict[str, Any]:
+def claim(
+    results: list[dict[str, Any]] | None = None, uid: str = UID, config: list[Any] | None = None
+) -> dict[str, Any]:
     if results is None:
         results = [result()]
+    devices: dict[str, Any] = {"results": results}
+    if config is not None:
+        devices["config"] = config
     return {
         "metadata": {"namespace": "ns", "name": "c", "uid": uid},
         "status": {
-            "allocation": {"devices": {"results": results}},
+            "allocation": {"devices": devices},
             "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}],
         },
     }
@@ -178,6 +183,8 @@ def test_prepare_writes_what_allocate_writes_and_answers_cdi_ids(tmp_path: Path)
             "memoryBytes": 3000 << 20,
             "cores": 30,
             "shareID": "share-1",
+            "priority": 1,
+            "smPolicy": "cap",
             "grant": str(state / "grants" / f"{folder}.limits"),
             "regionDir": str(state / "containers" / folder),
         }
@@ -196,6 +203,70 @@ def test_spill_and_elastic_reach_the_claim_as_the_device_plugins_containers(tmp_
     )
     assert env["CUDA_DEVICE_MEMORY_BUDGET_0"] == "1500m" and env["CUDA_OVERSUBSCRIBE"] == "true"
     assert env["CUDA_SM_POLICY"] == "elastic"
+
+
+def opaque(source: str, requests: list[str] | None = None, **params: Any) -> dict[str, Any]:
+    """An entry of status.allocation.devices.config as kube-scheduler copies it from the class or claim."""
+    e: dict[str, Any] = {
+        "source": source,
+        "opaque": {
+            "driver": "vgpu.openaios.io",
+            "parameters": {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params},
+        },
+    }
+    if requests is not None:
+        e["requests"] = requests
+    return e
+
+
+def _env(tmp_path: Path, index: int = 0) -> dict[str, str]:
+    spec = json.loads(cdi.spec_path(tmp_path / "cdi", UID).read_text())
+    return dict(e.split("=", 1) for e in spec["devices"][index]["containerEdits"]["env"])
+
+
+def test_the_claims_configuration_over_its_classs_gives_each_request_its_priority_and_policy(
+    tmp_path: Path,
+) -> None:
+    c = claim(
+        [result(), result(request="b", device="gpu-1", shareID="s2")],
+        config=[
+            opaque("FromClass", priority=0, smPolicy="elastic"),  # every request of the claim
+            opaque("FromClaim", ["b"], priority=1),  # the claim's own, over the class's, for b
+            {"source": "FromClaim", "opaque": {"driver": "gpu.nvidia.com", "parameters": {"x": 1}}},
+        ],
+    )
+    p = preparer(tmp_path, Claims(c))
+    p.prepare("ns", UID, "c")
+    grants = tmp_path / "state/grants"
+    a = read_grant(grants / f"{folder_name(UID, 'gpu')}.limits")
+    b = read_grant(grants / f"{folder_name(UID, 'b')}.limits")
+    assert (a.priority, a.sm_policy) == (0, 1)
+    assert (b.priority, b.sm_policy) == (1, 1)
+    assert _env(tmp_path, 0)["CUDA_TASK_PRIORITY"] == "0" and _env(tmp_path, 0)["CUDA_SM_POLICY"] == "elastic"
+    assert _env(tmp_path, 1)["CUDA_TASK_PRIORITY"] == "1"
+    record = json.loads(record_path(tmp_path / "state", UID).read_text())
+    assert [(r["request"], r["priority"], r["smPolicy"]) for r in record["requests"]] == [
+        ("gpu", 0, "elastic"),
+        ("b", 1, "elastic"),
+    ]
+
+
+def test_a_claim_setting_cap_holds_it_on_an_elastic_node(tmp_path: Path) -> None:
+    c = claim(config=[opaque("FromClaim", smPolicy="cap")])
+    preparer(tmp_path, Claims(c), NodeConfig(sm_policy="elastic")).prepare("ns", UID, "c")
+    grant = read_grant(tmp_path / "state/grants" / f"{folder_name(UID, 'gpu')}.limits")
+    assert grant.sm_policy == 0 and _env(tmp_path)["CUDA_SM_POLICY"] == "cap"
+
+
+def test_a_malformed_configuration_is_refused_naming_the_field_and_nothing_is_written(tmp_path: Path) -> None:
+    c = claim(config=[opaque("FromClass"), opaque("FromClaim", priority="high")])
+    p = preparer(tmp_path, Claims(c))
+    with pytest.raises(ClaimError) as err:
+        p.prepare("ns", UID, "c")
+    assert err.value.field == "status.allocation.devices.config[1].opaque.parameters.priority"
+    assert "0 (high) or 1 (normal)" in str(err.value) and "ResourceClaim ns/c" in str(err.value)
+    assert "create it again" in str(err.value)
+    assert not (tmp_path / "state/grants").exists() and p.checkpoint.get(UID) is None
 
 
 def test_a_request_of_two_cards_is_one_cdi_device_holding_both(tmp_path: Path) -> None:

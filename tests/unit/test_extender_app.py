@@ -160,6 +160,7 @@ def test_keys_match_case_insensitively_like_gos_decoder(client: FlaskClient) -> 
         ),
         ("/webhook/mutate", json.dumps({"request": {"uid": "1"}}).encode(), "request.object"),
         ("/webhook/validate", b"7", "AdmissionReview"),
+        ("/webhook/validate-config", json.dumps({"request": {"uid": "1"}}).encode(), "request.object"),
     ],
 )
 def test_malformed_input_to_any_route_is_a_400_naming_the_problem(
@@ -191,6 +192,58 @@ def review(pod: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
         "kind": "AdmissionReview",
         "request": {"uid": "r-1", "operation": operation, "object": pod},
     }
+
+
+def _configured(kind: str, params: dict[str, Any], driver: str = "vgpu.openaios.io") -> dict[str, Any]:
+    """A DRA object of ``kind`` whose one configuration entry carries ``params``."""
+    config = [
+        {
+            "opaque": {
+                "driver": driver,
+                "parameters": {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params},
+            }
+        }
+    ]
+    spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpu"}], "config": config}}
+    if kind == "ResourceClaimTemplate":
+        spec = {"spec": spec}
+    elif kind == "DeviceClass":
+        spec = {"config": config}
+    meta = {"name": "c"} if kind == "DeviceClass" else {"name": "c", "namespace": "ns"}
+    return {"apiVersion": "resource.k8s.io/v1", "kind": kind, "metadata": meta, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"),
+    [
+        ("ResourceClaim", "spec.devices.config[0]"),
+        ("ResourceClaimTemplate", "spec.spec.devices.config[0]"),
+        ("DeviceClass", "spec.config[0]"),
+    ],
+)
+def test_the_config_webhook_refuses_a_malformed_vgpu_configuration_naming_the_field(
+    client: FlaskClient, kind: str, field: str
+) -> None:
+    bad = review(_configured(kind, {"priority": 5}))
+    resp = client.post("/webhook/validate-config", json=bad).get_json()["response"]
+    assert resp["allowed"] is False and resp["status"]["code"] == 422
+    where = "c" if kind == "DeviceClass" else "ns/c"
+    assert resp["status"]["message"] == (
+        f"vgpu.openaios.io configuration: {kind} {where}: {field}.opaque.parameters.priority: "
+        "must be 0 (high) or 1 (normal), as nvidia.com/priority, got 5"
+    )
+    good = review(_configured(kind, {"priority": 0, "smPolicy": "elastic"}))
+    assert client.post("/webhook/validate-config", json=good).get_json()["response"]["allowed"] is True
+    # another driver's entry is its driver's business, and updates are checked as creations
+    other = review(_configured(kind, {"priority": 5}, driver="gpu.nvidia.com"), operation="UPDATE")
+    assert client.post("/webhook/validate-config", json=other).get_json()["response"]["allowed"] is True
+    updated = review(_configured(kind, {"smPolicy": "fair"}), operation="UPDATE")
+    assert client.post("/webhook/validate-config", json=updated).get_json()["response"]["allowed"] is False
+
+
+def test_the_config_webhook_lets_every_other_object_through(client: FlaskClient) -> None:
+    for obj in (gpu_pod(gpu=1), {"kind": "ResourceSlice", "spec": {"config": "anything"}}):
+        assert client.post("/webhook/validate-config", json=review(obj)).get_json()["response"]["allowed"]
 
 
 def test_the_mutating_webhook_routes_vgpu_pods_to_the_vgpu_scheduler(client: FlaskClient) -> None:

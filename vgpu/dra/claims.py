@@ -5,7 +5,10 @@ pool and device it got and, on a device that allows several allocations (ours), 
 ``consumedCapacity`` (``memory`` in bytes, ``cores`` in percent) and a ``shareID``. This module
 keeps the results of this driver and turns each into a :class:`Share` of a card; anything it
 cannot hold a container to (a missing or fractional capacity, a device this node does not have,
-another node's pool) is a :class:`ClaimError` naming the field, which the kubelet shows on the pod.
+another node's pool, a malformed entry of this driver's configuration) is a :class:`ClaimError`
+naming the field, which the kubelet shows on the pod. The allocation's configuration entries of
+this driver (the class's, then the claim's: contract 8, :mod:`vgpu.core.claimconfig`) give each
+request its priority and SM policy.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vgpu.core.claimconfig import ConfigEntryError, Entry, VgpuConfig, check_entries, for_request
 from vgpu.core.errors import FieldError, RequestError
 from vgpu.core.quantity import parse_quantity
 from vgpu.dra.slices import DRIVER, MIB
 from vgpu.plugin.discovery import Card
 
 RESULTS = "status.allocation.devices.results"
+CONFIG = "status.allocation.devices.config"
 
 
 class ClaimError(FieldError):
@@ -47,6 +52,11 @@ class ClaimPlan:
     uid: str
     shares: tuple[Share, ...]
     reserved_for: tuple[dict[str, str], ...]  # the pods the claim is reserved for (resource, name, uid)
+    configs: tuple[Entry, ...] = ()  # this driver's configuration entries, the class's then the claim's
+
+    def config(self, request: str) -> VgpuConfig:
+        """What the claim and its class configure ``request`` with (contract 8)."""
+        return for_request(self.configs, request)
 
     def requests(self) -> dict[str, list[Share]]:
         """The shares grouped by request, in the order the results list them."""
@@ -153,10 +163,16 @@ def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: st
     )
     if not shares:
         raise ClaimError(source, RESULTS, f"has no device of driver {DRIVER}")
+    try:
+        configs = tuple(check_entries(_mapping(allocation.get("devices")).get("config"), CONFIG, source))
+    except ConfigEntryError as err:
+        raise ClaimError(
+            err.source, err.field, f"{err.message} (fix the claim or its DeviceClass and create it again)"
+        ) from err
     refs = status.get("reservedFor")
     reserved = tuple(
         {k: str(ref.get(k) or "") for k in ("resource", "name", "uid")}
         for ref in (refs if isinstance(refs, list) else [])
         if isinstance(ref, Mapping)
     )
-    return ClaimPlan(namespace, name, uid, shares, reserved)
+    return ClaimPlan(namespace, name, uid, shares, reserved, configs)

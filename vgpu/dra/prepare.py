@@ -23,6 +23,7 @@ for a claim it does not know, whatever carries the claim's UID.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import threading
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.slices import device_name
@@ -46,8 +48,8 @@ from vgpu.plugin.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME,
 
 log = logging.getLogger(__name__)
 
-# A claim carries no priority of its own: its containers get the device plugin's default.
-PRIORITY = "1"
+# A request whose claim and class configure no priority (contract 8) gets the device plugin's default.
+PRIORITY = 1
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,11 @@ class Preparer:
                 namespace,
                 name,
                 uid,
-                ", ".join(f"{s.request} {s.device} {s.memory_mib}Mi {s.cores}%" for s in claim_plan.shares),
+                ", ".join(
+                    f"{s.request} {s.device} {s.memory_mib}Mi {s.cores}% priority {c.priority} {c.sm_policy}"
+                    for s in claim_plan.shares
+                    if (c := self._config(claim_plan, s.request))
+                ),
             )
             return devices
 
@@ -138,7 +144,8 @@ class Preparer:
         for request, shares in claim_plan.requests().items():
             folder = folder_name(uid, request)
             folders.append(folder)
-            edits[request] = self._request_files(folder, shares)
+            config = self._config(claim_plan, request)
+            edits[request] = self._request_files(folder, shares, config)
             for j, share in enumerate(shares):
                 devices.append(
                     {
@@ -157,6 +164,8 @@ class Preparer:
                         "memoryBytes": share.memory_mib << 20,
                         "cores": share.cores,
                         "shareID": share.share_id,
+                        "priority": config.priority,
+                        "smPolicy": config.sm_policy,
                         "grant": str(self.paths.grant(folder)),
                         "regionDir": str(self.paths.containers_dir / folder),
                     }
@@ -178,8 +187,14 @@ class Preparer:
         cdi.write_json(record_path(self.paths.state_dir, uid), record)
         return devices, folders
 
-    def _request_files(self, folder: str, shares: list[Share]) -> cdi.Edits:
-        """One request's region folder, grant and hook record on the host, and its CDI edits."""
+    def _config(self, claim_plan: ClaimPlan, request: str) -> VgpuConfig:
+        """The request's configuration with every field set: the claim's and its class's
+        entries, the defaults (priority 1, the node config's SM policy) where they set none."""
+        return claim_plan.config(request).over(VgpuConfig(PRIORITY, self.config.sm_policy))
+
+    def _request_files(self, folder: str, shares: list[Share], config: VgpuConfig) -> cdi.Edits:
+        """One request's region folder, grant and hook record on the host, and its CDI edits;
+        ``config`` is the request's, its fields resolved (the node config's where the claim set none)."""
         nodes: list[str] = []
         if self.driver is not None:
             try:
@@ -196,7 +211,8 @@ class Preparer:
         host_dir.mkdir(parents=True, exist_ok=True)
         self.paths.containers_dir.chmod(0o700)  # only root reaches the folders on the host
         host_dir.chmod(0o777)  # the container's processes, whatever their user, create the region
-        env, grant = limits(shares, self.config, f"{inside}/{REGION_FILE_NAME}", PRIORITY)
+        node_config = dataclasses.replace(self.config, sm_policy=config.sm_policy or self.config.sm_policy)
+        env, grant = limits(shares, node_config, f"{inside}/{REGION_FILE_NAME}", str(config.priority))
         grant_file = write_grant_file(self.paths, folder, grant)
         hand_out(self.paths, folder, self.hook)
         mounts: list[tuple[str, str, bool]] = [

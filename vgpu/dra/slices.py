@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
+from vgpu.core.claimconfig import DRIVER
 from vgpu.core.errors import VgpuError
 from vgpu.core.quantity import parse_quantity
 from vgpu.plugin.discovery import Card
 
-DRIVER = "vgpu.openaios.io"
 API_VERSION = "resource.k8s.io/v1"
 MIB = 1 << 20
 # A claim that names no memory gets 1 GiB of the card, one that names no cores the whole card's

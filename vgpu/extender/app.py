@@ -204,12 +204,20 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
         except webhook.ReviewError as err:
             raise BadRequest(str(err)) from err
 
+    @verb("validate-config", lambda e: {"Error": e})
+    def validate_config(raw: bytes) -> tuple[int, Any]:
+        try:
+            return 200, webhook.validate_config(_body(raw))
+        except webhook.ReviewError as err:
+            raise BadRequest(str(err)) from err
+
     routes = {
         "/filter": filter_,
         "/prioritize": prioritize,
         "/bind": bind,
         "/webhook/mutate": mutate,
         "/webhook/validate": validate,
+        "/webhook/validate-config": validate_config,
     }
     for path, handler in routes.items():
         app.add_url_rule(path, endpoint=handler.__name__, view_func=_view(handler), methods=["POST"])

@@ -1,5 +1,5 @@
-"""The admission webhook (AdmissionReview v1) for pods, free of HTTP; it speaks contract 1
-(docs/contracts.md), what a user writes on a pod.
+"""The admission webhook (AdmissionReview v1), free of HTTP; it speaks contract 1
+(docs/contracts.md), what a user writes on a pod, and contract 8, what a DRA claim configures.
 
 * mutate: a pod that asks for vGPU resources and names no scheduler (or ``default-scheduler``)
   is routed to ours by a JSONPatch on ``/spec/schedulerName``; a container that gives
@@ -23,6 +23,9 @@
   ``split`` (vGPUs per card) gives no rule of its own here: the vGPUs of one container each take
   a different card, so a request never asks for more than one vGPU of a card, and the number of
   cards a container needs is a cluster-shape question like the others.
+* validate-config: a ResourceClaim, ResourceClaimTemplate or DeviceClass whose entries for the
+  vgpu DRA driver (contract 8, :mod:`vgpu.core.claimconfig`: priority, SM policy) are malformed
+  is denied, naming the field, before any pod waits on it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vgpu.core import annotations as ann
+from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_entries
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
 from vgpu.core.requests import RESOURCE_GPU, RESOURCES, Selection, asks_for_vgpu, parse_pod
@@ -158,6 +162,39 @@ def validate(
         )
     if unselected:
         return _response(review, req, True, warnings=[f"{unselected}; the pod waits Pending until one joins"])
+    return _response(review, req, True)
+
+
+# Where each DRA kind keeps its configuration entries (contract 8).
+CONFIG_FIELDS = {
+    "ResourceClaim": ("spec", "devices", "config"),
+    "ResourceClaimTemplate": ("spec", "spec", "devices", "config"),
+    "DeviceClass": ("spec", "config"),
+}
+
+
+def validate_config(review: Any) -> Obj:
+    """A ResourceClaim, ResourceClaimTemplate or DeviceClass whose configuration entries of the
+    vgpu DRA driver are malformed (contract 8) is denied, naming the field; entries of other
+    drivers, and every other object, are allowed. The DRA plugin checks them again at
+    NodePrepareResources (a claim written while this webhook was away)."""
+    req, obj = _request(review)
+    kind = str(obj.get("kind") or (req.get("kind") or {}).get("kind") or "")
+    path = CONFIG_FIELDS.get(kind)
+    if path is None or req.get("operation") not in (None, "CREATE", "UPDATE"):
+        return _response(review, req, True)
+    found = obj.get("metadata")
+    meta: Obj = found if isinstance(found, dict) else {}
+    name = "/".join(
+        str(p) for p in (meta.get("namespace"), meta.get("name") or meta.get("generateName")) if p
+    )
+    entries: Any = obj
+    for key in path:
+        entries = entries.get(key) if isinstance(entries, dict) else None
+    try:
+        check_entries(entries, ".".join(path), f"{kind} {name}")
+    except ConfigEntryError as err:
+        return _response(review, req, False, f"{DRIVER} configuration: {err}")
     return _response(review, req, True)
 
 
