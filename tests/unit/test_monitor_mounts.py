@@ -170,3 +170,33 @@ def test_a_device_plugin_container_is_named_by_its_mount_even_where_the_cgroup_n
     source.procs["GPU-a"] = [GpuProcess(501, 100 * MIB)]
     [held] = HostView("n1", paths, source, lambda: ["GPU-a"], None, proc).read().held
     assert (held.owner.pod_uid, held.owner.container, held.owner.claim) == (POD, "cuda", "")
+
+
+def test_resolve_reads_a_containers_grant_once_a_pass_and_sees_a_change_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compute gate resolves every sampled process each 100 ms: 300 processes of one container
+    must cost one read of its grant per pass, not 300, and a grant resized between passes counts
+    from the next pass."""
+    paths = HostPaths(tmp_path / "root")
+    paths.grants_dir.mkdir(parents=True)
+    grant_path = paths.grant(f"{POD}_cuda")
+    write_grant(grant_path, Grant(("GPU-a",), (1000 * MIB,), sm_limits=(30,)))
+    proc = tmp_path / "proc"
+    dev = os.stat(paths.grants_dir).st_dev
+    mounts = CONTAINERD.replace("259:2 /var/lib/vgpu", f"{os.major(dev)}:{os.minor(dev)} /var/lib/vgpu")
+    pids = range(600, 630)
+    for pid in pids:
+        _process(proc, pid, f"0::/k8s.io/{CID}\n", mounts)
+    view = HostView("n1", paths, Source(), lambda: ["GPU-a"], None, proc)
+    reads: list[str] = []
+    real = view._grant
+    monkeypatch.setattr(view, "_grant", lambda folder: reads.append(folder) or real(folder))
+    view.new_pass()
+    found = [view.resolve(pid) for pid in pids]
+    assert reads == [f"{POD}_cuda"] and all(f is not None and f[1].sm_limits == (30,) for f in found)
+    write_grant(grant_path, Grant(("GPU-a",), (1000 * MIB,), sm_limits=(50,)))
+    assert view.resolve(pids[0])[1].sm_limits == (30,)  # type: ignore[index]  # within the pass
+    view.new_pass()
+    assert view.resolve(pids[0])[1].sm_limits == (50,)  # type: ignore[index]
+    assert len(reads) == 2

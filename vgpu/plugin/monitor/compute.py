@@ -159,6 +159,7 @@ class ComputeEnforcer:
 
     def run_pass(self) -> None:
         now = self.clock()
+        self.view.new_pass()
         for uuid in self.uuids():
             busy_on = self._card_busy.setdefault(uuid, {})
             for s in self.source.sm_samples(uuid) or []:

@@ -138,6 +138,7 @@ class HostView:
         self._by_id: dict[str, tuple[str, str]] = {}  # container id -> (pod uid, container name)
         self._pods: dict[str, tuple[str, str]] = {}  # pod uid -> (namespace, name)
         self._listed_at = -1e9
+        self._pass_grants: dict[str, Grant | None] = {}  # resolve's grants read since new_pass()
 
     def _ref(self, pid: int) -> tuple[ContainerRef | None, str | None]:
         """The process's container (by its cgroup) and grant (by its mounts)."""
@@ -231,12 +232,22 @@ class HostView:
         namespace, pod = self._pods.get(uid, ("", ""))
         return Owner(uid, name, namespace, pod, grant)
 
+    def new_pass(self) -> None:
+        """Start a pass of ``resolve`` calls: each grant is read once per pass, however many of
+        its container's processes the driver sampled (300 processes, 300 reads every 100 ms)."""
+        self._pass_grants = {}
+
     def resolve(self, pid: int) -> tuple[Owner, Grant] | None:
-        """The vGPU container of a host PID and its grant; None for a process of none."""
+        """The vGPU container of a host PID and its grant (as read once since ``new_pass``);
+        None for a process of none."""
         ref, mounted = self._ref(pid)
         owner = self.owner(ref, mounted)
-        grant = self._grant(owner.folder) if owner is not None else None
-        return None if owner is None or grant is None else (owner, grant)
+        if owner is None:
+            return None
+        if owner.folder not in self._pass_grants:
+            self._pass_grants[owner.folder] = self._grant(owner.folder)
+        grant = self._pass_grants[owner.folder]
+        return None if grant is None else (owner, grant)
 
     def keep_only(self, pids: set[int]) -> None:
         """Forget the cached mapping of every PID but these (the compute gate's, which never reads)."""
