@@ -26,6 +26,12 @@ def limited(built: Built, region: Path, **extra: str) -> dict[str, str]:
     return env(built, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region), **extra)
 
 
+# The launch-path tests below ask whether a path is gated at all (ungated, a 30 % container runs
+# at 80 % and more), over 0.6 s: a loaded CI machine's late wake-ups have cost such a short run
+# 0.215. Their floor is therefore lower than the accuracy tests' (1.5 s, within 6 points below).
+GATED_30 = (0.18, 0.36)
+
+
 def share(r: Result, key: str = "share") -> float:
     assert r.returncode == 0, r.stderr
     return float(r.values[key])
@@ -81,7 +87,7 @@ def test_without_a_limit_nothing_waits_and_nothing_is_debited(built: Built, tmp_
 def test_every_launch_path_goes_through_the_gate(built: Built, tmp_path: Path, mode: str, path: str) -> None:
     environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30")
     r = run(built, "t_sm", mode, "rate", path, "0.6", "created", environ=environ)
-    assert 0.22 <= share(r) <= 0.36, r.values
+    assert GATED_30[0] <= share(r) <= GATED_30[1], r.values
     assert r.int("region_busy_ns") > 0
 
 
@@ -92,7 +98,7 @@ def test_default_per_thread_and_created_streams_are_all_measured(
 ) -> None:
     environ = limited(built, tmp_path / "region", CUDA_DEVICE_SM_LIMIT="30")
     r = run(built, "t_sm", mode, "rate", "kernel", "0.6", stream, environ=environ)
-    assert 0.22 <= share(r) <= 0.36, r.values
+    assert GATED_30[0] <= share(r) <= GATED_30[1], r.values
 
 
 def test_threads_on_their_own_streams_share_one_limit(built: Built, tmp_path: Path) -> None:
