@@ -5,7 +5,9 @@
   memory is refused past 3000 MiB (the context's charge included);
 - two claims share one card; a third that does not fit what is left stays Pending with the
   scheduler's reason; the capacity comes back when a pod goes;
-- a kubelet restart keeps the prepared claims prepared (the pod keeps running, no second prepare).
+- a kubelet restart keeps the prepared claims prepared (the pod keeps running, no second prepare);
+- a card going unhealthy shows in the status of the pod that holds it, through the kubelet's
+  DRAResourceHealth stream.
 
 Needs what tests/e2e/test_real_node.py needs (``make setup`` as root: the 1.36 kubelet and
 control plane, containerd 2 with CDI on); skipped, naming what is missing, where they are not
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
@@ -257,6 +260,58 @@ def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subp
         every=1,
     )
     assert _get(node, "pod", "-n", "default", "dra-a")["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def _resource_health(node: Sandbox, pod: str) -> dict[str, tuple[str, str]]:
+    """The kubelet's word on the devices of the pod's container (``allocatedResourcesStatus``):
+    resource ID -> (health, message)."""
+    statuses = _get(node, "pod", "-n", "default", pod)["status"].get("containerStatuses") or [{}]
+    return {
+        r["resourceID"]: (r.get("health", ""), r.get("message", ""))
+        for s in statuses[0].get("allocatedResourcesStatus") or []
+        for r in s.get("resources") or []
+    }
+
+
+def test_a_card_going_unhealthy_shows_in_the_status_of_the_pod_holding_it(
+    node: Sandbox, plugin: subprocess.Popen[bytes]
+) -> None:
+    """The kubelet 1.36 watches the plugin's DRAResourceHealth stream (ResourceHealthStatus, beta
+    and on): the card marked unhealthy (here in the fake NVML file, as an Xid would through NVML)
+    shows Unhealthy, with why, in the status of the pod whose claim holds it, and Healthy again
+    when it comes back."""
+    gpus = realnode.layout_of(node).gpus_file
+    was = gpus.read_text()
+    claim_a = next(
+        c
+        for c in _get(node, "resourceclaims", "-n", "default")["items"]
+        if any(o["name"] == "dra-a" for o in c["metadata"].get("ownerReferences") or [])
+    )
+    card = (
+        f"vgpu.openaios.io/claim={claim_a['metadata']['uid']}-gpu"  # the kubelet names it by its CDI device
+    )
+    wait_for(lambda: _resource_health(node, "dra-a").get(card, ("",))[0] == "Healthy", "Healthy", 60, every=1)
+    doc = yaml.safe_load(was)
+    doc["gpus"][0]["healthy"] = False
+    try:
+        gpus.write_text(yaml.safe_dump(doc))
+        health, message = wait_for(
+            lambda: (got := _resource_health(node, "dra-a").get(card)) and got[0] == "Unhealthy" and got,
+            "dra-a's card Unhealthy in its status",
+            timeout=60,
+            every=1,
+        )
+        print(f"[dra real node] dra-a's card: {health}, {message!r}")
+        assert "marked unhealthy in" in message
+    finally:
+        gpus.write_text(was)
+    wait_for(
+        lambda: _resource_health(node, "dra-a").get(card, ("",))[0] == "Healthy", "Healthy again", 60, every=1
+    )
+    # and the card is offered again
+    wait_for(
+        lambda: _get(node, "resourceslices")["items"][0]["spec"].get("devices"), "the card in the slice", 60
+    )
 
 
 def test_deleting_the_pods_unprepares_their_claims(node: Sandbox, plugin: subprocess.Popen[bytes]) -> None:

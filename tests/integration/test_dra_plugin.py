@@ -26,7 +26,14 @@ from hook_harness import build
 
 from tests.support import VGPU, running, short_dir, wait_for
 from vgpu.dra import cdi
-from vgpu.dra.api import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from vgpu.dra.api import (
+    dra_health_pb2,
+    dra_health_pb2_grpc,
+    dra_pb2,
+    dra_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.server import DraServer
 from vgpu.plugin.config import NodeConfig
@@ -320,6 +327,58 @@ def test_the_command_registers_with_the_kubelets_plugin_watcher_and_stops_on_sig
         log = (tmp_path / "plugin.log").read_text()
         assert "the kubelet registered vgpu.openaios.io" in log
         assert "Traceback" not in log
+
+
+def test_the_kubelets_health_stream_gets_every_card_and_a_card_going_unhealthy_at_once(
+    tmp_path: Path,
+) -> None:
+    """DRAResourceHealth, as a 1.36 kubelet calls it on the DRA socket: every card at once, then
+    the whole list again as soon as a card's health changes (here: the --fake-nvml file edited,
+    as an Xid would through NVML), and the stream ended when the plugin stops."""
+    gpus = tmp_path / "gpus.yaml"
+    two = "gpus:\n  - {uuid: GPU-stub-0, memoryMiB: 8192}\n  - {uuid: GPU-stub-1, memoryMiB: 8192%s}\n"
+    gpus.write_text(two % "")
+    kubeconfig = tmp_path / "kubeconfig"  # no API server: the health stream does not need one
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:9'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+        "current-context: x\n"
+    )
+    with short_dir("vgpu-dra-") as top:
+        argv = [*VGPU, "dra-plugin", "--node-name", NODE, "--plugin-dir", str(top / "plugins")]
+        argv += ["--registry-dir", str(top / "registry"), "--cdi-dir", str(top / "cdi")]
+        argv += ["--state-dir", str(top / "state"), "--fake-nvml", str(gpus), "--kubeconfig", str(kubeconfig)]
+        sock = top / "plugins/dra.sock"
+        with running(argv, tmp_path / "plugin.log") as proc:
+            wait_for(sock.exists, "the DRA socket", timeout=30)
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                call = dra_health_pb2_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
+                    dra_health_pb2.NodeWatchResourcesRequest(), timeout=60
+                )
+                first = next(call)
+                seen = {(d.device.pool_name, d.device.device_name): d for d in first.devices}
+                assert set(seen) == {(NODE, "gpu-0"), (NODE, "gpu-1")}
+                assert all(d.health == dra_health_pb2.HEALTHY and d.message == "" for d in seen.values())
+                assert all(d.health_check_timeout_seconds == 60 for d in seen.values())
+                assert abs(seen[(NODE, "gpu-0")].last_updated_time - time.time()) < 30
+                gpus.write_text(two % ", healthy: false")
+                started = time.monotonic()
+                second = next(call)
+                told = time.monotonic() - started
+                health = {d.device.device_name: d for d in second.devices}
+                assert health["gpu-0"].health == dra_health_pb2.HEALTHY
+                assert health["gpu-1"].health == dra_health_pb2.UNHEALTHY
+                assert "marked unhealthy in" in health["gpu-1"].message
+                print(f"[dra health] a card marked unhealthy reached the stream in {told:.1f} s")
+                assert told < 15, "a change goes out at once, not at the next refresh (20 s)"
+                proc.send_signal(signal.SIGTERM)
+                try:  # the stream ends with the plugin (the kubelet calls again once it is back)
+                    list(call)
+                except grpc.RpcError as err:
+                    assert err.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), err
+            assert proc.wait(timeout=20) == 0
+        log = (tmp_path / "plugin.log").read_text()
+        assert "the kubelet watches the health of node-a's cards" in log and "Traceback" not in log
 
 
 def test_a_bad_flag_is_one_line_naming_it(tmp_path: Path) -> None:

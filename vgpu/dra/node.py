@@ -14,7 +14,7 @@ from pathlib import Path
 from vgpu.core.errors import ConfigError
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
-from vgpu.dra.server import DraServer
+from vgpu.dra.server import DraServer, HealthService
 from vgpu.plugin.config import load_node_config
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.node import NodeSettings, driver_files, hook_install, open_discovery
@@ -112,5 +112,8 @@ def build(settings: DraSettings) -> DraPlugin:
     preparer = Preparer(
         settings.node, paths, settings.cdi_dir, config, client, publisher.cards, hook=hook, driver=driver
     )
-    server = DraServer(preparer, settings.plugin_dir, settings.registry_dir, on_registered=publisher.kick)
+    health = HealthService(settings.node, publisher)
+    server = DraServer(
+        preparer, settings.plugin_dir, settings.registry_dir, on_registered=publisher.kick, health=health
+    )
     return DraPlugin(discovery, publisher, server, preparer)

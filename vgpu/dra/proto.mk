@@ -1,9 +1,9 @@
-# Regenerates the kubelet DRA and plugin-registration stubs from vgpu/dra/api/*.proto.
+# Regenerates the kubelet DRA, DRA health and plugin-registration stubs from vgpu/dra/api/*.proto.
 # Called by the top-level `make proto` as: $(MAKE) -f vgpu/dra/proto.mk BIN=.venv/bin
 # OUT lets tests generate into a scratch tree and compare with the committed files.
 BIN ?= .venv/bin
 OUT ?= .
-PROTOS := vgpu/dra/api/dra.proto vgpu/dra/api/registration.proto
+PROTOS := vgpu/dra/api/dra.proto vgpu/dra/api/registration.proto vgpu/dra/api/dra_health.proto
 
 .PHONY: proto
 proto:

@@ -1,6 +1,7 @@
 """The node's ResourceSlice kept in step with its cards.
 
-``SlicePublisher`` holds the node's current cards (health events from discovery change them)
+``SlicePublisher`` holds the node's current cards (health events from discovery change them;
+``health`` and ``wait_health`` give them to the kubelet's health stream, vgpu/dra/server.py)
 and makes the API server's slice offer exactly the healthy ones: created when missing, replaced
 with the pool's generation one higher when what it offers changed (a card went unhealthy or came
 back), left alone otherwise. It checks every ``interval_s`` (the kubelet deletes a node's slices
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 from vgpu.core.errors import ConflictError, KubeError
@@ -42,8 +44,10 @@ class SlicePublisher:
         self.memory_scaling = memory_scaling
         self.interval_s = interval_s
         self.driver_version = str(getattr(discovery, "driver_version", "") or "")
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a card's health changes (health watchers)
         self._cards = list(discovery.cards())
+        self._reasons: dict[str, str] = {}  # card uuid -> why its health last changed
+        self._health_version = 0
         self._kick = threading.Event()
         self._node_uid: str | None = None
         self.generation: int | None = None  # the pool's generation as last written or read
@@ -54,6 +58,22 @@ class SlicePublisher:
     def cards(self) -> list[Card]:
         with self._lock:
             return list(self._cards)
+
+    def health(self) -> tuple[int, list[tuple[Card, str]]]:
+        """(a version that goes up with each health change, each card with why its health last
+        changed, "" when it never did)."""
+        with self._lock:
+            return self._health_version, [(c, self._reasons.get(c.uuid, "")) for c in self._cards]
+
+    def wait_health(self, version: int, timeout_s: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Until the health changes past ``version``, ``done()`` holds after a ``wake``, or ``timeout_s``."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._health_version != version or done(), timeout_s)
+
+    def wake(self) -> None:
+        """Wake every ``wait_health`` to look at its ``done`` again (a stream that ended)."""
+        with self._lock:
+            self._lock.notify_all()
 
     def kick(self) -> None:
         """Check the slice now (after a registration: the kubelet may have wiped it)."""
@@ -113,6 +133,9 @@ class SlicePublisher:
             with self._lock:
                 health = {e.uuid: e.healthy for e in events}
                 self._cards = [replace(c, healthy=health.get(c.uuid, c.healthy)) for c in self._cards]
+                self._reasons.update({e.uuid: e.reason for e in events})
+                self._health_version += 1
+                self._lock.notify_all()
             for e in events:
                 log.warning("card %s is %s (%s)", e.uuid, "healthy" if e.healthy else "unhealthy", e.reason)
             self.kick()

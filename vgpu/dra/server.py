@@ -8,7 +8,10 @@ Two unix sockets:
   the kubelet picks the newest it knows) and reports the outcome with ``NotifyRegistrationStatus``.
 - ``<plugin-dir>/dra.sock``: ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (NodePrepareResources,
   NodeUnprepareResources) and the same methods as ``...dra.v1beta1.DRAPlugin``, whose messages are
-  the same on the wire.
+  the same on the wire; and ``v1alpha1.DRAResourceHealth`` (NodeWatchResources), which a 1.36
+  kubelet calls on the same socket: a stream of every card's health, sent whole when a card's
+  health changes and every ``REFRESH_S`` besides; the kubelet shows it in the status of each pod
+  whose claim holds the card (``allocatedResourcesStatus``).
 
 A claim that cannot be prepared gets its error in its own entry of the answer (the kubelet shows
 it on the pod and calls again); the call itself never fails for one bad claim.
@@ -18,17 +21,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
 from vgpu.core.errors import KubeError, VgpuError
 from vgpu.core.service import Service
-from vgpu.dra.api import dra_pb2, dra_pb2_grpc, registration_pb2, registration_pb2_grpc
+from vgpu.dra.api import (
+    dra_health_pb2,
+    dra_health_pb2_grpc,
+    dra_pb2,
+    dra_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
 from vgpu.dra.prepare import Preparer
-from vgpu.dra.slices import DRIVER
+from vgpu.dra.slices import DRIVER, device_name
+from vgpu.plugin.discovery import Card
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +52,11 @@ PLUGIN_TYPE = "DRAPlugin"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 V1BETA1_SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
 DRA_SOCKET_NAME = "dra.sock"
+# The health stream: past TIMEOUT_S without an update the kubelet shows a card Unknown; every card
+# is sent again at least every REFRESH_S, and at once when one changes.
+TIMEOUT_S = 60
+REFRESH_S = 20
+MESSAGE_MAX = 1024  # the kubelet cuts longer messages
 
 
 def registration_socket(registry_dir: Path) -> Path:
@@ -89,6 +108,60 @@ class DraService(dra_pb2_grpc.DRAPluginServicer):
                     entry.error,
                 )
         return answer
+
+
+class HealthSource(Protocol):
+    """The node's cards' health (``SlicePublisher``)."""
+
+    def health(self) -> tuple[int, list[tuple[Card, str]]]: ...
+    def wait_health(self, version: int, timeout_s: float, done: Callable[[], bool] = ...) -> None: ...
+    def wake(self) -> None: ...
+
+
+class HealthService(dra_health_pb2_grpc.DRAResourceHealthServicer):
+    def __init__(self, node: str, source: HealthSource, refresh_s: float = REFRESH_S) -> None:
+        self.node = node
+        self.source = source
+        self.refresh_s = refresh_s
+        self.stopping = threading.Event()
+
+    def answer(self, cards: list[tuple[Card, str]]) -> dra_health_pb2.NodeWatchResourcesResponse:
+        now = int(time.time())
+        out = dra_health_pb2.NodeWatchResourcesResponse()
+        for card, reason in cards:
+            message = reason if not card.healthy else ""
+            if not card.healthy and not message:
+                message = "unhealthy"
+            out.devices.add(
+                device=dra_health_pb2.DeviceIdentifier(
+                    pool_name=self.node, device_name=device_name(card.index)
+                ),
+                health=dra_health_pb2.HEALTHY if card.healthy else dra_health_pb2.UNHEALTHY,
+                last_updated_time=now,
+                health_check_timeout_seconds=TIMEOUT_S,
+                message=message[:MESSAGE_MAX],
+            )
+        return out
+
+    def NodeWatchResources(
+        self, request: dra_health_pb2.NodeWatchResourcesRequest, context: grpc.ServicerContext
+    ) -> Iterator[dra_health_pb2.NodeWatchResourcesResponse]:
+        ended = threading.Event()
+
+        def end() -> None:
+            ended.set()
+            self.source.wake()
+
+        context.add_callback(end)
+        log.info("the kubelet watches the health of %s's cards", self.node)
+        while not (ended.is_set() or self.stopping.is_set()):
+            version, cards = self.source.health()
+            yield self.answer(cards)
+            self.source.wait_health(version, self.refresh_s, lambda: ended.is_set() or self.stopping.is_set())
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.source.wake()
 
 
 def _why(err: Exception) -> str:
@@ -168,10 +241,12 @@ class DraServer:
         registry_dir: Path,
         on_registered: Callable[[], None] = lambda: None,
         watch_interval_s: float = 1.0,
+        health: HealthService | None = None,
     ) -> None:
         self.dra_socket = plugin_dir / DRA_SOCKET_NAME
         self.reg_socket = registration_socket(registry_dir)
         self.dra = DraService(preparer)
+        self.health = health
         self.registration = RegistrationService(str(self.dra_socket), on_registered)
         self.watch_interval_s = watch_interval_s
         self._servers: list[grpc.Server] = []
@@ -184,6 +259,8 @@ class DraServer:
         dra = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dra-grpc"))
         dra_pb2_grpc.add_DRAPluginServicer_to_server(self.dra, dra)
         dra.add_generic_rpc_handlers((_v1beta1_handler(self.dra),))
+        if self.health is not None:
+            dra_health_pb2_grpc.add_DRAResourceHealthServicer_to_server(self.health, dra)
         dra.add_insecure_port(f"unix://{self.dra_socket}")
         dra.start()
         _listen(self.reg_socket)
@@ -212,6 +289,8 @@ class DraServer:
     def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        if self.health is not None:
+            self.health.stop()  # ends the kubelet's stream, which holds a thread of the server
         # The registration socket goes first: the kubelet deregisters the plugin (and, if it does
         # not come back within its grace period, removes the node's slices itself).
         for path in (self.reg_socket, self.dra_socket):
