@@ -29,6 +29,7 @@ from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.pki import CertificateAuthority
 
 from tests.support import container, pod, start, stop, wait_for
+from tests.support.dra import resource_claim, vgpu_config
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
@@ -221,39 +222,7 @@ def test_with_reject_unsatisfiable_the_same_pod_is_denied_naming_the_field(
 
 def _claim_with(params: dict[str, Any], name: str) -> str:
     """A ResourceClaim asking the vgpu DeviceClass for a share, configured with ``params`` (contract 8)."""
-    return json.dumps(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": "vgpu.openaios.io",
-                                "capacity": {"requests": {"memory": "3000Mi", "cores": "30"}},
-                            },
-                        }
-                    ],
-                    "config": [
-                        {
-                            "requests": ["gpu"],
-                            "opaque": {
-                                "driver": "vgpu.openaios.io",
-                                "parameters": {
-                                    "apiVersion": "vgpu.openaios.io/v1",
-                                    "kind": "VgpuConfig",
-                                    **params,
-                                },
-                            },
-                        }
-                    ],
-                }
-            },
-        }
-    )
+    return json.dumps(resource_claim(name, config=[vgpu_config(["gpu"], **params)]))
 
 
 def test_a_claim_whose_vgpu_configuration_is_malformed_is_denied_naming_the_field(sandbox: Sandbox) -> None:

@@ -24,6 +24,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.nodes import node_name
 
 from tests.support import VGPU, short_dir, start, stop, wait_for
+from tests.support.dra import resource_claim
 from vgpu.dra import cdi
 from vgpu.dra.api import dra_pb2, dra_pb2_grpc
 from vgpu.kube.resourceapi import ResourceClient
@@ -111,24 +112,7 @@ def _client(sb: Sandbox) -> ResourceClient:
 
 def _claim(sb: Sandbox, name: str, pool: str = NODE, memory: str = "3000Mi", cores: str = "30") -> str:
     """A claim as a user writes it, then allocated as kube-scheduler allocates it; its UID."""
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": "vgpu.openaios.io",
-                            "capacity": {"requests": {"memory": memory, "cores": cores}},
-                        },
-                    }
-                ]
-            }
-        },
-    }
+    claim = resource_claim(name, memory=memory, cores=cores)
     made = json.loads(sb.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(claim)).stdout)
     status: dict[str, Any] = {
         "status": {

@@ -19,6 +19,7 @@ from vgpu_sandbox import nodes
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import poll
+from tests.support.dra import resource_claim
 from vgpu.dra.slices import DRIVER, build_slice
 from vgpu.plugin.discovery import Card
 
@@ -42,27 +43,6 @@ def _device_class() -> dict[str, Any]:
         "kind": "DeviceClass",
         "metadata": {"name": DRIVER},
         "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-    }
-
-
-def _claim(name: str, memory: str = "3000Mi", cores: str = "30") -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": DRIVER,
-                            "capacity": {"requests": {"memory": memory, "cores": cores}},
-                        },
-                    }
-                ]
-            }
-        },
     }
 
 
@@ -148,7 +128,9 @@ def test_the_api_server_keeps_the_devices_shared_capacity_and_its_request_policy
 def test_kube_scheduler_shares_one_device_between_claims_by_capacity_and_holds_back_one_that_does_not_fit(
     sandbox: Sandbox, vgpu_slice: None
 ) -> None:
-    _create(sandbox, _claim(f"{PREFIX}-a"), _claim(f"{PREFIX}-b"), _claim(f"{PREFIX}-c"))
+    _create(
+        sandbox, resource_claim(f"{PREFIX}-a"), resource_claim(f"{PREFIX}-b"), resource_claim(f"{PREFIX}-c")
+    )
     _create(sandbox, _pod(f"{PREFIX}-a", f"{PREFIX}-a"), _pod(f"{PREFIX}-b", f"{PREFIX}-b"))
 
     shares = {}

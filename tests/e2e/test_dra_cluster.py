@@ -20,6 +20,7 @@ import yaml
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import wait_for
+from tests.support.dra import vgpu_config
 from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra.claims import plan
 from vgpu.dra.slices import DRIVER, build_slice
@@ -188,11 +189,6 @@ def test_kube_scheduler_shares_a_card_by_the_example_templates_capacities(sandbo
         sandbox.kubectl("delete", "nodes", node, whole_node, "--wait=false", check=False)
 
 
-def _vgpu_config(**params: Any) -> dict[str, Any]:
-    parameters = {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params}
-    return {"opaque": {"driver": DRIVER, "parameters": parameters}}
-
-
 def test_kube_scheduler_hands_the_driver_the_classs_configuration_then_the_claims(
     sandbox: Sandbox, dra: str
 ) -> None:
@@ -207,14 +203,14 @@ def test_kube_scheduler_hands_the_driver_the_classs_configuration_then_the_claim
         "metadata": {"name": "vgpu-first.openaios.io"},
         "spec": {
             "selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}],
-            "config": [_vgpu_config(priority=0, smPolicy="elastic")],
+            "config": [vgpu_config(priority=0, smPolicy="elastic")],
         },
     }
     template = _example("ResourceClaimTemplate", "vgpu-8000mi-50-first")  # the example, as written
     template["metadata"]["name"] = "first-capped"
     devices = template["spec"]["spec"]["devices"]
     devices["requests"][0]["exactly"]["deviceClassName"] = klass["metadata"]["name"]
-    devices["config"] = [{"requests": ["gpu"], **_vgpu_config(smPolicy="cap")}]
+    devices["config"] = [vgpu_config(["gpu"], smPolicy="cap")]
     _apply(sandbox, klass, _node(node))
     try:
         _apply(sandbox, _slice(node, "NVIDIA A100", 10000))

@@ -37,6 +37,7 @@ from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import start, stop, wait_for
+from tests.support.dra import claim_template, vgpu_config
 from tests.support.groups import REAL_NODE
 from vgpu.hookabi.grant import read_grant
 
@@ -129,31 +130,9 @@ WORKLOAD = "t_alloc link alloc 256; echo holding; sleep infinity"
 def _pod(name: str, memory: str, cores: str, **config: Any) -> list[dict[str, Any]]:
     """A claim template asking for ``memory`` and ``cores`` (with ``config``: its vgpu
     configuration, contract 8) and a pod of the sample image under it."""
-    template: dict[str, Any] = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": "vgpu.openaios.io",
-                                "capacity": {"requests": {"memory": memory, "cores": cores}},
-                            },
-                        }
-                    ]
-                }
-            }
-        },
-    }
+    template = claim_template(name, memory=memory, cores=cores)
     if config:
-        parameters = {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **config}
-        template["spec"]["spec"]["devices"]["config"] = [
-            {"requests": ["gpu"], "opaque": {"driver": "vgpu.openaios.io", "parameters": parameters}}
-        ]
+        template["spec"]["spec"]["devices"]["config"] = [vgpu_config(["gpu"], **config)]
     pod = realnode.sample_pod(name, WORKLOAD, None, CARD_MIB)
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": name}]
     pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}

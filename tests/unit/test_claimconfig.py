@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.dra import vgpu_config
 from vgpu.core.claimconfig import (
     API_VERSION,
     DRIVER,
@@ -23,12 +24,7 @@ FIELD = "spec.devices.config"
 
 
 def entry(requests: list[str] | None = None, **params: Any) -> dict[str, Any]:
-    e: dict[str, Any] = {
-        "opaque": {"driver": DRIVER, "parameters": {"apiVersion": API_VERSION, "kind": KIND, **params}}
-    }
-    if requests is not None:
-        e["requests"] = requests
-    return e
+    return vgpu_config(requests, **params)
 
 
 def test_an_entry_sets_priority_and_sm_policy_and_leaves_the_rest_unset() -> None:

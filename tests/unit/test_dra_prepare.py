@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.dra import vgpu_config
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, plan
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
@@ -207,16 +208,7 @@ def test_spill_and_elastic_reach_the_claim_as_the_device_plugins_containers(tmp_
 
 def opaque(source: str, requests: list[str] | None = None, **params: Any) -> dict[str, Any]:
     """An entry of status.allocation.devices.config as kube-scheduler copies it from the class or claim."""
-    e: dict[str, Any] = {
-        "source": source,
-        "opaque": {
-            "driver": "vgpu.openaios.io",
-            "parameters": {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params},
-        },
-    }
-    if requests is not None:
-        e["requests"] = requests
-    return e
+    return {"source": source, **vgpu_config(requests, **params)}
 
 
 def _env(tmp_path: Path, index: int = 0) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from tests.support.dra import claim_template, resource_claim, vgpu_config
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.extender.app import create_app
@@ -196,21 +197,16 @@ def review(pod: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
 
 def _configured(kind: str, params: dict[str, Any], driver: str = "vgpu.openaios.io") -> dict[str, Any]:
     """A DRA object of ``kind`` whose one configuration entry carries ``params``."""
-    config = [
-        {
-            "opaque": {
-                "driver": driver,
-                "parameters": {"apiVersion": "vgpu.openaios.io/v1", "kind": "VgpuConfig", **params},
-            }
+    entry = vgpu_config(**params)
+    entry["opaque"]["driver"] = driver
+    if kind == "DeviceClass":
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": kind,
+            "metadata": {"name": "c"},
+            "spec": {"config": [entry]},
         }
-    ]
-    spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpu"}], "config": config}}
-    if kind == "ResourceClaimTemplate":
-        spec = {"spec": spec}
-    elif kind == "DeviceClass":
-        spec = {"config": config}
-    meta = {"name": "c"} if kind == "DeviceClass" else {"name": "c", "namespace": "ns"}
-    return {"apiVersion": "resource.k8s.io/v1", "kind": kind, "metadata": meta, "spec": spec}
+    return (resource_claim if kind == "ResourceClaim" else claim_template)("c", "ns", config=[entry])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,58 @@
+"""DRA objects as a user writes them for the vgpu driver: a ResourceClaim asking the DeviceClass
+for memory and cores, its template, and the driver's configuration entry (contract 8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vgpu.core.claimconfig import API_VERSION, DRIVER, KIND
+
+
+def vgpu_config(requests: list[str] | None = None, **params: Any) -> dict[str, Any]:
+    """One entry of ``spec.devices.config`` for the vgpu driver, ``params`` its VgpuConfig fields."""
+    entry: dict[str, Any] = {
+        "opaque": {"driver": DRIVER, "parameters": {"apiVersion": API_VERSION, "kind": KIND, **params}}
+    }
+    if requests is not None:
+        entry["requests"] = requests
+    return entry
+
+
+def devices(
+    memory: str = "3000Mi", cores: str = "30", config: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``spec.devices`` of a claim: one request ``gpu`` of the class ``vgpu.openaios.io``."""
+    out: dict[str, Any] = {
+        "requests": [
+            {
+                "name": "gpu",
+                "exactly": {
+                    "deviceClassName": DRIVER,
+                    "capacity": {"requests": {"memory": memory, "cores": cores}},
+                },
+            }
+        ]
+    }
+    if config is not None:
+        out["config"] = config
+    return out
+
+
+def resource_claim(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    """A ResourceClaim of :func:`devices` (``spec``: its arguments)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"devices": devices(**spec)},
+    }
+
+
+def claim_template(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    """A ResourceClaimTemplate of :func:`devices` (``spec``: its arguments)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"spec": {"devices": devices(**spec)}},
+    }
