@@ -102,7 +102,7 @@ build_kwok() {
 
 build_helm() {
   local kminor=${KUBE_VERSION#v1.}; kminor=${kminor%%.*}
-  local ld="-s -w -X helm.sh/helm/v3/internal/version.version=$2"
+  local ld="-s -w -X helm.sh/helm/v3/internal/version.version=${2%%+*}"
   ld="$ld -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$kminor"
   ld="$ld -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kminor"
   (cd "$here/helm" && go build -trimpath -ldflags "$ld" -o "$1/helm" helm.sh/helm/v3/cmd/helm)
@@ -145,7 +145,9 @@ for p in "${pieces[@]}"; do
     crictl) build_once crictl "$CRICTL_VERSION" build_crictl ;;
     nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION" build_nvidia_ctk ;;
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
-    helm) build_once helm "$HELM_VERSION" build_helm ;;
+    # helm's default cluster version (helm template, helm lint) is baked in from KUBE_VERSION's
+    # minor: a new pin must build a new helm, not reuse the cached one
+    helm) build_once helm "$HELM_VERSION+kube${KUBE_VERSION#v}" build_helm ;;
     etcd) build_once etcd "$ETCD_DEB_VERSION" build_etcd ;;
     ocipack) build_once ocipack "$(ocipack_version)" build_ocipack ;;
     *) log "unknown piece '$p'; choose from kube kubelet containerd crictl nvidia-ctk kwok helm etcd ocipack"; exit 2 ;;
