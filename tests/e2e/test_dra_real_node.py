@@ -37,7 +37,7 @@ from vgpu_sandbox import binaries, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import start, stop, wait_for
-from tests.support.dra import claim_template, vgpu_config
+from tests.support.dra import claim_template, resource_health, vgpu_config
 from tests.support.groups import REAL_NODE
 from vgpu.hookabi.grant import read_grant
 
@@ -242,14 +242,7 @@ def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subp
 
 
 def _resource_health(node: Sandbox, pod: str) -> dict[str, tuple[str, str]]:
-    """The kubelet's word on the devices of the pod's container (``allocatedResourcesStatus``):
-    resource ID -> (health, message)."""
-    statuses = _get(node, "pod", "-n", "default", pod)["status"].get("containerStatuses") or [{}]
-    return {
-        r["resourceID"]: (r.get("health", ""), r.get("message", ""))
-        for s in statuses[0].get("allocatedResourcesStatus") or []
-        for r in s.get("resources") or []
-    }
+    return resource_health(_get(node, "pod", "-n", "default", pod))
 
 
 def test_a_card_going_unhealthy_shows_in_the_status_of_the_pod_holding_it(

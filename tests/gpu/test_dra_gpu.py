@@ -15,7 +15,8 @@ through NVML on the host.
 Checked: the card seen from inside is 3000 MiB and the allocations are refused below it (the
 context's charge included), with PyTorch's own error; the loop's share of the card stays within
 the claim's 30 % + 5 points; the claim's CDI spec names its grant, the hook and the driver's
-files; ``vgpu status`` shows the claim on the card; the spec goes when the pod goes.
+files; ``vgpu status`` shows the claim on the card; the card's health (real NVML, through the
+plugin's health stream) shows Healthy in the pod's status; the spec goes when the pod goes.
 Prints one JSON line of figures (``DRA_GPU {...}``) and, with $VGPU_GPU_OUT set, writes the pod's
 log, the CDI spec, ``vgpu status``, the daemons' log tails and the figures there.
 Runs with ``pytest -m gpu`` as root on a GPU machine with the 1.36 kubelet and containerd 2 in
@@ -43,6 +44,7 @@ from vgpu_sandbox import binaries, realdra, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import wait_for
+from tests.support.dra import resource_health
 
 pytestmark = pytest.mark.gpu
 
@@ -322,6 +324,17 @@ def test_a_pytorch_pod_is_held_to_its_claim_on_the_real_gpu(sandbox: Sandbox) ->
     assert re.search(r"mode dra", status), status
     assert re.search(rf"mem {MEMORY_MIB}/\d+ MiB\s+cores {CORES}/100", status), status
     assert re.search(rf"default/{POD} claim \S+/gpu\s+{MEMORY_MIB} MiB\s+{CORES}%", status), status
+
+    # The card's health, from real NVML through the plugin's DRAResourceHealth stream, in the pod's
+    # status as the kubelet 1.36 shows it (resource ID: the claim's CDI device).
+    def healthy() -> dict[str, tuple[str, str]]:  # empty until the kubelet has heard of the card
+        pod = json.loads(box.kubectl("get", "pod", "-n", "default", POD, "-o", "json").stdout)
+        got = resource_health(pod)
+        return {} if any(h == "Unknown" for h, _ in got.values()) else got
+
+    health = wait_for(healthy, "the card's health in the pod's allocatedResourcesStatus", 60, 1.0)
+    print(f"DRA_GPU health {health}", flush=True)
+    assert health == {f"{realdra.DRIVER}/claim={uid}-gpu": ("Healthy", "")}, health
     # The pod goes: the kubelet unprepares the claim and its spec leaves the CDI folder.
     box.kubectl("delete", "pod", "-n", "default", POD, "--wait=true", "--timeout=60s", timeout=90)
     wait_for(lambda: not spec_file.exists(), "the claim's CDI spec to go (NodeUnprepareResources)", 60, 1.0)

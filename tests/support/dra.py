@@ -56,3 +56,16 @@ def claim_template(name: str, namespace: str = "default", **spec: Any) -> dict[s
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"spec": {"devices": devices(**spec)}},
     }
+
+
+def resource_health(pod: dict[str, Any], container: int = 0) -> dict[str, tuple[str, str]]:
+    """The kubelet's word on the devices of a pod's container (``allocatedResourcesStatus``, from
+    the DRA plugin's health stream): resource ID -> (health, message)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    if len(statuses) <= container:
+        return {}
+    return {
+        str(r.get("resourceID", "")): (str(r.get("health", "")), str(r.get("message", "")))
+        for s in statuses[container].get("allocatedResourcesStatus") or []
+        for r in s.get("resources") or []
+    }
