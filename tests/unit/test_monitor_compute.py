@@ -5,6 +5,7 @@ is acted on once, as ``enforcement.compute`` says."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -161,6 +162,32 @@ def test_the_collector_serves_the_share_the_gate_and_the_actions(tmp_path: Path)
     }
     [acted] = families["vgpu_compute_enforcement_actions"].samples
     assert acted.labels["action"] == "report" and acted.value == 1.0
+
+
+def test_a_card_without_per_process_samples_is_said_once_and_shown_until_they_return(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = Sim(tmp_path)
+    sim.container(101, 30, 100, obeys=False)
+    refused = {"on": True}
+    real = sim.sm_samples
+    sim.sm_samples = lambda uuid: None if refused["on"] and uuid == CARD else real(uuid)  # type: ignore[method-assign]
+
+    def sampling(e: ComputeEnforcer) -> dict[str, float]:
+        families = {f.name: f for f in ComputeCollector(e).collect()}
+        return {s.labels["uuid"]: s.value for s in families["vgpu_compute_gate_sampling"].samples}
+
+    with caplog.at_level(logging.INFO):
+        e, _ = run(sim, "kill", 2)
+        assert caplog.text.count("gives no per-process utilization samples for card GPU-a") == 1
+        assert sampling(e) == {CARD: 0.0, OTHER: 1.0}
+        assert e.gate_writes == 0 and not e.counts  # it cannot see the card: it does nothing there
+        refused["on"] = False
+        for _ in range(3):
+            sim.now += PASS_NS
+            e.run_pass()
+        assert "card GPU-a gives per-process utilization samples again" in caplog.text
+        assert sampling(e) == {CARD: 1.0, OTHER: 1.0}
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,7 @@ class ComputeEnforcer:
         self.gate_writes = 0
         self.passes = 0
         self._card_busy: dict[str, dict[str, int]] = {}  # card -> folder ("" = no container) -> last busy ns
+        self.unsampled: set[str] = set()  # cards whose driver gives no per-process samples now
         self._lock = threading.Lock()
         self._service = Service("compute-enforcer", self._loop)
 
@@ -162,7 +163,9 @@ class ComputeEnforcer:
         self.view.new_pass()
         for uuid in self.uuids():
             busy_on = self._card_busy.setdefault(uuid, {})
-            for s in self.source.sm_samples(uuid) or []:
+            samples = self.source.sm_samples(uuid)
+            self._sampled(uuid, samples is not None)
+            for s in samples or []:
                 busy = s.period_ns * s.sm_percent // 100
                 found = self.view.resolve(s.pid)
                 if found is None:
@@ -210,6 +213,22 @@ class ComputeEnforcer:
         self.view.keep_only({pid for a in self.accounts.values() for _, pid, _ in a.samples})
         with self._lock:
             self.passes += 1
+
+    def _sampled(self, uuid: str, ok: bool) -> None:
+        """Say once when a card's per-process samples stop (and come back): without them the gate
+        cannot see the card, and only the hook's in-process limit holds its containers."""
+        if ok and uuid in self.unsampled:
+            self.unsampled.discard(uuid)
+            log.info("compute gate: card %s gives per-process utilization samples again", uuid)
+        elif not ok and uuid not in self.unsampled:
+            self.unsampled.add(uuid)
+            log.warning(
+                "compute gate: the driver gives no per-process utilization samples for card %s "
+                "(nvmlDeviceGetProcessUtilization failed); the node cannot check its containers' "
+                "compute share, and the hook's in-process limit alone holds them. Check that the "
+                "monitor runs with hostPID and the driver supports it (not on MIG instances)",
+                uuid,
+            )
 
     def _settle(self, acct: Account, now: int, alone: bool) -> None:
         if not 0 < acct.limit < 100:
@@ -419,6 +438,7 @@ class ComputeCollector(Collector):
             accounts = list(e.accounts.values())
             counts = dict(e.counts)
             writes = e.gate_writes
+            unsampled = set(e.unsampled)
         for a in accounts:
             o = a.owner
             row = [e.node, a.uuid, o.namespace, o.pod, o.pod_uid, o.container]
@@ -436,4 +456,12 @@ class ComputeCollector(Collector):
             "vgpu_compute_gate_writes", "Changes of a grant's hold_until_ns by the node", labels=["node"]
         )
         w.add_metric([e.node], float(writes))
-        yield from (share, held, throttled, acted, w)
+        sampled = GaugeMetricFamily(
+            "vgpu_compute_gate_sampling",
+            "1 while the driver gives the card's per-process utilization samples; 0: the node's compute "
+            "gate cannot see the card",
+            labels=["node", "uuid"],
+        )
+        for uuid in e.uuids():
+            sampled.add_metric([e.node, uuid], 0.0 if uuid in unsampled else 1.0)
+        yield from (share, held, throttled, acted, w, sampled)
