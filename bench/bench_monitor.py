@@ -1,11 +1,13 @@
-"""The node's compute gate's pass, on this machine's CPU: what one ``ComputeEnforcer.run_pass``
-costs with N processes of one container sampled by the driver (the pass runs every 100 ms).
+"""The node monitor's two passes, on this machine's CPU: what one ``ComputeEnforcer.run_pass``
+(the compute gate) and one ``Enforcer.run_pass`` (memory) cost with N processes of one container
+on the card (each runs every 100 ms, on a thread of its own).
 
 Each process is a real /proc-shaped folder (cgroup, stat, mountinfo naming the grant as
 containerd mounts it) and the grant a real file, so the pass reads what it reads on a node: the
 per-PID mapping is cached by start time after the first pass, and the container's grant is read
-once per pass. The driver's samples come from a stand-in (no GPU here). Prints the median and p90
-of a pass over ``--passes`` passes, per process count.
+once per pass. The driver's samples and process list come from a stand-in (no GPU here), every
+process within the grant (so the memory pass acts on nothing). Prints the median and p90 of
+each pass over ``--passes`` passes, per process count.
 
     .venv/bin/python bench/bench_monitor.py [--procs 1,30,300] [--passes 200]
 """
@@ -17,11 +19,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.discovery import SmSample
+from vgpu.plugin.discovery import GpuProcess, SmSample
 from vgpu.plugin.monitor.compute import ComputeEnforcer
+from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.paths import HostPaths
 
@@ -41,8 +45,8 @@ class Samples:
     def sm_samples(self, uuid: str) -> list[SmSample] | None:
         return [SmSample(pid, self.now, PASS_NS, 10) for pid in self.pids] if uuid == CARD else []
 
-    def processes(self, uuid: str) -> list[object]:
-        return []
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        return [GpuProcess(pid, 8 << 20) for pid in self.pids] if uuid == CARD else []
 
 
 def node(top: Path, procs: int) -> tuple[HostPaths, Path, list[int]]:
@@ -67,24 +71,38 @@ def node(top: Path, procs: int) -> tuple[HostPaths, Path, list[int]]:
     return paths, proc, pids
 
 
-def bench(procs: int, passes: int) -> tuple[float, float]:
+def _timed(step: Callable[[], object], passes: int, tick: Callable[[], None]) -> tuple[float, float]:
+    times: list[float] = []
+    for i in range(passes + 5):
+        tick()
+        start = time.perf_counter()
+        step()
+        if i >= 5:  # the first passes read every PID's cgroup and mounts once
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return statistics.median(times), times[int(len(times) * 0.9)]
+
+
+def bench(procs: int, passes: int) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory(prefix="vgpu-bench-monitor-") as tmp:
         paths, proc, pids = node(Path(tmp), procs)
         samples = Samples(pids)
-        view = HostView("bench", paths, samples, lambda: [CARD], None, proc)  # type: ignore[arg-type]
-        gate = ComputeEnforcer(
-            "bench", view, samples, lambda: [CARD], action="report", clock=lambda: samples.now
-        )
-        times: list[float] = []
-        for i in range(passes + 5):
+
+        def tick() -> None:
             samples.now += PASS_NS
-            start = time.perf_counter()
-            gate.run_pass()
-            if i >= 5:  # the first passes read every PID's cgroup and mounts once
-                times.append(time.perf_counter() - start)
+
+        gate_view = HostView("bench", paths, samples, lambda: [CARD], None, proc)  # type: ignore[arg-type]
+        gate = ComputeEnforcer(
+            "bench", gate_view, samples, lambda: [CARD], action="report", clock=lambda: samples.now
+        )
+        memory_view = HostView("bench", paths, samples, lambda: [CARD], None, proc)  # type: ignore[arg-type]
+        memory = Enforcer("bench", memory_view, "report")
+        out = {
+            "compute": _timed(gate.run_pass, passes, tick),
+            "memory": _timed(memory.run_pass, passes, tick),
+        }
         gate.stop()
-        times.sort()
-        return statistics.median(times), times[int(len(times) * 0.9)]
+        return out
 
 
 def main() -> None:
@@ -92,10 +110,11 @@ def main() -> None:
     ap.add_argument("--procs", default="1,30,300", help="process counts, comma-separated")
     ap.add_argument("--passes", type=int, default=200)
     args = ap.parse_args()
-    print(f"{'processes':>9}  {'pass median':>11}  {'pass p90':>9}  {'share of 100 ms':>15}")
+    print(f"{'processes':>9}  {'pass':>7}  {'median':>8}  {'p90':>8}  {'share of 100 ms':>15}")
     for n in (int(x) for x in args.procs.split(",")):
-        median, p90 = bench(n, args.passes)
-        print(f"{n:>9}  {median * 1e3:>9.2f}ms  {p90 * 1e3:>7.2f}ms  {median / 0.1 * 100:>14.2f}%")
+        for name, (median, p90) in bench(n, args.passes).items():
+            share = median / 0.1 * 100
+            print(f"{n:>9}  {name:>7}  {median * 1e3:>6.2f}ms  {p90 * 1e3:>6.2f}ms  {share:>14.2f}%")
 
 
 if __name__ == "__main__":
