@@ -262,3 +262,21 @@ def test_a_claim_whose_vgpu_configuration_is_malformed_is_denied_naming_the_fiel
         check=False,
     )
     assert good.returncode == 0, good.stderr
+
+
+def test_a_claim_asking_more_cores_than_a_card_is_denied_and_memory_in_bytes_warned(sandbox: Sandbox) -> None:
+    if "resource.k8s.io/v1" not in sandbox.kubectl("api-versions").stdout.split():
+        pytest.skip(
+            "the sandbox's API server serves no resource.k8s.io/v1 (Kubernetes 1.34+): run make setup"
+        )
+    over = json.dumps(resource_claim("adm-over", cores="150"))
+    denied = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=over, check=False)
+    assert denied.returncode != 0
+    assert (
+        "ResourceClaim default/adm-over: spec.devices.requests[0].exactly.capacity.requests.cores: "
+        "asks for 150 percent of one card, and a card has 100"
+    ) in denied.stderr
+    small = json.dumps(resource_claim("adm-bytes", memory="3000"))
+    warned = sandbox.kubectl("create", "--dry-run=server", "-f", "-", input=small, check=False)
+    assert warned.returncode == 0, warned.stderr
+    assert "Warning:" in warned.stderr and "Did you mean 3000Mi?" in warned.stderr

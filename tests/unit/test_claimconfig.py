@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.dra import vgpu_config
+from tests.support.dra import devices, vgpu_config
 from vgpu.core.claimconfig import (
     API_VERSION,
     DRIVER,
@@ -16,6 +16,7 @@ from vgpu.core.claimconfig import (
     ConfigEntryError,
     Entry,
     VgpuConfig,
+    check_capacity,
     check_entries,
     for_request,
 )
@@ -98,3 +99,49 @@ def test_an_entry_for_a_main_request_applies_to_its_subrequests_only() -> None:
     assert for_request(entries, "small/h200") == VgpuConfig(sm_policy="elastic")
     assert for_request(entries, "small/a100") == VgpuConfig()
     assert for_request(entries, "bigger") == VgpuConfig()
+
+
+def _requests(**capacity: Any) -> list[dict[str, Any]]:
+    return devices(**capacity)["requests"]  # type: ignore[no-any-return]
+
+
+def test_more_cores_than_a_card_has_is_refused_naming_the_field_and_the_fix() -> None:
+    for cores in ("101", "150", 1000, "1k"):
+        with pytest.raises(ConfigEntryError) as err:
+            check_capacity(_requests(cores=cores), "spec.devices.requests", "ResourceClaim ns/c")
+        assert err.value.field == "spec.devices.requests[0].exactly.capacity.requests.cores"
+        assert "a card has 100: no node can ever allocate it" in err.value.message
+        assert "Ask for 1 to 100 (or count: 2 for two cards)" in err.value.message
+    for cores in ("100", "30", "0.5", 1):
+        assert check_capacity(_requests(cores=cores), "f", "x") == []
+
+
+def test_memory_under_1mi_is_admitted_with_a_warning_giving_the_mib_meant() -> None:
+    [warning] = check_capacity(_requests(memory="3000"), "spec.devices.requests", "ResourceClaim ns/c")
+    assert warning == (
+        "ResourceClaim ns/c: spec.devices.requests[0].exactly.capacity.requests.memory: '3000' is 3000 "
+        "bytes, less than 1Mi; the card's request policy gives it 1Mi. Did you mean 3000Mi?"
+    )
+    # as the API server hands it on: canonical, 3000 is 3k
+    [warning] = check_capacity(_requests(memory="3k"), "f", "x")
+    assert "'3k' is 3000 bytes" in warning and warning.endswith("Did you mean 3000Mi?")
+    for memory in ("3000Mi", "1Mi", "2Gi", "1048576"):
+        assert check_capacity(_requests(memory=memory), "f", "x") == []
+
+
+def test_subrequests_are_judged_and_other_classes_left_to_their_drivers() -> None:
+    requests = [
+        {
+            "name": "gpu",
+            "firstAvailable": [
+                {"name": "big", "deviceClassName": DRIVER, "capacity": {"requests": {"cores": "120"}}},
+            ],
+        }
+    ]
+    with pytest.raises(ConfigEntryError) as err:
+        check_capacity(requests, "spec.devices.requests", "x")
+    assert err.value.field == "spec.devices.requests[0].firstAvailable[0].capacity.requests.cores"
+    other = _requests(cores="500")
+    other[0]["exactly"]["deviceClassName"] = "gpu.nvidia.com"
+    assert check_capacity(other, "f", "x") == []
+    assert check_capacity("nonsense", "f", "x") == [] and check_capacity([7, {"exactly": 3}], "f", "x") == []

@@ -237,6 +237,24 @@ def test_the_config_webhook_refuses_a_malformed_vgpu_configuration_naming_the_fi
     assert client.post("/webhook/validate-config", json=updated).get_json()["response"]["allowed"] is False
 
 
+def test_the_config_webhook_refuses_more_cores_than_a_card_and_warns_of_memory_in_bytes(
+    client: FlaskClient,
+) -> None:
+    over = review(claim_template("t", "ns", cores="150"))
+    resp = client.post("/webhook/validate-config", json=over).get_json()["response"]
+    assert resp["allowed"] is False
+    assert resp["status"]["message"].startswith(
+        "vgpu.openaios.io request can never be satisfied: ResourceClaimTemplate ns/t: "
+        "spec.spec.devices.requests[0].exactly.capacity.requests.cores: asks for 150 percent of one card"
+    )
+    small = review(resource_claim("c", "ns", memory="3000"))
+    resp = client.post("/webhook/validate-config", json=small).get_json()["response"]
+    assert resp["allowed"] is True and "Did you mean 3000Mi?" in resp["warnings"][0]
+    fine = review(resource_claim("c", "ns"))
+    resp = client.post("/webhook/validate-config", json=fine).get_json()["response"]
+    assert resp["allowed"] is True and "warnings" not in resp
+
+
 def test_the_config_webhook_lets_every_other_object_through(client: FlaskClient) -> None:
     for obj in (gpu_pod(gpu=1), {"kind": "ResourceSlice", "spec": {"config": "anything"}}):
         assert client.post("/webhook/validate-config", json=review(obj)).get_json()["response"]["allowed"]

@@ -20,15 +20,22 @@ drivers are not ours to judge and are passed over.
 Pure: the admission webhook checks a claim or template with :func:`check_entries` when it is
 written, and the DRA plugin resolves each request's configuration with :func:`for_request` when
 it prepares the claim (checking again: a claim written while the webhook was away).
+
+:func:`check_capacity` judges what a claim's requests of the DeviceClass ``vgpu.openaios.io``
+ask of a card: ``cores`` past 100 no card can ever give (an error, so admission refuses it
+rather than the claim waiting Pending with no reason of its own), and ``memory`` under 1Mi, a
+byte count where MiB were surely meant (a warning: the request policy rounds it up to 1Mi).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from vgpu.core.errors import FieldError
+from vgpu.core.quantity import quantity_value, shown
 
 DRIVER = "vgpu.openaios.io"
 API_VERSION = "vgpu.openaios.io/v1"
@@ -141,3 +148,57 @@ def for_request(entries: Sequence[Entry], request: str) -> VgpuConfig:
         if entry.applies_to(request):
             merged = entry.config.over(merged)
     return merged
+
+
+CARD_CORES = 100
+MIB = 1 << 20
+
+
+def _number(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):g}"
+
+
+def _capacity(requests: Any, at: str, source: str, warnings: list[str]) -> None:
+    """One request's ``capacity.requests`` of the class vgpu.openaios.io."""
+    if not isinstance(requests, Mapping):
+        return
+    if "cores" in requests:
+        cores = quantity_value(requests["cores"])
+        if cores is not None and cores > CARD_CORES:
+            raise ConfigEntryError(
+                source,
+                f"{at}.cores",
+                f"asks for {_number(cores)} percent of one card, and a card has {CARD_CORES}: "
+                f"no node can ever allocate it. Ask for 1 to {CARD_CORES} (or count: 2 for two cards)",
+            )
+    if "memory" in requests:
+        memory = quantity_value(requests["memory"])
+        if memory is not None and 0 < memory < MIB:
+            # the number as bytes: the API server has made "3000" into "3k" by now
+            text = str(requests["memory"]).strip()
+            warnings.append(
+                f"{source}: {at}.memory: {shown(text)} is {_number(memory)} bytes, less than 1Mi; "
+                f"the card's request policy gives it 1Mi. Did you mean {_number(memory)}Mi?"
+            )
+
+
+def check_capacity(requests: Any, field: str, source: str) -> list[str]:
+    """The capacity the requests (``spec.devices.requests``) ask of the class ``vgpu.openaios.io``,
+    in ``exactly`` and in each ``firstAvailable`` subrequest: the warnings to give;
+    ``ConfigEntryError`` naming the field for one no card could ever hold."""
+    warnings: list[str] = []
+    if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+        return warnings
+    for i, request in enumerate(requests):
+        if not isinstance(request, Mapping):
+            continue
+        choices: list[tuple[str, Any]] = [(f"{field}[{i}].exactly", request.get("exactly"))]
+        subs = request.get("firstAvailable")
+        if isinstance(subs, Sequence) and not isinstance(subs, (str, bytes)):
+            choices += [(f"{field}[{i}].firstAvailable[{j}]", sub) for j, sub in enumerate(subs)]
+        for at, choice in choices:
+            if isinstance(choice, Mapping) and choice.get("deviceClassName") == DRIVER:
+                capacity = choice.get("capacity")
+                if isinstance(capacity, Mapping):
+                    _capacity(capacity.get("requests"), f"{at}.capacity.requests", source, warnings)
+    return warnings

@@ -91,6 +91,23 @@ def parse_quantity(value: Any, field: str) -> int:
     return number
 
 
+def quantity_value(value: Any) -> Fraction | None:
+    """The exact value of a quantity (``"0.5"``, ``"3Gi"``, ``30``), fractions kept; None when it
+    is not one or lies past any int64."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Fraction(value) if abs(value) <= QUANTITY_MAX else None
+    text = str(value).strip()
+    if len(text) > _QUANTITY_TEXT_MAX:
+        return None
+    try:
+        parsed = _quantity(text)
+    except OverflowError:
+        return None
+    return parsed if parsed is not None and abs(parsed) <= QUANTITY_MAX else None
+
+
 @lru_cache(maxsize=4096)
 def _quantity(text: str) -> Fraction | None:
     """The exact value of a quantity's text, or None when it is not one (cached: pods repeat them).

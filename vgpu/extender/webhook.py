@@ -25,7 +25,9 @@
   cards a container needs is a cluster-shape question like the others.
 * validate-config: a ResourceClaim, ResourceClaimTemplate or DeviceClass whose entries for the
   vgpu DRA driver (contract 8, :mod:`vgpu.core.claimconfig`: priority, SM policy) are malformed
-  is denied, naming the field, before any pod waits on it.
+  is denied, naming the field, before any pod waits on it; so is a claim or template asking the
+  class ``vgpu.openaios.io`` for more cores than a card has, and one asking for less than 1Mi of
+  memory (bytes, where MiB were meant) is admitted with a warning.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vgpu.core import annotations as ann
-from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_entries
+from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_capacity, check_entries
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
 from vgpu.core.requests import RESOURCE_GPU, RESOURCES, Selection, asks_for_vgpu, parse_pod
@@ -165,21 +167,34 @@ def validate(
     return _response(review, req, True)
 
 
-# Where each DRA kind keeps its configuration entries (contract 8).
+# Where each DRA kind keeps its configuration entries (contract 8) and its requests.
 CONFIG_FIELDS = {
     "ResourceClaim": ("spec", "devices", "config"),
     "ResourceClaimTemplate": ("spec", "spec", "devices", "config"),
     "DeviceClass": ("spec", "config"),
 }
+REQUEST_FIELDS = {
+    "ResourceClaim": ("spec", "devices", "requests"),
+    "ResourceClaimTemplate": ("spec", "spec", "devices", "requests"),
+}
+
+
+def _at(obj: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
 
 
 def validate_config(review: Any) -> Obj:
     """A ResourceClaim, ResourceClaimTemplate or DeviceClass whose configuration entries of the
     vgpu DRA driver are malformed (contract 8) is denied, naming the field; entries of other
     drivers, and every other object, are allowed. The DRA plugin checks them again at
-    NodePrepareResources (a claim written while this webhook was away)."""
+    NodePrepareResources (a claim written while this webhook was away). A claim's or template's
+    requests of the class vgpu.openaios.io: more cores than a card has is denied, under 1Mi of
+    memory admitted with a warning (``check_capacity``)."""
     req, obj = _request(review)
-    kind = str(obj.get("kind") or (req.get("kind") or {}).get("kind") or "")
+    asked = req.get("kind")
+    kind = str(obj.get("kind") or (asked.get("kind") if isinstance(asked, dict) else "") or "")
     path = CONFIG_FIELDS.get(kind)
     if path is None or req.get("operation") not in (None, "CREATE", "UPDATE"):
         return _response(review, req, True)
@@ -188,14 +203,19 @@ def validate_config(review: Any) -> Obj:
     name = "/".join(
         str(p) for p in (meta.get("namespace"), meta.get("name") or meta.get("generateName")) if p
     )
-    entries: Any = obj
-    for key in path:
-        entries = entries.get(key) if isinstance(entries, dict) else None
+    source = f"{kind} {name}"
     try:
-        check_entries(entries, ".".join(path), f"{kind} {name}")
+        check_entries(_at(obj, path), ".".join(path), source)
     except ConfigEntryError as err:
         return _response(review, req, False, f"{DRIVER} configuration: {err}")
-    return _response(review, req, True)
+    warnings: list[str] = []
+    requests = REQUEST_FIELDS.get(kind)
+    if requests is not None:
+        try:
+            warnings = check_capacity(_at(obj, requests), ".".join(requests), source)
+        except ConfigEntryError as err:
+            return _response(review, req, False, f"{DRIVER} request can never be satisfied: {err}")
+    return _response(review, req, True, warnings=warnings)
 
 
 _MODELS_SHOWN = 4
