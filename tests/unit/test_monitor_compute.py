@@ -15,7 +15,8 @@ from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import Grant, encode, read_grant, update_grant, write_grant
 from vgpu.plugin.config import parse_node_config
 from vgpu.plugin.discovery import SmSample
-from vgpu.plugin.monitor.compute import MARGIN, ComputeCollector, ComputeEnforcer
+from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
+from vgpu.plugin.monitor.compute_metrics import ComputeCollector
 from vgpu.plugin.monitor.hostview import HostView, Owner
 from vgpu.plugin.paths import HostPaths
 

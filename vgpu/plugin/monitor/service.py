@@ -14,7 +14,8 @@ from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery, ProcessSource, SmSource
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
 from vgpu.plugin.monitor.collector import NodeCollector, PodLister, make_registry, serve_metrics
-from vgpu.plugin.monitor.compute import ComputeCollector, ComputeEnforcer
+from vgpu.plugin.monitor.compute import ComputeEnforcer
+from vgpu.plugin.monitor.compute_metrics import ComputeCollector
 from vgpu.plugin.monitor.enforce import MIB, Enforcer, HostCollector, PodActions
 from vgpu.plugin.monitor.hostview import HostView
 from vgpu.plugin.paths import HostPaths
