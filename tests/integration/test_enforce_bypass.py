@@ -19,15 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from hook_harness import Built, build, env
 
 from tests.support import wait_for
-from tests.support.cgroups import granted_container, kubepods_cgroups, reap, reaped_at
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from tests.support.cgroups import StubNode, granted_container, kubepods_cgroups, reap, reaped_at
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.paths import HostPaths
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000e2e0"
@@ -39,19 +36,9 @@ def built() -> Built:
     return build()
 
 
-class Node:
+class Node(StubNode):
     def __init__(self, tmp: Path, cgroups: Path) -> None:
-        self.paths = HostPaths(tmp / "root")
-        self.paths.grants_dir.mkdir(parents=True)
-        self.procs = tmp / "procs"
-        self.procs.mkdir()
-        gpus = tmp / "gpus.yaml"
-        gpus.write_text(
-            yaml.safe_dump({"gpus": [{"uuid": CARD, "memoryMiB": 8192}], "processDir": str(self.procs)})
-        )
-        self.discovery = FakeDiscovery(gpus)
-        self.cgroups = cgroups
-        self.children: list[subprocess.Popen[str]] = []
+        super().__init__(tmp, cgroups, CARD)
 
     def container(self, name: str) -> tuple[str, Path]:
         """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
@@ -66,15 +53,7 @@ class Node:
             CUDA_DEVICE_MEMORY_LIMIT_0=f"{GRANT_MIB}m",
             CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.procs.parent / f"{cgroup.name}.region"),
         )
-        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"'
-        child = subprocess.Popen(
-            ["/bin/sh", "-c", script, built.prog("t_bypass"), str(below), str(target)],
-            env=environ,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.children.append(child)
-        return child
+        return self.spawn(cgroup, [built.prog("t_bypass"), str(below), str(target)], environ)
 
 
 @pytest.fixture

@@ -19,16 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from hook_harness import Built, build, env
 
 from tests.support.attacks import BucketWriter
-from tests.support.cgroups import granted_container, kubepods_cgroups, reap
+from tests.support.cgroups import StubNode, granted_container, kubepods_cgroups, reap
 from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
-from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.paths import HostPaths
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000c0de"
@@ -39,20 +36,9 @@ def built() -> Built:
     return build()
 
 
-class Node:
+class Node(StubNode):
     def __init__(self, tmp: Path, cgroups: Path) -> None:
-        self.tmp = tmp
-        self.paths = HostPaths(tmp / "root")
-        self.paths.grants_dir.mkdir(parents=True)
-        self.procs = tmp / "procs"
-        self.procs.mkdir()
-        gpus = tmp / "gpus.yaml"
-        gpus.write_text(
-            yaml.safe_dump({"gpus": [{"uuid": CARD, "memoryMiB": 8192}], "processDir": str(self.procs)})
-        )
-        self.discovery = FakeDiscovery(gpus)
-        self.cgroups = cgroups
-        self.children: list[subprocess.Popen[str]] = []
+        super().__init__(tmp, cgroups, CARD)
 
     def container(self, sm_limit: int) -> tuple[Path, Path, Path]:
         """A pod with one container granted ``sm_limit`` % of the card: (cgroup, grant, region)."""
@@ -74,12 +60,7 @@ class Node:
             NVIDIA_VISIBLE_DEVICES=CARD,
             VGPU_GRANT_FILE=str(grant),
         )
-        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"'
-        child = subprocess.Popen(
-            ["/bin/sh", "-c", script, *argv], env=environ, stdout=subprocess.PIPE, text=True
-        )
-        self.children.append(child)
-        return child
+        return self.spawn(cgroup, list(argv), environ)
 
     def enforcer(self, action: str = "throttle") -> ComputeEnforcer:
         view = HostView("n1", self.paths, self.discovery, lambda: [CARD])

@@ -23,6 +23,7 @@ from tests.support.many import (
     CUDA_SUCCESS,
     MIB,
     Container,
+    Round,
     Start,
     base_env,
     start_together,
@@ -41,10 +42,10 @@ def built() -> Built:
     return build()
 
 
-def test_300_processes_started_together_all_start_each_in_a_slot_of_one_region_within_the_grant(
-    built: Built, tmp_path: Path
-) -> None:
-    box = Container(tmp_path / "container", limit_bytes=PROCS * EACH)
+def _start_300(tmp_path: Path, fit: int) -> tuple[Container, Round[Snapshot]]:
+    """PROCS processes started together under a grant of ``fit`` contexts and their 1 MiB, the
+    region read while they hold; every one must have run to its end without a crash."""
+    box = Container(tmp_path / "container", limit_bytes=fit * EACH)
     got = start_together(
         PROCS,
         box.env(base_env(stub=True)),
@@ -54,10 +55,17 @@ def test_300_processes_started_together_all_start_each_in_a_slot_of_one_region_w
     )
     assert len(got.starts) == PROCS and got.returncodes == [0] * PROCS, got.errors[-2000:]
     assert [s.failed for s in got.starts if s.failed] == []
+    assert isinstance(got.seen, Snapshot)
+    return box, got
+
+
+def test_300_processes_started_together_all_start_each_in_a_slot_of_one_region_within_the_grant(
+    built: Built, tmp_path: Path
+) -> None:
+    box, got = _start_300(tmp_path, PROCS)
     assert all((s.ctx_rc, s.alloc_rc) == (CUDA_SUCCESS, CUDA_SUCCESS) for s in got.starts)
     assert {s.total for s in got.starts} == {box.limit_bytes}  # every one sees the grant as the card
     seen = got.seen
-    assert isinstance(seen, Snapshot)
     # every process attached to the one region (none fell back to enforcing alone) and has a slot
     assert sorted(p.pid for p in seen.processes) == sorted(s.pid for s in got.starts)
     assert {p.used_bytes[0] for p in seen.processes} == {EACH}
@@ -74,16 +82,7 @@ FIT = 100  # contexts (and their 1 MiB) the grant holds: 100 * 641 MiB; a 101st 
 def test_a_grant_that_fits_fewer_contexts_refuses_the_rest_at_their_context_and_the_others_run(
     built: Built, tmp_path: Path
 ) -> None:
-    box = Container(tmp_path / "container", limit_bytes=FIT * EACH)
-    got = start_together(
-        PROCS,
-        box.env(base_env(stub=True)),
-        tmp_path / "run",
-        alloc_bytes=ALLOC,
-        while_held=lambda s: box.snapshot(),
-    )
-    assert len(got.starts) == PROCS and got.returncodes == [0] * PROCS, got.errors[-2000:]
-    assert [s.failed for s in got.starts if s.failed] == []
+    box, got = _start_300(tmp_path, FIT)
     ran = [s for s in got.starts if s.ctx_rc == CUDA_SUCCESS]
     refused = [s for s in got.starts if s.ctx_rc != CUDA_SUCCESS]
     assert len(ran) == FIT
@@ -91,7 +90,6 @@ def test_a_grant_that_fits_fewer_contexts_refuses_the_rest_at_their_context_and_
     assert {s.alloc_rc for s in ran} == {CUDA_SUCCESS} and {s.alloc_rc for s in refused} == {-1}
     assert "a CUDA context refused (CUDA_ERROR_OUT_OF_MEMORY)" in got.errors
     seen = got.seen
-    assert isinstance(seen, Snapshot)
     charged = {p.pid: p.used_bytes[0] for p in seen.processes}
     assert {charged[s.pid] for s in ran} == {EACH}
     assert all(charged.get(s.pid, 0) == 0 for s in refused)  # refused before anything was charged

@@ -14,8 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.paths import HostPaths
 
 
@@ -90,3 +92,33 @@ def reaped_at(child: subprocess.Popen[str]) -> list[int]:
 
     threading.Thread(target=wait, daemon=True).start()
     return when
+
+
+class StubNode:
+    """A node's host side over the stub driver: the host paths, the fake NVML backend of one card
+    reading the processes the stub records, and children started in a container's cgroup."""
+
+    def __init__(self, tmp: Path, cgroups: Path, card: str) -> None:
+        self.tmp = tmp
+        self.card = card
+        self.paths = HostPaths(tmp / "root")
+        self.paths.grants_dir.mkdir(parents=True)
+        self.procs = tmp / "procs"
+        self.procs.mkdir()
+        gpus = tmp / "gpus.yaml"
+        gpus.write_text(
+            yaml.safe_dump({"gpus": [{"uuid": card, "memoryMiB": 8192}], "processDir": str(self.procs)})
+        )
+        self.discovery = FakeDiscovery(gpus)
+        self.cgroups = cgroups
+        self.children: list[subprocess.Popen[str]] = []
+
+    def spawn(self, cgroup: Path, argv: list[str], environ: dict[str, str]) -> subprocess.Popen[str]:
+        """``argv`` moved into ``cgroup`` before it runs (as the runtime starts a container's
+        process), its stdout piped; reaped with the node."""
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec "$0" "$@"'
+        child = subprocess.Popen(
+            ["/bin/sh", "-c", script, *argv], env=environ, stdout=subprocess.PIPE, text=True
+        )
+        self.children.append(child)
+        return child
