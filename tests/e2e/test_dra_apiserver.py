@@ -24,7 +24,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.nodes import node_name
 
 from tests.support import VGPU, short_dir, start, stop, wait_for
-from tests.support.dra import resource_claim
+from tests.support.dra import allocation_result, resource_claim
 from vgpu.dra import cdi
 from vgpu.dra.api import dra_pb2, dra_pb2_grpc
 from vgpu.kube.resourceapi import ResourceClient
@@ -119,14 +119,9 @@ def _claim(sb: Sandbox, name: str, pool: str = NODE, memory: str = "3000Mi", cor
             "allocation": {
                 "devices": {
                     "results": [
-                        {
-                            "request": "gpu",
-                            "driver": "vgpu.openaios.io",
-                            "pool": pool,
-                            "device": "gpu-0",
-                            "consumedCapacity": {"memory": memory, "cores": cores},
-                            "shareID": "7f8e6d5c-4b3a-4291-8877-665544332211",
-                        }
+                        allocation_result(
+                            pool, memory, cores, share_id="7f8e6d5c-4b3a-4291-8877-665544332211"
+                        )
                     ]
                 },
                 "nodeSelector": {

@@ -25,6 +25,7 @@ import pytest
 from hook_harness import build
 
 from tests.support import VGPU, running, short_dir, wait_for
+from tests.support.dra import allocation_result
 from vgpu.dra import cdi
 from vgpu.dra.api import (
     dra_health_pb2,
@@ -52,18 +53,7 @@ def claim(name: str, uid: str, memory: str = "3000Mi", cores: str = "30", pool: 
         "metadata": {"namespace": "ns", "name": name, "uid": uid},
         "status": {
             "allocation": {
-                "devices": {
-                    "results": [
-                        {
-                            "request": "gpu",
-                            "driver": "vgpu.openaios.io",
-                            "pool": pool,
-                            "device": "gpu-0",
-                            "consumedCapacity": {"memory": memory, "cores": cores},
-                            "shareID": f"share-{name}",
-                        }
-                    ]
-                }
+                "devices": {"results": [allocation_result(pool, memory, cores, share_id=f"share-{name}")]}
             },
             "reservedFor": [{"resource": "pods", "name": f"pod-{name}", "uid": f"pod-{uid}"}],
         },

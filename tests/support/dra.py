@@ -58,6 +58,27 @@ def claim_template(name: str, namespace: str = "default", **spec: Any) -> dict[s
     }
 
 
+def allocation_result(
+    pool: str,
+    memory: str = "3000Mi",
+    cores: Any = "30",
+    share_id: str = "share-1",
+    **over: Any,
+) -> dict[str, Any]:
+    """One entry of ``status.allocation.devices.results`` as kube-scheduler writes it for a share of
+    ``gpu-0`` in ``pool`` (``over``: other fields, e.g. ``request`` or ``device``)."""
+    result: dict[str, Any] = {
+        "request": "gpu",
+        "driver": DRIVER,
+        "pool": pool,
+        "device": "gpu-0",
+        "consumedCapacity": {"memory": memory, "cores": cores},
+        "shareID": share_id,
+    }
+    result.update(over)
+    return result
+
+
 def resource_health(pod: dict[str, Any], container: int = 0) -> dict[str, tuple[str, str]]:
     """The kubelet's word on the devices of a pod's container (``allocatedResourcesStatus``, from
     the DRA plugin's health stream): resource ID -> (health, message)."""

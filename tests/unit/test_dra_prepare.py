@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.dra import vgpu_config
+from tests.support.dra import allocation_result, vgpu_config
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, plan
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
@@ -48,16 +48,7 @@ def claim(
 
 
 def result(**over: Any) -> dict[str, Any]:
-    r: dict[str, Any] = {
-        "request": "gpu",
-        "driver": "vgpu.openaios.io",
-        "pool": NODE,
-        "device": "gpu-0",
-        "consumedCapacity": {"memory": "3000Mi", "cores": "30"},
-        "shareID": "share-1",
-    }
-    r.update(over)
-    return r
+    return allocation_result(over.pop("pool", NODE), **over)
 
 
 def test_a_claim_becomes_shares_of_cards() -> None:
