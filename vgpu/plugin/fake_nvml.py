@@ -205,28 +205,11 @@ class FakeDiscovery:
 
     def processes(self, uuid: str) -> list[GpuProcess] | None:
         """What the stub driver's processes hold on one card (``processDir``), by host PID."""
-        if self.process_dir is None:
-            return []
-        card = next((c for c in self._cards if c.uuid == uuid), None)
-        if card is None:
+        files = self._process_files(uuid, "")
+        if files is None:
             return None
-        keys = {uuid, str(card.index)}
-        try:
-            names = os.listdir(self.process_dir)
-        except OSError:
-            return []
         found: list[GpuProcess] = []
-        self._gone.intersection_update(names)
-        for name in names:
-            if name in self._gone or name.endswith(".tmp"):
-                continue
-            pid = self._host_pid(name)
-            if pid is None:
-                continue
-            try:
-                lines = (self.process_dir / name).read_text().splitlines()
-            except OSError:
-                continue
+        for _, pid, lines, keys in files:
             held = 0
             for line in lines:
                 key, _, value = line.partition(" ")
@@ -239,29 +222,12 @@ class FakeDiscovery:
     def sm_samples(self, uuid: str) -> list[SmSample] | None:
         """One sample per live process with GPU time recorded on the card: its share of the time
         since the previous call (the first call for a process only sets where it starts)."""
-        if self.process_dir is None:
-            return []
-        card = next((c for c in self._cards if c.uuid == uuid), None)
-        if card is None:
+        files = self._process_files(uuid, ".sm")
+        if files is None:
             return None
-        keys = {uuid, str(card.index)}
-        try:
-            names = [n for n in os.listdir(self.process_dir) if n.endswith(".sm")]
-        except OSError:
-            return []
         found: list[SmSample] = []
         seen: dict[tuple[str, str], tuple[int, int]] = {}
-        for name in names:
-            stem = name[: -len(".sm")]
-            if stem in self._gone:
-                continue
-            pid = self._host_pid(stem)
-            if pid is None:
-                continue
-            try:
-                lines = (self.process_dir / name).read_text().splitlines()
-            except OSError:
-                continue
+        for stem, pid, lines, keys in files:
             now = time.monotonic_ns()  # CLOCK_MONOTONIC, the stub's clock
             busy = _busy_at(lines, keys, now)
             if busy is None:
@@ -275,6 +241,38 @@ class FakeDiscovery:
             percent = round(100 * max(0, busy - before[1]) / period)
             found.append(SmSample(pid, now, period, min(100, percent)))
         self._sm_seen = {k: v for k, v in self._sm_seen.items() if k[1] != uuid} | seen
+        return found
+
+    def _process_files(self, uuid: str, suffix: str) -> list[tuple[str, int, list[str], set[str]]] | None:
+        """The stub driver's files of live processes named ``<pid>@<start><suffix>`` in
+        ``processDir``: (the name less ``suffix``, host PID, lines, the words that name the card in
+        them). None for a card not on the list; none without a ``processDir``."""
+        if self.process_dir is None:
+            return []
+        card = next((c for c in self._cards if c.uuid == uuid), None)
+        if card is None:
+            return None
+        keys = {uuid, str(card.index)}
+        try:
+            names = os.listdir(self.process_dir)
+        except OSError:
+            return []
+        self._gone.intersection_update(n.removesuffix(".sm") for n in names)
+        found: list[tuple[str, int, list[str], set[str]]] = []
+        for name in names:
+            if not name.endswith(suffix):
+                continue
+            stem = name[: len(name) - len(suffix)]
+            if stem in self._gone:
+                continue
+            pid = self._host_pid(stem)  # None for other files: a ".tmp" or, with no suffix, a ".sm"
+            if pid is None:
+                continue
+            try:
+                lines = (self.process_dir / name).read_text().splitlines()
+            except OSError:
+                continue
+            found.append((stem, pid, lines, keys))
         return found
 
     def _host_pid(self, name: str) -> int | None:
