@@ -1,9 +1,10 @@
 """Figures for DRA: vGPU pods per second through kube-scheduler's DRA allocator, beside the
 extender path, on the same KWOK nodes in one run (docs/dra.md).
 
-Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36):
+Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36; ``--without-policies``
+adds a fourth burst per round on slices whose capacities carry no ``requestPolicy``):
     .venv/bin/python bench/bench_dra.py \\
-        [--nodes 1000] [--pods 500] [--pairs 1]
+        [--nodes 1000] [--pods 500] [--pairs 1] [--without-policies]
 
 One control-plane-only sandbox in a temp folder with N KWOK nodes of 8 cards (80 GiB each), each
 node carrying both what the extender path reads (the inventory annotation and a fresh plugin
@@ -61,8 +62,10 @@ TEMPLATE = "bench-1000mi-10"
 RESOURCE = "/apis/resource.k8s.io/v1"
 
 
-def slice_items(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ResourceSlice per node, 8 cards each, built by `vgpu dra-plugin`'s own builder."""
+def slice_items(nodes: list[dict[str, Any]], policies: bool = True) -> list[dict[str, Any]]:
+    """One ResourceSlice per node, 8 cards each, built by `vgpu dra-plugin`'s own builder;
+    without ``policies``, its capacities lose their ``requestPolicy`` (what that costs the
+    allocator: ``--without-policies``)."""
     out = []
     for node in nodes:
         name = node["metadata"]["name"]
@@ -70,8 +73,18 @@ def slice_items(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             Card(f"GPU-{name}-{k}", k, "NVIDIA A100", CARD_MIB, numa=k // 4, compute_capability="8.0")
             for k in range(8)
         ]
-        out.append(build_slice(name, cards, 1, driver_version="570.124.6"))
+        made = build_slice(name, cards, 1, driver_version="570.124.6")
+        if not policies:
+            for dev in made["spec"]["devices"]:
+                for capacity in dev["capacity"].values():
+                    capacity.pop("requestPolicy", None)
+        out.append(made)
     return out
+
+
+def replace_slices(sb: Sandbox, nodes: list[dict[str, Any]], policies: bool) -> None:
+    sb.kubectl("delete", "resourceslices", "--all", timeout=600)
+    create(sb, slice_items(nodes, policies))
 
 
 def dra_objects() -> list[dict[str, Any]]:
@@ -147,7 +160,7 @@ def dra_burst(sb: Sandbox, kube: Kube, folder: Path, pods: int, config: str) -> 
     return burst(sb, kube, "dra-bench", pods, {}, start, create_pods=False)
 
 
-def run(n: int, pods: int, pairs: int, work: Path) -> None:
+def run(n: int, pods: int, pairs: int, work: Path, without_policies: bool = False) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
     ext = None
@@ -182,7 +195,7 @@ def run(n: int, pods: int, pairs: int, work: Path) -> None:
         settle()
         plain = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="plain-bench")
         dra = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="dra-bench")
-        ext_share, dra_share = [], []
+        ext_share, dra_share, bare_share = [], [], []
         for k in range(1, pairs + 1):
             tag = f"[{n} nodes] {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
             alone, rate = alone_then_extender(
@@ -197,6 +210,22 @@ def run(n: int, pods: int, pairs: int, work: Path) -> None:
             print(f"{tag} DRA path (claim 1000Mi, 10 cores): {pods} pods, {claimed:6.1f} pods/s", flush=True)
             print(f"{tag}   {LAST_CPU[0]}", flush=True)
             delete_all(sb, kube)
+            if without_policies:
+                replace_slices(sb, nodes, policies=False)
+                settle()
+                bare = dra_burst(sb, kube, folder, pods, dra)
+                bare_share.append(100.0 * bare / alone)
+                print(f"{tag} DRA path, no requestPolicy:        {pods} pods, {bare:6.1f} pods/s", flush=True)
+                print(f"{tag}   {LAST_CPU[0]}", flush=True)
+                delete_all(sb, kube)
+                replace_slices(sb, nodes, policies=True)
+                settle()
+        if bare_share:
+            print(
+                f"[{n} nodes] DRA path without requestPolicy, share of alone, median over {pairs}: "
+                f"{statistics.median(bare_share):.0f} % ({', '.join(f'{x:.0f}' for x in bare_share)})",
+                flush=True,
+            )
         print(
             f"[{n} nodes] share of kube-scheduler alone, median over {pairs}: extender path "
             f"{statistics.median(ext_share):.0f} % ({', '.join(f'{x:.0f}' for x in ext_share)}), DRA path "
@@ -214,6 +243,11 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=1000, help="KWOK nodes")
     parser.add_argument("--pods", type=int, default=500, help="pods per burst")
     parser.add_argument("--pairs", type=int, default=1, help="rounds of the three bursts (median share)")
+    parser.add_argument(
+        "--without-policies",
+        action="store_true",
+        help="a fourth burst per round: the DRA path on slices whose capacities have no requestPolicy",
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
@@ -221,7 +255,7 @@ def main() -> int:
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="vgpu-bench-dra-") as tmp:
-        run(args.nodes, args.pods, args.pairs, Path(tmp))
+        run(args.nodes, args.pods, args.pairs, Path(tmp), args.without_policies)
     return 0
 
 
