@@ -16,6 +16,7 @@ def record(kind: str, **figures: Any) -> None:
     line = json.dumps({"test": kind, **figures})
     print(line)
     if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
         with open(Path(folder) / "gpu_figures.jsonl", "a") as out:
             out.write(line + "\n")
 

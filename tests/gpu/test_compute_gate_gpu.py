@@ -167,6 +167,7 @@ class Meter:
         self.reader = NvmlDiscovery()
         self.card = self.reader.cards()[0].uuid
         self.samples: list[tuple[int, int, int]] = []  # (pid, end ns, busy ns)
+        self.raw: list[tuple[int, int, int, int]] = []  # (pid, end ns, period ns, smUtil)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -174,6 +175,7 @@ class Meter:
         while not self.stop.wait(0.1):
             for s in self.reader.sm_samples(self.card) or []:
                 self.samples.append((s.pid, s.end_ns, s.period_ns * s.sm_percent // 100))
+                self.raw.append((s.pid, s.end_ns, s.period_ns, s.sm_percent))
 
     def __enter__(self) -> Meter:
         self.reader.sm_samples(self.card)  # from now on
@@ -190,6 +192,24 @@ class Meter:
         """Percent of ``span`` (monotonic ns) the process's kernels ran, by the driver's samples."""
         a, b = span
         return 100.0 * sum(busy for p, end, busy in self.samples if p == pid and a < end <= b) / (b - a)
+
+    def spread(self, pid: int, span: tuple[int, int]) -> dict[str, float]:
+        """How the driver's samples of the process over ``span`` were spread: how many, their
+        median period, and the median, 90th percentile and highest smUtil (what the gate's bucket
+        must take from a container within its grant)."""
+        a, b = span
+        rows = [(period, pct) for p, end, period, pct in self.raw if p == pid and a < end <= b]
+        if not rows:
+            return {"samples": 0}
+        pcts = sorted(pct for _, pct in rows)
+        periods = sorted(period for period, _ in rows)
+        return {
+            "samples": len(rows),
+            "period_ms": round(periods[len(periods) // 2] / 1e6, 1),
+            "sm_p50": pcts[len(pcts) // 2],
+            "sm_p90": pcts[int(len(pcts) * 0.9)],
+            "sm_max": pcts[-1],
+        }
 
 
 def _run(child: Child) -> tuple[int, int]:
@@ -253,12 +273,16 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
         for pct in (25, 50, 75):
             c = Container(node, pct)
             child = c.loop(lib, "small", 6)
+            writes = enforcer.gate_writes
             with Meter() as m:
                 span = _run(child)
             alone[pct] = {
                 "hook_pct": _hook_pct(c.region, span),
                 "nvml_pct": round(m.share(child.proc.pid, span), 1),
+                "gate_writes": enforcer.gate_writes - writes,
+                **m.spread(child.proc.pid, span),
             }
+        writes = enforcer.gate_writes
         pair = {pct: Container(node, pct) for pct in (30, 70)}
         children = {pct: c.loop(lib, "matmul", 8) for pct, c in pair.items()}
         with Meter() as m:
@@ -273,9 +297,11 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
             pct: {
                 "hook_pct": _hook_pct(pair[pct].region, spans[pct]),
                 "nvml_pct": round(m.share(children[pct].proc.pid, spans[pct]), 1),
+                **m.spread(children[pct].proc.pid, spans[pct]),
             }
             for pct in pair
         }
+        pair_writes = enforcer.gate_writes - writes
     finally:
         enforcer.stop()
     record(
@@ -283,6 +309,7 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
         alone=alone,
         two_containers=both,
         gate_writes=enforcer.gate_writes,
+        pair_gate_writes=pair_writes,
         margin_pts=MARGIN,
         as_nobody=bool(node.demote),
     )

@@ -60,6 +60,28 @@ def _all_started(run: Round[dict[str, object]], attempts: int) -> None:
     assert sum(1 for s in run.starts if s.ctx_rc != -1) == attempts
 
 
+def _outcomes(run: Round[dict[str, object]]) -> dict[str, object]:
+    """What the processes' steps returned and took: the context's return codes counted, failed
+    steps counted, the median seconds of cuInit and of the context, and the last of stderr."""
+    rcs: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for s in run.starts:
+        rcs[str(s.ctx_rc)] = rcs.get(str(s.ctx_rc), 0) + 1
+        if s.failed:
+            failed[s.failed] = failed.get(s.failed, 0) + 1
+    init = sorted(s.init_ns for s in run.starts)
+    ctx = sorted(s.ctx_ns for s in run.starts if s.ctx_rc != -1)
+    return {
+        "ctx_rc": rcs,
+        "failed": failed,
+        "init_s_p50": round(init[len(init) // 2] / 1e9, 2) if init else None,
+        "ctx_s_p50": round(ctx[len(ctx) // 2] / 1e9, 2) if ctx else None,
+        "ctx_s_max": round(ctx[-1] / 1e9, 2) if ctx else None,
+        "returncodes": sorted(set(run.returncodes)),
+        "stderr_tail": run.errors[-600:],
+    }
+
+
 def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Path, tmp_path: Path) -> None:
     plan = gpu_plan(PROCS, ATTEMPTS, FIT, ALLOC_MIB)
     attempts, fit = plan["attempts"], plan["fit"]
@@ -113,6 +135,7 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
         },
         after_used=after.devices[0].used_bytes,
         after_slots=len(after.processes),
+        outcomes={"bare": _outcomes(bare), "hooked": _outcomes(hooked)},
     )
     _all_started(bare, attempts)
     _all_started(hooked, attempts)
