@@ -4,9 +4,11 @@
 never be asked for more than it holds, hook or no hook. So (tests/support/many.py, gpu_plan):
 all 300 processes go through cuInit, the device queries and, under the hook, its whole attach path
 at the same moment; only the first 200 (fewer where the card has less free: 600 MiB each within
-90 % of its free memory) ask for a context and 2 MiB; the grant fits 150 contexts (640 MiB each,
-the hook's charge) and their 2 MiB, 94 GiB, so the hook refuses the other 50 at their context,
-before the driver is asked. The bare run asks for the same 200 contexts, which the card holds.
+90 % of its free memory) ask for a context and 2 MiB. The driver makes only so many contexts at
+once (on an H200, driver 580.159.04: 31 of 200, the others refused with CUDA_ERROR_OUT_OF_MEMORY
+with 143 GB free), so the bare run goes first and measures that bound; the grant then fits two
+thirds of it (640 MiB each, the hook's charge, and their 2 MiB), and the hook must refuse the
+rest at their context, before the driver is asked.
 Prints one JSON line (tests/gpu/gpu_figures.py): start-up p50/p99/max bare and hooked, what the
 hook charged and what the driver says the processes hold. No timing is asserted; each run's start
 (all 300 at the barrier and reported) must end within 50 s, so the test takes under 2 minutes.
@@ -84,8 +86,7 @@ def _outcomes(run: Round[dict[str, object]]) -> dict[str, object]:
 
 def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Path, tmp_path: Path) -> None:
     plan = gpu_plan(PROCS, ATTEMPTS, FIT, ALLOC_MIB)
-    attempts, fit = plan["attempts"], plan["fit"]
-    box = Container(tmp_path / "container", limit_bytes=fit * EACH)
+    attempts = plan["attempts"]
     base = base_env(stub=False)
 
     def modes(i: int) -> str:
@@ -93,9 +94,6 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
 
     def driver(starts: list[Start]) -> dict[str, object]:
         return dict(held_on_gpu({s.pid for s in starts}))
-
-    def both(starts: list[Start]) -> dict[str, object]:
-        return driver(starts) | {"region": box.snapshot()}
 
     bare = start_together(
         PROCS,
@@ -106,6 +104,16 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
         while_held=driver,
         timeout=50,
     )
+    # the driver's own bound on contexts made at once: an H200 (driver 580.159.04, 16 CPUs) made
+    # 31 of 200 and refused the others with CUDA_ERROR_OUT_OF_MEMORY, 143 GB free. The grant fits
+    # two thirds of what the driver made, so what the hook refuses is its own doing
+    fit = max(1, min(plan["fit"], bare.contexts * 2 // 3))
+    plan["fit"], plan["driver_bound"] = fit, bare.contexts
+    box = Container(tmp_path / "container", limit_bytes=fit * EACH)
+
+    def both(starts: list[Start]) -> dict[str, object]:
+        return driver(starts) | {"region": box.snapshot()}
+
     hooked = start_together(
         PROCS,
         box.env(base),
@@ -139,7 +147,8 @@ def test_300_processes_start_together_and_hold_no_more_than_the_grant(built: Pat
     )
     _all_started(bare, attempts)
     _all_started(hooked, attempts)
-    assert bare.contexts == attempts  # what the card holds without a hook: the plan's bound
+    # without a hook every context is made or cleanly refused by the driver
+    assert bare.contexts + bare.refused == attempts and bare.contexts >= 3
     # under the hook: exactly the contexts the grant fits; the others refused before the driver
     assert (hooked.contexts, hooked.refused) == (fit, attempts - fit)
     refused = [s for s in hooked.starts if s.ctx_rc == CUDA_ERROR_OUT_OF_MEMORY]

@@ -261,3 +261,53 @@ def test_nvml_samples_become_gpu_time_over_the_cards_usual_gap() -> None:
     assert abs(got[0].end_ns - (time.monotonic_ns() - 100_000_000)) < 50_000_000
     [late] = d.sm_samples("GPU-a") or []
     assert late.period_ns == 150_000_000  # at most 1.5 usual gaps
+
+
+class Late(Sim):
+    """A driver as an H200's: one sample per 200 ms, delivered late by a varying delay (two in one
+    pass, then none), at ``percent`` where the container ran in that period (``every``: one
+    period in that many)."""
+
+    def __init__(self, tmp: Path, percent: int, every: int = 1) -> None:
+        super().__init__(tmp)
+        self.percent, self.every = percent, every
+        self.start = self.now
+        self.sent = 0  # samples delivered
+        self.pass_samples: tuple[int, list[SmSample]] = (0, [])  # this pass's, read twice by run()
+
+    def sm_samples(self, uuid: str) -> list[SmSample] | None:
+        if uuid != CARD:
+            return []
+        if self.pass_samples[0] == self.now:
+            return self.pass_samples[1]
+        out = []
+        while True:
+            end = self.start + (self.sent + 1) * 200_000_000
+            delay = (250_000_000, 0)[self.sent % 2]  # in order: the second comes with the first
+            if end + delay > self.now:
+                break
+            self.sent += 1
+            if self.sent % self.every == 0:
+                out.extend(SmSample(pid, end, 200_000_000, self.percent) for pid in self.pids)
+        self.pass_samples = (self.now, out)
+        return out
+
+
+def test_samples_that_come_late_or_two_in_a_pass_do_not_hold_a_container_within_its_grant(
+    tmp_path: Path,
+) -> None:
+    # the H200 at 75 %: samples of 200 ms at 73 %, some passes two and the next none
+    sim = Late(tmp_path, 73)
+    sim.container(101, 75, 73)
+    e, _ = run(sim, "kill", 10)
+    assert e.gate_writes == 0 and not e.counts
+
+
+def test_sparse_full_samples_of_a_card_shared_in_time_slices_do_not_hold_a_container_within_its_grant(
+    tmp_path: Path,
+) -> None:
+    # the H200, two containers time-slicing: the one at 30 % gets one 200 ms sample in four, at 91 %
+    sim = Late(tmp_path, 91, every=4)
+    sim.container(101, 30, 23)
+    e, _ = run(sim, "kill", 10)
+    assert e.gate_writes == 0 and not e.counts

@@ -57,7 +57,11 @@ from vgpu.plugin.monitor.hostview import HostView, Owner
 log = logging.getLogger(__name__)
 
 MARGIN = 2  # points past the grant's SM limit the node tolerates (the samples' rounding)
-DEPTH_NS = 100_000_000  # the host bucket: 100 ms of GPU time (a 10 s run: 1 point)
+DEPTH_NS = 100_000_000  # the host bucket: 100 ms of GPU time (a 10 s run: 1 point) ...
+# ... or one sample's period where that is longer: on a card shared in time slices the driver's
+# samples of a container come sparse and nearly full (one 200 ms sample at 91 % for a container
+# at 25 % of an H200), and one such sample must not put a container within its grant in debt
+LAG_NS = 1_000_000_000  # time with no sample yet is granted ahead this long (the samples come late)
 WINDOW_S = 1.0  # the share reported and checked for an escape
 HOLD_MAX_NS = 1_000_000_000  # one gate is at most this long; the next pass may extend it
 REWRITE_NS = 5_000_000  # a gate is rewritten only when it moves by more than this
@@ -80,8 +84,11 @@ class Account:
     grant: str  # the grant file's path
     limit: int  # granted SM percent
     elastic: bool
-    credit: float = DEPTH_NS  # ns of GPU time it may still use now
-    at: int = 0  # when credit was last brought up to date
+    credit: float = DEPTH_NS  # ns of GPU time it may still use, as of ``covered``
+    covered: int = 0  # the end of the newest sample charged: the bucket is kept in the samples' time
+    depth: float = DEPTH_NS  # the bucket's depth: DEPTH_NS or the longest sample period seen
+    rate_now: float = 0.0  # percent of wall time it fills at, as last settled
+    balance: float = DEPTH_NS  # the credit at the last pass, with the time not yet sampled granted
     samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, pid, busy ns)
     hold_until: int = 0  # as written into the grant; 0 = open
     closures: deque[list[int]] = field(default_factory=deque)  # [start, end] ns the gate was closed
@@ -113,6 +120,32 @@ class Account:
         held = [(p, b) for end, p, b in self.held if end > start]
         time_ns = sum(p for p, _ in held)
         return time_ns / 1e9, (100.0 * sum(b for _, b in held) / time_ns if time_ns else 0.0)
+
+    def charge(self, end: int, period: int, busy: int) -> None:
+        """One sample: the bucket fills over the time since the newest sample charged (in the
+        samples' own time, so samples that come late or two in one pass cost nothing), up to its
+        depth, and the sample's GPU time drains it."""
+        self.depth = max(self.depth, float(min(period, HOLD_MAX_NS)))
+        if not self.covered:
+            self.covered = end - period
+        if end > self.covered:
+            self.credit = min(self.depth, self.credit + (end - self.covered) * self.rate_now / 100)
+            self.covered = end
+        self.credit -= busy
+
+    def settle(self, now: int, rate: float) -> float:
+        """The credit now: time with no sample for over LAG_NS is idle (the driver samples no
+        process that runs nothing) and fills the bucket; the newer time not sampled yet is granted
+        ahead at ``rate``, the samples to come charging it."""
+        self.rate_now = rate
+        if not self.covered:
+            self.covered = now
+        idle_to = now - LAG_NS
+        if self.covered < idle_to:
+            self.credit = min(self.depth, self.credit + (idle_to - self.covered) * rate / 100)
+            self.covered = idle_to
+        self.balance = self.credit + (now - self.covered) * rate / 100
+        return self.balance
 
     def rate(self, alone: bool) -> float:
         return 100.0 if self.elastic and alone else float(min(100, self.limit + MARGIN))
@@ -179,14 +212,14 @@ class ComputeEnforcer:
                 if acct is None:
                     path = str(self.view.paths.grant(owner.folder))
                     acct = Account(owner, uuid, index, path, limit, grant.sm_policy == 1)
+                    acct.rate_now = acct.rate(False)
                     self.accounts[key] = acct
-                    acct.at = now
                 acct.limit, acct.elastic, acct.owner = limit, grant.sm_policy == 1, owner
                 acct.seen = now
                 acct.samples.append((s.end_ns, s.pid, busy))
                 if acct.behind_gate(s.end_ns, s.period_ns):
                     acct.held.append((s.end_ns, s.period_ns, busy))
-                acct.credit -= busy
+                acct.charge(s.end_ns, s.period_ns, busy)
                 if busy:
                     busy_on[owner.folder] = now
         for key, acct in list(self.accounts.items()):
@@ -232,11 +265,10 @@ class ComputeEnforcer:
             self._gate(acct, 0, now)  # no cap granted: nothing to hold
             return
         rate = acct.rate(alone)
-        acct.credit = min(DEPTH_NS, acct.credit + (now - acct.at) * rate / 100)
-        acct.at = now
-        if acct.credit < 0:
+        credit = acct.settle(now, rate)
+        if credit < 0:
             acct.clear_since = None
-            self._gate(acct, now + min(HOLD_MAX_NS, int(-acct.credit * 100 / rate)), now)
+            self._gate(acct, now + min(HOLD_MAX_NS, int(-credit * 100 / rate)), now)
         else:
             acct.clear_since = acct.clear_since or now
             self._gate(acct, 0, now)
@@ -252,7 +284,7 @@ class ComputeEnforcer:
             else:
                 self._escape(acct, now, share)
         if acct.freezer is not None:
-            self._duty(acct, freeze=acct.escaping and acct.credit < 0)
+            self._duty(acct, freeze=acct.escaping and credit < 0)
 
     def _gate(self, acct: Account, hold: int, now: int) -> None:
         last = acct.closures[-1] if acct.closures else None
@@ -379,8 +411,8 @@ class ComputeEnforcer:
         """When the next pass is due: the interval, or sooner where a frozen container's debt is paid."""
         wake = now + int(self.interval_s * 1e9)
         for acct in self.accounts.values():
-            if acct.frozen and acct.credit < 0:
-                paid = now + int(-acct.credit * 100 / max(1.0, acct.rate(False)))
+            if acct.frozen and acct.balance < 0:
+                paid = now + int(-acct.balance * 100 / max(1.0, acct.rate(False)))
                 wake = min(wake, max(now + 1_000_000, paid))
         return wake
 
