@@ -10,14 +10,15 @@ neighbours' launches unmetered. So the node decides too, from what no container 
    cgroup and to its grant (``vgpu.plugin.monitor.hostview``), and its GPU time (``smUtil`` x the
    sample's period) summed per container and card.
 2. **Hold through the grant.** Per container and card a bucket on the host: it fills at the
-   grant's SM limit plus ``MARGIN`` points of wall time, up to ``DEPTH_NS`` of GPU time, and the
-   measured GPU time drains it. While it is in debt the node writes ``hold_until_ns`` into the
-   container's grant (read-only to the container; in place, under the grant's seq and checksum),
-   the time at which the debt is paid back at the granted rate; the hook starts no launch before
+   grant's SM limit plus ``MARGIN`` points of the samples' time, up to ``DEPTH_NS`` of GPU time (or
+   one sample period), and the measured GPU time drains it (``Account.charge``, ``settle``).
+   While it is in debt the node writes ``hold_until_ns`` into the container's grant (read-only to
+   the container; in place, under the grant's seq and checksum), the time at which the debt is
+   paid back at the granted rate; the hook starts no launch before
    it (one load per launch, native/hook/limiter.c). A closed loop: the integral of measured minus
    granted time, so the share converges to the grant whatever the container wrote. A container
-   within its grant never goes into debt (the bucket's depth takes the hook's own 20 ms bursts and
-   the samples' rounding): its gate is never closed.
+   within its grant never goes into debt (the bucket's depth takes the hook's own 20 ms bursts,
+   the samples' rounding and their lumps): its gate is never closed.
 3. **Launches that do not pass the hook.** A sample that lies wholly behind a closed gate (past
    ``DRAIN_NS`` of it, the work queued before it closed) should show no GPU time. When such
    samples cover ``ESCAPE_HELD_S`` of the last ``ESCAPE_S`` and their share is still above grant
