@@ -166,16 +166,14 @@ class Meter:
     def __init__(self) -> None:
         self.reader = NvmlDiscovery()
         self.card = self.reader.cards()[0].uuid
-        self.samples: list[tuple[int, int, int]] = []  # (pid, end ns, busy ns)
-        self.raw: list[tuple[int, int, int, int]] = []  # (pid, end ns, period ns, smUtil)
+        self.samples: list[tuple[int, int, int, int]] = []  # (pid, end ns, period ns, smUtil)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self.stop.wait(0.1):
             for s in self.reader.sm_samples(self.card) or []:
-                self.samples.append((s.pid, s.end_ns, s.period_ns * s.sm_percent // 100))
-                self.raw.append((s.pid, s.end_ns, s.period_ns, s.sm_percent))
+                self.samples.append((s.pid, s.end_ns, s.period_ns, s.sm_percent))
 
     def __enter__(self) -> Meter:
         self.reader.sm_samples(self.card)  # from now on
@@ -191,14 +189,15 @@ class Meter:
     def share(self, pid: int, span: tuple[int, int]) -> float:
         """Percent of ``span`` (monotonic ns) the process's kernels ran, by the driver's samples."""
         a, b = span
-        return 100.0 * sum(busy for p, end, busy in self.samples if p == pid and a < end <= b) / (b - a)
+        busy = sum(period * pct // 100 for p, end, period, pct in self.samples if p == pid and a < end <= b)
+        return 100.0 * busy / (b - a)
 
     def spread(self, pid: int, span: tuple[int, int]) -> dict[str, float]:
         """How the driver's samples of the process over ``span`` were spread: how many, their
         median period, and the median, 90th percentile and highest smUtil (what the gate's bucket
         must take from a container within its grant)."""
         a, b = span
-        rows = [(period, pct) for p, end, period, pct in self.raw if p == pid and a < end <= b]
+        rows = [(period, pct) for p, end, period, pct in self.samples if p == pid and a < end <= b]
         if not rows:
             return {"samples": 0}
         pcts = sorted(pct for _, pct in rows)

@@ -19,6 +19,7 @@ hook charged and what the driver says the processes hold. No timing is asserted;
 from __future__ import annotations
 
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ from tests.support.many import (
     gpu_plan,
     held_on_gpu,
     start_together,
+    summary,
 )
 from vgpu.hookabi.region import Snapshot
 
@@ -64,21 +66,12 @@ def _all_started(run: Round[dict[str, object]], attempts: int) -> None:
 
 def _outcomes(run: Round[dict[str, object]]) -> dict[str, object]:
     """What the processes' steps returned and took: the context's return codes counted, failed
-    steps counted, the median seconds of cuInit and of the context, and the last of stderr."""
-    rcs: dict[str, int] = {}
-    failed: dict[str, int] = {}
-    for s in run.starts:
-        rcs[str(s.ctx_rc)] = rcs.get(str(s.ctx_rc), 0) + 1
-        if s.failed:
-            failed[s.failed] = failed.get(s.failed, 0) + 1
-    init = sorted(s.init_ns for s in run.starts)
-    ctx = sorted(s.ctx_ns for s in run.starts if s.ctx_rc != -1)
+    steps counted, the seconds of cuInit and of the context (p50/p99/max), and the last of stderr."""
     return {
-        "ctx_rc": rcs,
-        "failed": failed,
-        "init_s_p50": round(init[len(init) // 2] / 1e9, 2) if init else None,
-        "ctx_s_p50": round(ctx[len(ctx) // 2] / 1e9, 2) if ctx else None,
-        "ctx_s_max": round(ctx[-1] / 1e9, 2) if ctx else None,
+        "ctx_rc": dict(Counter(str(s.ctx_rc) for s in run.starts)),
+        "failed": dict(Counter(s.failed for s in run.starts if s.failed)),
+        "init_s": summary([s.init_ns / 1e9 for s in run.starts]),
+        "ctx_s": summary([s.ctx_ns / 1e9 for s in run.starts if s.ctx_rc != -1]),
         "returncodes": sorted(set(run.returncodes)),
         "stderr_tail": run.errors[-600:],
     }

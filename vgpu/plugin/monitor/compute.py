@@ -88,7 +88,7 @@ class Account:
     credit: float = DEPTH_NS  # ns of GPU time it may still use, as of ``covered``
     covered: int = 0  # the end of the newest sample charged: the bucket is kept in the samples' time
     depth: float = DEPTH_NS  # the bucket's depth: DEPTH_NS or the longest sample period seen
-    rate_now: float = 0.0  # percent of wall time it fills at, as last settled
+    rate_now: float = field(init=False)  # percent of wall time it fills at, as last settled
     balance: float = DEPTH_NS  # the credit at the last pass, with the time not yet sampled granted
     samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, pid, busy ns)
     hold_until: int = 0  # as written into the grant; 0 = open
@@ -101,6 +101,9 @@ class Account:
     frozen: bool = False
     no_gate: bool = False  # its grant cannot take the gate (layout 1: a container from an older plugin)
     seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.rate_now = self.rate(False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -139,8 +142,6 @@ class Account:
         process that runs nothing) and fills the bucket; the newer time not sampled yet is granted
         ahead at ``rate``, the samples to come charging it."""
         self.rate_now = rate
-        if not self.covered:
-            self.covered = now
         idle_to = now - LAG_NS
         if self.covered < idle_to:
             self.credit = min(self.depth, self.credit + (idle_to - self.covered) * rate / 100)
@@ -213,7 +214,6 @@ class ComputeEnforcer:
                 if acct is None:
                     path = str(self.view.paths.grant(owner.folder))
                     acct = Account(owner, uuid, index, path, limit, grant.sm_policy == 1)
-                    acct.rate_now = acct.rate(False)
                     self.accounts[key] = acct
                 acct.limit, acct.elastic, acct.owner = limit, grant.sm_policy == 1, owner
                 acct.seen = now
