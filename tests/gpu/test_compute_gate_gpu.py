@@ -210,6 +210,16 @@ class Meter:
             "sm_max": pcts[-1],
         }
 
+    def trace(self, pid: int, span: tuple[int, int]) -> list[tuple[int, int, int]]:
+        """The process's samples over ``span`` as (end ms after its start, period ms, smUtil): what
+        a unit test replays where the gate's bucket met a shape it did not take."""
+        a, b = span
+        return [
+            (round((end - a) / 1e6), round(period / 1e6), pct)
+            for p, end, period, pct in self.samples
+            if p == pid and a < end <= b
+        ]
+
 
 def _run(child: Child) -> tuple[int, int]:
     """Runs the loop; its span from the go to its last window's end (its last sync), monotonic ns."""
@@ -249,6 +259,7 @@ def test_a_container_rewriting_its_bucket_is_held_to_its_grant_by_the_node(lib: 
         hook_busy_pct=_hook_pct(held.region, span),
         seconds=round((span[1] - span[0]) / 1e9, 2),
         control_nvml_share_pct=round(unheld, 1),
+        trace=m1.trace(child.proc.pid, span),
         gate_writes=enforcer.gate_writes,
         bucket_writes=[w0.writes, w1.writes],
         second_line_actions=len(enforcer.counts),
@@ -269,6 +280,7 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
     enforcer.start()
     try:
         alone: dict[int, dict[str, float]] = {}
+        traces: dict[str, list[tuple[int, int, int]]] = {}
         for pct in (25, 50, 75):
             c = Container(node, pct)
             child = c.loop(lib, "small", 6)
@@ -281,6 +293,7 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
                 "gate_writes": enforcer.gate_writes - writes,
                 **m.spread(child.proc.pid, span),
             }
+            traces[f"alone_{pct}"] = m.trace(child.proc.pid, span)
         writes = enforcer.gate_writes
         pair = {pct: Container(node, pct) for pct in (30, 70)}
         children = {pct: c.loop(lib, "matmul", 8) for pct, c in pair.items()}
@@ -300,6 +313,7 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
             }
             for pct in pair
         }
+        traces.update({f"pair_{pct}": m.trace(children[pct].proc.pid, spans[pct]) for pct in pair})
         pair_writes = enforcer.gate_writes - writes
     finally:
         enforcer.stop()
@@ -311,6 +325,7 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
         pair_gate_writes=pair_writes,
         margin_pts=MARGIN,
         as_nobody=bool(node.demote),
+        traces=traces,
     )
     assert enforcer.gate_writes == 0 and not enforcer.counts, "the node held a container within its grant"
     for pct, figures in alone.items():

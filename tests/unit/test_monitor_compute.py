@@ -5,8 +5,11 @@ is acted on once, as ``enforcement.compute`` says."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -147,8 +150,8 @@ def test_an_elastic_container_alone_on_its_card_is_not_held_but_is_beside_anothe
     sim2 = Sim(tmp_path / "two")
     sim2.container(101, 30, 100, policy=1)
     sim2.container(102, 30, 20)
-    e2, shares2 = run(sim2, "report", 10)
-    assert e2.gate_writes > 0 and shares2[101] < 40, shares2
+    e2, shares2 = run(sim2, "report", 20)  # the shared card's 1 s burst once, then its grant + 2
+    assert e2.gate_writes > 0 and shares2[101] < 30 + MARGIN + 100 * 1.0 / 20 + 1, shares2
 
 
 def test_the_collector_serves_the_share_the_gate_and_the_actions(tmp_path: Path) -> None:
@@ -263,51 +266,135 @@ def test_nvml_samples_become_gpu_time_over_the_cards_usual_gap() -> None:
     assert late.period_ns == 150_000_000  # at most 1.5 usual gaps
 
 
-class Late(Sim):
-    """A driver as an H200's: one sample per 200 ms, delivered late by a varying delay (two in one
-    pass, then none), at ``percent`` where the container ran in that period (``every``: one
-    period in that many)."""
+class Slices(Sim):
+    """A driver as an H200's with containers sharing the card in time slices: every 200 ms period
+    each container runs the fraction its ``lumps`` draw says (0 for most periods of a sparse one)
+    of the time its gate was open (a bucket rewriter draws 1.0 every period: the hook lets all
+    through but the gate); the driver samples each container that ran, and delivers the sample
+    late (0-300 ms, or as ``delays`` says: some passes two, the next none). ``ran`` is the truth,
+    per pid."""
 
-    def __init__(self, tmp: Path, percent: int, every: int = 1) -> None:
+    PERIOD_NS = 200_000_000
+
+    def __init__(self, tmp: Path, seed: int, delays: Iterator[int] | None = None) -> None:
         super().__init__(tmp)
-        self.percent, self.every = percent, every
-        self.start = self.now
-        self.sent = 0  # samples delivered
-        self.pass_samples: tuple[int, list[SmSample]] = (0, [])  # this pass's, read twice by run()
+        self.rng = random.Random(seed)
+        self.delays = delays  # each tick's delay, ns; else 0-300 ms at random
+        self.lumps: dict[int, Callable[[random.Random], float]] = {}
+        self.open_ns: dict[int, int] = {}  # this period's time with the gate open, per pid
+        self.ran: dict[int, int] = {}
+        self.queued: list[tuple[int, SmSample]] = []  # (delivered at, sample)
+        self.period_end = self.now + self.PERIOD_NS
+        self.last = self.delivered = self.now
+        self.pass_samples: tuple[int, list[SmSample]] = (0, [])
+
+    def lumpy(self, pid: int, limit: int, lumps: Callable[[random.Random], float]) -> None:
+        self.container(pid, limit, 0)
+        self.lumps[pid] = lumps
+        self.open_ns[pid] = self.ran[pid] = 0
+
+    def _advance(self) -> None:
+        while self.last < self.now:  # the gate as the last pass wrote it, up to the next period end
+            step_end = min(self.now, self.period_end)
+            for pid, (owner, _) in self.pids.items():
+                until = read_grant(self.paths.grant(owner.folder)).hold_until[0]
+                self.open_ns[pid] += max(0, step_end - max(self.last, until))
+            self.last = step_end
+            if step_end == self.period_end:
+                # one sampling tick for every process, delivered in order (the node's reader keeps
+                # a cursor: a sample older than it is never read)
+                delay = next(self.delays) if self.delays else self.rng.randrange(300_000_000)
+                at = self.delivered = max(self.delivered, self.period_end + delay)
+                for pid in self.pids:
+                    ran = int(self.lumps[pid](self.rng) * self.open_ns[pid])
+                    self.ran[pid] += ran
+                    self.open_ns[pid] = 0
+                    if ran:
+                        sample = SmSample(pid, self.period_end, self.PERIOD_NS, 100 * ran // self.PERIOD_NS)
+                        self.queued.append((at, sample))
+                self.period_end += self.PERIOD_NS
 
     def sm_samples(self, uuid: str) -> list[SmSample] | None:
         if uuid != CARD:
             return []
-        if self.pass_samples[0] == self.now:
-            return self.pass_samples[1]
-        out = []
-        while True:
-            end = self.start + (self.sent + 1) * 200_000_000
-            delay = (250_000_000, 0)[self.sent % 2]  # in order: the second comes with the first
-            if end + delay > self.now:
-                break
-            self.sent += 1
-            if self.sent % self.every == 0:
-                out.extend(SmSample(pid, end, 200_000_000, self.percent) for pid in self.pids)
-        self.pass_samples = (self.now, out)
-        return out
+        if self.pass_samples[0] != self.now:
+            self._advance()
+            due = sorted((s for at, s in self.queued if at <= self.now), key=lambda s: s.end_ns)
+            self.queued = [(at, s) for at, s in self.queued if at > self.now]
+            self.pass_samples = (self.now, due)
+        return self.pass_samples[1]
+
+    def share(self, pid: int, seconds: float) -> float:
+        return 100 * self.ran[pid] / (seconds * 1e9)
+
+
+def sparse(p: float, low: float, high: float) -> Callable[[random.Random], float]:
+    """A container's lumps on a card shared in time slices: a period at ``low``-``high`` with
+    probability ``p``, else none."""
+    return lambda rng: rng.uniform(low, high) if rng.random() < p else 0.0
+
+
+# the H200's 30/70 pair, 2026-12-05: the one at 30 % was sampled in 10 of 40 periods at 84-91 %
+# (the driver's share 19.6 %, the hook's 25.4 %), the one at 70 % in 32 of 40 at 79 % median,
+# 90 % at the 90th percentile (61.2 %, the hook's 65.7 %); here both a little busier than that
+PAIR = {101: (30, sparse(0.28, 0.84, 0.91)), 102: (70, sparse(0.82, 0.68, 0.93))}
 
 
 def test_samples_that_come_late_or_two_in_a_pass_do_not_hold_a_container_within_its_grant(
     tmp_path: Path,
 ) -> None:
-    # the H200 at 75 %: samples of 200 ms at 73 %, some passes two and the next none
-    sim = Late(tmp_path, 73)
-    sim.container(101, 75, 73)
+    # the H200 at 75 %: samples of 200 ms at 73 %, one 250 ms late and the next on time (two in
+    # one pass, then none)
+    sim = Slices(tmp_path, 0, delays=itertools.cycle((250_000_000, 0)))
+    sim.lumpy(101, 75, lambda rng: 0.73)
     e, _ = run(sim, "kill", 10)
     assert e.gate_writes == 0 and not e.counts
 
 
-def test_sparse_full_samples_of_a_card_shared_in_time_slices_do_not_hold_a_container_within_its_grant(
+def test_lumpy_samples_of_a_card_shared_in_time_slices_seldom_hold_a_container_within_its_grant(
     tmp_path: Path,
 ) -> None:
-    # the H200, two containers time-slicing: the one at 30 % gets one 200 ms sample in four, at 91 %
-    sim = Late(tmp_path, 91, every=4)
-    sim.container(101, 30, 23)
-    e, _ = run(sim, "kill", 10)
-    assert e.gate_writes == 0 and not e.counts
+    """The pair's lumps drawn independently, 40 runs of 10 s: a pessimistic model (on the card the
+    two take turns, so one's lump is the other's gap). The one-sample bucket held one of them in
+    every run; the shared card's 1 s bucket holds one in a few runs at most (a random walk this
+    wide strays that far now and then), briefly, and never acts."""
+    held = []
+    for seed in range(40):
+        sim = Slices(tmp_path / str(seed), seed)
+        for pid, (limit, lumps) in PAIR.items():
+            sim.lumpy(pid, limit, lumps)
+        e, _ = run(sim, "kill", 10)
+        assert not e.counts and not sim.events, (seed, e.counts)
+        if e.gate_writes:
+            held.append((seed, e.gate_writes, {pid: round(sim.share(pid, 10), 1) for pid in PAIR}))
+    assert len(held) <= 4, held
+
+
+def rewriter(tmp: Path, seed: int, seconds: float, neighbour: bool = False) -> tuple[Slices, ComputeEnforcer]:
+    sim = Slices(tmp / str(seed), seed)
+    sim.lumpy(101, 30, lambda rng: 1.0)  # its region's bucket written full: the hook lets all through
+    if neighbour:
+        sim.lumpy(102, 50, sparse(0.5, 0.8, 0.9))  # within its grant (40 %), in lumps
+    e, _ = run(sim, "kill", seconds)
+    return sim, e
+
+
+def test_a_bucket_rewriter_is_held_to_its_grant_through_late_samples(tmp_path: Path) -> None:
+    """Alone on the card with samples 0-300 ms late: its share over 10 s is the grant + 2 plus what
+    the samples' lag lets run at the start and the end (the target, grant + 5, at the median of
+    12 runs: a pessimistic lag), and over 30 s those fade."""
+    ten = sorted(rewriter(tmp_path / "10", seed, 10)[0].share(101, 10) for seed in range(12))
+    thirty = [rewriter(tmp_path / "30", seed, 30)[0].share(101, 30) for seed in range(4)]
+    assert 30 <= ten[0] and ten[len(ten) // 2] <= 30 + 5, ten
+    assert all(30 <= share <= 30 + MARGIN + 1.5 for share in thirty), thirty
+
+
+def test_a_bucket_rewriter_beside_a_neighbour_gets_the_shared_buckets_burst_once_then_its_grant(
+    tmp_path: Path,
+) -> None:
+    for seed in range(3):
+        sim, e = rewriter(tmp_path, seed, 30, neighbour=True)
+        # 1 s at full past the grant at most once (the deeper bucket's room), then grant + 2
+        assert sim.share(101, 30) <= 30 + MARGIN + 100 * 1.0 / 30 + 1.5, sim.share(101, 30)
+        neighbour = next(a for a in e.accounts.values() if a.owner.pod == "pod102")
+        assert not neighbour.closures and neighbour.hold_until == 0 and not e.counts
