@@ -26,6 +26,8 @@ from tests.support.many import (
     Round,
     Start,
     base_env,
+    bounded_start,
+    held_on_stub,
     start_together,
 )
 from vgpu.hookabi import layout
@@ -96,6 +98,32 @@ def test_a_grant_that_fits_fewer_contexts_refuses_the_rest_at_their_context_and_
     assert seen.devices[0].used_bytes == sum(charged.values()) == FIT * EACH <= box.limit_bytes
     after = box.snapshot()
     assert (after.devices[0].used_bytes, after.processes) == (0, ())
+
+
+def test_the_gpu_runs_shape_under_a_driver_that_makes_only_31_contexts_at_once(
+    built: Built, tmp_path: Path
+) -> None:
+    """tests/gpu/test_many_gpu.py's whole run over the stub driver bounded as the H200's was (31
+    contexts at once, the next refused with CUDA_ERROR_OUT_OF_MEMORY): the bare run finds the
+    bound, the grant fits two thirds of it, the hook refuses the rest before the driver."""
+    (tmp_path / "slots").mkdir()
+    (tmp_path / "procs").mkdir()
+    base = base_env(stub=True) | {
+        "STUB_CUDA_CONTEXTS_MAX": "31",
+        "STUB_CUDA_CONTEXT_DIR": str(tmp_path / "slots"),
+        "STUB_CUDA_PROCESS_DIR": str(tmp_path / "procs"),
+    }
+
+    def driver(starts: list[Start]) -> dict[str, object]:
+        return dict(held_on_stub(tmp_path / "procs", {s.pid for s in starts}))
+
+    run = bounded_start(
+        tmp_path, base, {"attempts": 200, "fit": 150}, driver, procs=PROCS, alloc_mib=2, timeout=300
+    )
+    run.check()
+    assert (run.bare.contexts, run.bare.refused, run.fit) == (31, 169, 20)
+    assert run.figures()["hooked"]["driver_mib"] == 20 * 2  # type: ignore[index]
+    assert "a CUDA context refused (CUDA_ERROR_OUT_OF_MEMORY)" in run.hooked.errors
 
 
 def test_processes_killed_while_they_hold_give_back_their_slots_and_charges_to_the_next_one(

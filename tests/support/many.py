@@ -9,8 +9,10 @@ finish, and their exit statuses are collected. ``Container`` lays out what Alloc
 container: a grant naming the region file, the hook preloaded.
 
 Shared by ``bench/bench_many.py`` (timing), ``tests/integration/test_hook_many.py`` (the stub
-driver) and ``tests/gpu/test_many_gpu.py`` (an H200). Only the standard library and
-``vgpu.hookabi``.
+driver) and ``tests/gpu/test_many_gpu.py`` (an H200). ``bounded_start`` is the GPU test's whole
+run (a bare start that measures how many contexts the driver makes at once, then a grant of two
+thirds of that), which the stub driver runs too under a context bound of its own. Only the
+standard library and ``vgpu.hookabi``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import select
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,3 +281,144 @@ def held_on_gpu(pids: set[int]) -> dict[str, int]:
     """What the driver says these processes hold on the cards (MiB), and how many it lists."""
     rows = [r for r in _smi("--query-compute-apps=pid,used_memory") if r[0].isdigit() and int(r[0]) in pids]
     return {"driver_mib": sum(int(r[1]) for r in rows if r[1].isdigit()), "driver_procs": len(rows)}
+
+
+def held_on_stub(process_dir: Path, pids: set[int]) -> dict[str, int]:
+    """What the stub driver says these processes hold on device 0 (MiB; its files in
+    STUB_CUDA_PROCESS_DIR, as the fake NVML backend reads them), and how many hold anything."""
+    held: dict[int, int] = {}
+    for f in process_dir.glob("*@*"):
+        pid = int(f.name.split("@", 1)[0]) if f.name.split("@", 1)[0].isdigit() else -1
+        if pid in pids and not f.name.endswith((".sm", ".tmp")):
+            used = int(f.read_text().split()[1])
+            if used:
+                held[pid] = used
+    return {"driver_mib": sum(held.values()) // MIB, "driver_procs": len(held)}
+
+
+@dataclass
+class BoundedStart:
+    """``procs`` processes started together twice: bare, where the first ``attempts`` ask the
+    driver for a context and it makes what it can at once (``bare.contexts``, its bound), then
+    under a grant that fits two thirds of that bound (``fit``), where the hook must refuse the
+    rest at their context, before the driver is asked. ``driver`` says what the driver lists
+    while they hold."""
+
+    plan: dict[str, int]
+    each: int  # the hook's charge for one process with a context and its allocation
+    fit: int
+    box: Container
+    bare: Round[dict[str, object]]
+    hooked: Round[dict[str, object]]
+    after: Snapshot
+
+    def figures(self) -> dict[str, object]:
+        """The run as one JSON line's fields (tests/gpu/gpu_figures.py)."""
+        region = self.hooked.seen["region"] if self.hooked.seen else None
+        assert isinstance(region, Snapshot) and self.bare.seen is not None and self.hooked.seen is not None
+        return {
+            "procs": len(self.bare.starts),
+            **self.plan,
+            "grant_mib": self.box.limit_bytes // MIB,
+            "bare": {**self.bare.stats(), "contexts": self.bare.contexts, **self.bare.seen},
+            "hooked": {
+                **self.hooked.stats(),
+                "contexts": self.hooked.contexts,
+                "refused": self.hooked.refused,
+                "charged_mib": region.devices[0].used_bytes // MIB,
+                "slots": len(region.processes),
+                **{k: v for k, v in self.hooked.seen.items() if k != "region"},
+            },
+            "after_used": self.after.devices[0].used_bytes,
+            "after_slots": len(self.after.processes),
+            "outcomes": {"bare": outcomes(self.bare), "hooked": outcomes(self.hooked)},
+        }
+
+    def check(self) -> None:
+        """Every process started in both runs; the driver made or cleanly refused every context
+        bare; under the hook exactly ``fit`` contexts were made, the others refused before the
+        driver, and what they held together (the hook's charges, the driver's figure) stayed
+        within the grant; the region was empty afterwards."""
+        attempts, fit, box, hooked = self.plan["attempts"], self.fit, self.box, self.hooked
+        for run in (self.bare, hooked):
+            assert len(run.starts) == len(run.returncodes), run.errors[-3000:]
+            assert [s.failed for s in run.starts if s.failed] == [], run.errors[-3000:]
+            assert run.returncodes == [0] * len(run.returncodes), run.errors[-3000:]
+            assert all(s.devices >= 1 and s.total > 0 for s in run.starts)
+            assert sum(1 for s in run.starts if s.ctx_rc != -1) == attempts
+        assert self.bare.contexts + self.bare.refused == attempts and self.bare.contexts >= 3
+        assert (hooked.contexts, hooked.refused) == (fit, attempts - fit), outcomes(hooked)
+        refused = [s for s in hooked.starts if s.ctx_rc == CUDA_ERROR_OUT_OF_MEMORY]
+        assert all(s.alloc_rc == -1 for s in refused)
+        assert all(s.alloc_rc == CUDA_SUCCESS for s in hooked.starts if s.ctx_rc == CUDA_SUCCESS)
+        assert {s.total for s in hooked.starts} == {box.limit_bytes}  # each sees the grant as the card
+        assert hooked.seen is not None
+        region = hooked.seen["region"]
+        assert isinstance(region, Snapshot)
+        assert region.devices[0].used_bytes == fit * self.each <= box.limit_bytes
+        # one region, a slot for each process that charged (the query-only ones charge nothing)
+        assert len(region.processes) == attempts
+        assert hooked.seen["driver_procs"] == fit  # the refused never reached the driver
+        driver_mib = hooked.seen["driver_mib"]
+        assert isinstance(driver_mib, int) and driver_mib * MIB <= box.limit_bytes
+        assert (self.after.devices[0].used_bytes, self.after.processes) == (0, ())
+
+
+def outcomes(run: Round[T]) -> dict[str, object]:
+    """What the processes' steps returned and took: the context's return codes counted, failed
+    steps counted, the seconds of cuInit and of the context (p50/p99/max), and the last of stderr."""
+    return {
+        "ctx_rc": dict(Counter(str(s.ctx_rc) for s in run.starts)),
+        "failed": dict(Counter(s.failed for s in run.starts if s.failed)),
+        "init_s": summary([s.init_ns / 1e9 for s in run.starts]),
+        "ctx_s": summary([s.ctx_ns / 1e9 for s in run.starts if s.ctx_rc != -1]),
+        "returncodes": sorted(set(run.returncodes)),
+        "stderr_tail": run.errors[-600:],
+    }
+
+
+def bounded_start(
+    workdir: Path,
+    base: dict[str, str],
+    plan: dict[str, int],
+    driver: Callable[[list[Start]], dict[str, object]],
+    *,
+    procs: int,
+    alloc_mib: int,
+    timeout: float,
+) -> BoundedStart:
+    """The bare run, then the grant of two thirds of the contexts it made at once (at most
+    ``plan["fit"]``); ``plan["fit"]`` and ``plan["driver_bound"]`` are set to what was used."""
+    attempts = plan["attempts"]
+    each = (640 + alloc_mib) * MIB
+
+    def modes(i: int) -> str:
+        return "ctx" if i < attempts else "query"
+
+    bare = start_together(
+        procs,
+        base,
+        workdir / "bare",
+        modes=modes,
+        alloc_bytes=alloc_mib * MIB,
+        while_held=driver,
+        timeout=timeout,
+    )
+    # the grant fits two thirds of what the driver made, so what the hook refuses is its own doing
+    fit = max(1, min(plan["fit"], bare.contexts * 2 // 3))
+    plan["fit"], plan["driver_bound"] = fit, bare.contexts
+    box = Container(workdir / "container", limit_bytes=fit * each)
+
+    def both(starts: list[Start]) -> dict[str, object]:
+        return driver(starts) | {"region": box.snapshot()}
+
+    hooked = start_together(
+        procs,
+        box.env(base),
+        workdir / "hooked",
+        modes=modes,
+        alloc_bytes=alloc_mib * MIB,
+        while_held=both,
+        timeout=timeout,
+    )
+    return BoundedStart(plan, each, fit, box, bare, hooked, box.snapshot())

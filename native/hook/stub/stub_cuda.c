@@ -18,14 +18,20 @@
  * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free;
  * and its GPU time in <pid>@<start time>.sm (stub_launch.c), as the driver samples it for
  * nvmlDeviceGetProcessUtilization.
+ * STUB_CUDA_CONTEXTS_MAX=N with STUB_CUDA_CONTEXT_DIR: the driver makes at most N contexts at
+ * once per device, across processes, and refuses the next with CUDA_ERROR_OUT_OF_MEMORY, as an
+ * H200 (driver 580.159.04, in a VM) made 31 of 200 with 143 GB free. A context takes the flock of
+ * one of N files ctx-<device>-<k> in the folder, held while the process lives.
  * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -209,11 +215,35 @@ CUresult impl_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+/* A context slot on device dev under STUB_CUDA_CONTEXTS_MAX (see the top), called with mu held:
+ * kept once taken (fd + 1 in ctx_slot), never given back before the process ends. */
+static int ctx_slot[MAX_DEV];
+
+static CUresult take_context_slot(int dev) {
+    const char *max = getenv("STUB_CUDA_CONTEXTS_MAX"), *dir = getenv("STUB_CUDA_CONTEXT_DIR");
+    if (!max || !*max || !dir || !*dir || ctx_slot[dev]) return CUDA_SUCCESS;
+    for (int k = 0, n = atoi(max); k < n; k++) {
+        char path[600];
+        snprintf(path, sizeof path, "%s/ctx-%d-%d", dir, dev, k);
+        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0) return CUDA_ERROR_UNKNOWN; /* the folder is not there: a test set it wrong */
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+            ctx_slot[dev] = fd + 1;
+            return CUDA_SUCCESS;
+        }
+        close(fd);
+    }
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 CUresult impl_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
-    *pctx = &ctxs[dev];
-    return CUDA_SUCCESS;
+    pthread_mutex_lock(&mu);
+    CUresult rc = take_context_slot(dev);
+    pthread_mutex_unlock(&mu);
+    if (rc == CUDA_SUCCESS) *pctx = &ctxs[dev];
+    return rc;
 }
 
 CUresult impl_cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
