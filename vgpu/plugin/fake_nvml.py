@@ -208,8 +208,9 @@ class FakeDiscovery:
         files = self._process_files(uuid, "")
         if files is None:
             return None
+        keys, rows = files
         found: list[GpuProcess] = []
-        for _, pid, lines, keys in files:
+        for _, pid, lines in rows:
             held = 0
             for line in lines:
                 key, _, value = line.partition(" ")
@@ -225,9 +226,10 @@ class FakeDiscovery:
         files = self._process_files(uuid, ".sm")
         if files is None:
             return None
+        keys, rows = files
         found: list[SmSample] = []
         seen: dict[tuple[str, str], tuple[int, int]] = {}
-        for stem, pid, lines, keys in files:
+        for stem, pid, lines in rows:
             now = time.monotonic_ns()  # CLOCK_MONOTONIC, the stub's clock
             busy = _busy_at(lines, keys, now)
             if busy is None:
@@ -243,12 +245,14 @@ class FakeDiscovery:
         self._sm_seen = {k: v for k, v in self._sm_seen.items() if k[1] != uuid} | seen
         return found
 
-    def _process_files(self, uuid: str, suffix: str) -> list[tuple[str, int, list[str], set[str]]] | None:
-        """The stub driver's files of live processes named ``<pid>@<start><suffix>`` in
-        ``processDir``: (the name less ``suffix``, host PID, lines, the words that name the card in
-        them). None for a card not on the list; none without a ``processDir``."""
+    def _process_files(
+        self, uuid: str, suffix: str
+    ) -> tuple[set[str], list[tuple[str, int, list[str]]]] | None:
+        """The words that name the card in the stub driver's files, and those files of live
+        processes named ``<pid>@<start><suffix>`` in ``processDir``: (the name less ``suffix``, host
+        PID, lines). None for a card not on the list; nothing without a ``processDir``."""
         if self.process_dir is None:
-            return []
+            return set(), []
         card = next((c for c in self._cards if c.uuid == uuid), None)
         if card is None:
             return None
@@ -256,9 +260,9 @@ class FakeDiscovery:
         try:
             names = os.listdir(self.process_dir)
         except OSError:
-            return []
+            return keys, []
         self._gone.intersection_update(n.removesuffix(".sm") for n in names)
-        found: list[tuple[str, int, list[str], set[str]]] = []
+        found: list[tuple[str, int, list[str]]] = []
         for name in names:
             if not name.endswith(suffix):
                 continue
@@ -272,8 +276,8 @@ class FakeDiscovery:
                 lines = (self.process_dir / name).read_text().splitlines()
             except OSError:
                 continue
-            found.append((stem, pid, lines, keys))
-        return found
+            found.append((stem, pid, lines))
+        return keys, found
 
     def _host_pid(self, name: str) -> int | None:
         """The host's PID of the live process a file is named after; None when it is gone."""
