@@ -380,12 +380,13 @@ def rewriter(tmp: Path, seed: int, seconds: float, neighbour: bool = False) -> t
 
 
 def test_a_bucket_rewriter_is_held_to_its_grant_through_late_samples(tmp_path: Path) -> None:
-    """Alone on the card with samples 0-300 ms late: its share over 10 s is the grant + 2 plus what
-    the samples' lag lets run at the start and the end (the target, grant + 5, at the median of
-    12 runs: a pessimistic lag), and over 30 s those fade."""
+    """Alone on the card with samples 0-300 ms late: over 10 s within the grant + 5 in every run
+    (once held, it is presumed to run whenever its gate is open, so it is held again within a
+    pass, not a sample's lag later: without that, 33.5-37.1 % over 12 runs); over 30 s the start's
+    burst fades toward the grant + 2."""
     ten = sorted(rewriter(tmp_path / "10", seed, 10)[0].share(101, 10) for seed in range(12))
     thirty = [rewriter(tmp_path / "30", seed, 30)[0].share(101, 30) for seed in range(4)]
-    assert 30 <= ten[0] and ten[len(ten) // 2] <= 30 + 5, ten
+    assert 30 <= ten[0] and ten[-1] <= 30 + 5, ten
     assert all(30 <= share <= 30 + MARGIN + 1.5 for share in thirty), thirty
 
 

@@ -110,14 +110,35 @@ class Account:
     def settle(self, now: int, rate: float) -> float:
         """The credit now: time with no sample for over LAG_NS is idle (the driver samples no
         process that runs nothing) and fills the bucket; the newer time not sampled yet is granted
-        ahead at ``rate``, the samples to come charging it."""
+        ahead at ``rate``, the samples to come charging it. A container its gate held in the last
+        ESCAPE_S is presumed to use that time's open part as it used its open time lately
+        (``used_open``), charged ahead too: one that runs whenever its gate opens is held again
+        within a pass, not a sample's lag later, and a container within its grant, held once by
+        a stray lump, is presumed to run at its own share, below the grant, so no hold feeds
+        the next."""
         self.rate_now = rate
         idle_to = now - LAG_NS
         if self.covered < idle_to:
             self.credit = min(self.depth, self.credit + (idle_to - self.covered) * rate / 100)
             self.covered = idle_to
-        self.balance = self.credit + (now - self.covered) * rate / 100
+        ahead = now - self.covered
+        self.balance = self.credit + ahead * rate / 100
+        if self.closures:
+            self.balance -= (ahead - self.closed_between(self.covered, now)) * self.used_open()
         return self.balance
+
+    def closed_between(self, start: int, end: int) -> int:
+        """How long its gate was closed within ``(start, end]``."""
+        return sum(max(0, min(end, c[1]) - max(start, c[0])) for c in self.closures)
+
+    def used_open(self) -> float:
+        """The part of its gate's open time its kernels ran over the last WINDOW_S its samples
+        cover (a container that ran behind a closed gate: 1)."""
+        end = self.covered
+        start = end - int(WINDOW_S * 1e9)
+        busy = sum(b for e, _, b in self.samples if start < e <= end)
+        opened = end - start - self.closed_between(start, end)
+        return min(1.0, busy / opened) if opened > 0 else float(busy > 0)
 
     def rate(self, alone: bool) -> float:
         return 100.0 if self.elastic and alone else float(min(100, self.limit + MARGIN))

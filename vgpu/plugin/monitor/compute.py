@@ -12,7 +12,8 @@ neighbours' launches unmetered. So the node decides too, from what no container 
 2. **Hold through the grant.** Per container and card a bucket on the host: it fills at the
    grant's SM limit plus ``MARGIN`` points of the samples' time, up to ``DEPTH_NS`` of GPU time (or
    one sample period; ``DEPTH_SHARED_NS`` on a card another container is busy on), and the
-   measured GPU time drains it (``Account.charge``, ``settle``).
+   measured GPU time drains it (``vgpu.plugin.monitor.bucket``: ``Account.charge``, ``settle``;
+   a container held lately is presumed to run while its gate is open until its samples say).
    While it is in debt the node writes ``hold_until_ns`` into the container's grant (read-only to
    the container; in place, under the grant's seq and checksum), the time at which the debt is
    paid back at the granted rate; the hook starts no launch before
@@ -52,7 +53,7 @@ from collections.abc import Callable
 from vgpu.core.service import Service
 from vgpu.hookabi.grant import GrantError, update_grant
 from vgpu.plugin.discovery import SmSample, SmSource
-from vgpu.plugin.monitor.bucket import ESCAPE_S, HOLD_MAX_NS, MARGIN, SHARED_S, WINDOW_S, Account
+from vgpu.plugin.monitor.bucket import ESCAPE_S, HOLD_MAX_NS, LAG_NS, MARGIN, SHARED_S, WINDOW_S, Account
 from vgpu.plugin.monitor.enforce import PodActions
 from vgpu.plugin.monitor.freezer import FreezerError, freezer_of
 from vgpu.plugin.monitor.hostview import HostView, Owner
@@ -146,7 +147,7 @@ class ComputeEnforcer:
                 self._release(acct, "its processes left the card")
                 del self.accounts[key]
                 continue
-            while acct.samples and acct.samples[0][0] <= now - int(WINDOW_S * 1e9):
+            while acct.samples and acct.samples[0][0] <= now - int(WINDOW_S * 1e9) - LAG_NS:
                 acct.samples.popleft()
             while acct.held and acct.held[0][0] <= now - int(ESCAPE_S * 1e9):
                 acct.held.popleft()
