@@ -21,6 +21,8 @@ DEPTH_SHARED_NS = 1_000_000_000  # ... or this on a card where another container
 # four, at 84-91 %), so a container's measured time strays from its mean by several lumps; a
 # bucket this deep takes those runs, and a container that idled first may run this long past its
 # grant once (a token bucket's burst), held to the grant after it
+START_NS = 50_000_000  # a new container's bucket: the hook's own first burst (at most 20 ms) and
+# its first sample's rounding, with room (each 10 ms of it is a tenth of a point over 10 s)
 LAG_NS = 1_000_000_000  # time with no sample yet is granted ahead this long (the samples come late)
 WINDOW_S = 1.0  # the share reported and checked for an escape; an elastic container with no other busy
 # on its card for this long is alone
@@ -41,7 +43,7 @@ class Account:
     grant: str  # the grant file's path
     limit: int  # granted SM percent
     elastic: bool
-    credit: float = DEPTH_NS  # ns of GPU time it may still use, as of ``covered``
+    credit: float = START_NS  # ns of GPU time it may still use, as of ``covered``
     covered: int = 0  # the end of the newest sample charged: the bucket is kept in the samples' time
     longest: int = 0  # the longest sample period seen (at most HOLD_MAX_NS)
     shared: bool = False  # another container's kernels ran on the card in the last SHARED_S
@@ -92,7 +94,7 @@ class Account:
     def charge(self, end: int, period: int, busy: int) -> None:
         """One sample: the bucket fills over the time since the newest sample charged (in the
         samples' own time, so samples that come late or two in one pass cost nothing), up to its
-        depth, and the sample's GPU time drains it. The first sample finds DEPTH_NS in it; the
+        depth, and the sample's GPU time drains it. The first sample finds START_NS in it; the
         first time its card is shared the room the deeper bucket adds comes full, once in the
         account's life (the first lumps of a container sharing a card are its mean's too, and a
         card that is shared, then not, then shared again gives no second burst)."""

@@ -138,6 +138,7 @@ class ComputeEnforcer:
                 charges.append((acct, s, busy))
             for acct, s, busy in charges:  # the card's sharing known from all of this pass's samples
                 acct.shared = self._others_busy(acct, now - int(SHARED_S * 1e9))
+                acct.rate_now = acct.rate(alone=not self._others_busy(acct, now - int(WINDOW_S * 1e9)))
                 acct.samples.append((s.end_ns, s.pid, busy))
                 if acct.behind_gate(s.end_ns, s.period_ns):
                     acct.held.append((s.end_ns, s.period_ns, busy))
