@@ -48,9 +48,9 @@ class Account:
     longest: int = 0  # the longest sample period seen (at most HOLD_MAX_NS)
     shared: bool = False  # another container's kernels ran on the card in the last SHARED_S
     was_shared: bool = False  # its card has been shared once: the deeper bucket's room was given
-    rate_now: float = field(init=False)  # percent of wall time it fills at, as last settled
-    balance: float = DEPTH_NS  # the credit at the last pass, with the time not yet sampled granted
-    samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, pid, busy ns)
+    rate_now: float = field(init=False)  # percent of wall time it fills at, as the last pass saw the card
+    balance: float = START_NS  # the credit at the last pass, with the time not yet sampled settled
+    samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, pid, busy ns), 2 s
     hold_until: int = 0  # as written into the grant; 0 = open
     closures: deque[list[int]] = field(default_factory=deque)  # [start, end] ns the gate was closed
     held: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end, period, busy) behind it
