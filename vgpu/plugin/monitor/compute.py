@@ -21,8 +21,8 @@ neighbours' launches unmetered. So the node decides too, from what no container 
    granted time, so the share converges to the grant whatever the container wrote. A container
    within its grant does not go into debt (the bucket's depth takes the hook's own 20 ms bursts,
    the samples' rounding and their lumps), so its gate stays open; on a shared card, whose
-   samples stray widely, the 1 s bucket makes a brief hold of one rare (a few runs in 40 of
-   10 s in the unit tests' pessimistic model, where the one-sample bucket held in every run).
+   samples stray widely, the 1 s bucket makes a brief hold of one rare (1 run of 10 s in 40 in
+   bench/bench_gate.py's pessimistic model, where the one-sample bucket held in 39).
 3. **Launches that do not pass the hook.** A sample that lies wholly behind a closed gate (past
    ``DRAIN_NS`` of it, the work queued before it closed) should show no GPU time. When such
    samples cover ``ESCAPE_HELD_S`` of the last ``ESCAPE_S`` and their share is still above grant
@@ -136,9 +136,9 @@ class ComputeEnforcer:
                 if busy:
                     busy_on[owner.folder] = now
                 charges.append((acct, s, busy))
-            for acct, s, busy in charges:  # the card's sharing known from all of this pass's samples
-                acct.shared = self._others_busy(acct, now - int(SHARED_S * 1e9))
-                acct.rate_now = acct.rate(alone=not self._others_busy(acct, now - int(WINDOW_S * 1e9)))
+            for acct in {id(a): a for a, _, _ in charges}.values():  # once per account, from all
+                acct.rate_now = acct.rate(alone=self._see_card(acct, now))  # of this pass's samples
+            for acct, s, busy in charges:
                 acct.samples.append((s.end_ns, s.pid, busy))
                 if acct.behind_gate(s.end_ns, s.period_ns):
                     acct.held.append((s.end_ns, s.period_ns, busy))
@@ -154,8 +154,7 @@ class ComputeEnforcer:
                 acct.held.popleft()
             while acct.closures and acct.closures[0][1] <= now - int(ESCAPE_S * 1e9):
                 acct.closures.popleft()
-            acct.shared = self._others_busy(acct, now - int(SHARED_S * 1e9))
-            self._settle(acct, now, alone=not self._others_busy(acct, now - int(WINDOW_S * 1e9)))
+            self._settle(acct, now, alone=self._see_card(acct, now))
         for busy_on in self._card_busy.values():
             for folder in [f for f, at in busy_on.items() if at <= now - int(max(FORGET_S, SHARED_S) * 1e9)]:
                 del busy_on[folder]
@@ -163,11 +162,14 @@ class ComputeEnforcer:
         with self._lock:
             self.passes += 1
 
-    def _others_busy(self, acct: Account, since: int) -> bool:
-        """Whether another container's kernels (or work of no vGPU container) ran on the
-        account's card after ``since``, by the driver's samples."""
-        busy_on = self._card_busy.get(acct.uuid, {})
-        return any(f != acct.owner.folder and at > since for f, at in busy_on.items())
+    def _see_card(self, acct: Account, now: int) -> bool:
+        """Sets ``acct.shared`` (another container's kernels, or work of no vGPU container, ran
+        on its card in the last SHARED_S, by the driver's samples) and says whether it is alone
+        (none in the last WINDOW_S)."""
+        others = [at for f, at in self._card_busy.get(acct.uuid, {}).items() if f != acct.owner.folder]
+        last = max(others, default=0)
+        acct.shared = last > now - int(SHARED_S * 1e9)
+        return last <= now - int(WINDOW_S * 1e9)
 
     def _sampled(self, uuid: str, ok: bool) -> None:
         """Say once when a card's per-process samples stop (and come back): without them the gate
