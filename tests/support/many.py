@@ -288,11 +288,11 @@ def held_on_stub(process_dir: Path, pids: set[int]) -> dict[str, int]:
     STUB_CUDA_PROCESS_DIR, as the fake NVML backend reads them), and how many hold anything."""
     held: dict[int, int] = {}
     for f in process_dir.glob("*@*"):
-        pid = int(f.name.split("@", 1)[0]) if f.name.split("@", 1)[0].isdigit() else -1
-        if pid in pids and not f.name.endswith((".sm", ".tmp")):
+        own = f.name.partition("@")[0]
+        if own.isdigit() and int(own) in pids and not f.name.endswith((".sm", ".tmp")):
             used = int(f.read_text().split()[1])
             if used:
-                held[pid] = used
+                held[int(own)] = used
     return {"driver_mib": sum(held.values()) // MIB, "driver_procs": len(held)}
 
 
@@ -304,18 +304,28 @@ class BoundedStart:
     rest at their context, before the driver is asked. ``driver`` says what the driver lists
     while they hold."""
 
-    plan: dict[str, int]
+    plan: dict[str, int]  # attempts, and fit: the contexts the grant fits
     each: int  # the hook's charge for one process with a context and its allocation
-    fit: int
     box: Container
     bare: Round[dict[str, object]]
     hooked: Round[dict[str, object]]
     after: Snapshot
 
+    @property
+    def fit(self) -> int:
+        return self.plan["fit"]
+
+    @property
+    def region(self) -> Snapshot:
+        """The region as the hooked run's processes held."""
+        region = self.hooked.seen["region"] if self.hooked.seen else None
+        assert isinstance(region, Snapshot)
+        return region
+
     def figures(self) -> dict[str, object]:
         """The run as one JSON line's fields (tests/gpu/gpu_figures.py)."""
-        region = self.hooked.seen["region"] if self.hooked.seen else None
-        assert isinstance(region, Snapshot) and self.bare.seen is not None and self.hooked.seen is not None
+        region = self.region
+        assert self.bare.seen is not None and self.hooked.seen is not None
         return {
             "procs": len(self.bare.starts),
             **self.plan,
@@ -352,9 +362,8 @@ class BoundedStart:
         assert all(s.alloc_rc == -1 for s in refused)
         assert all(s.alloc_rc == CUDA_SUCCESS for s in hooked.starts if s.ctx_rc == CUDA_SUCCESS)
         assert {s.total for s in hooked.starts} == {box.limit_bytes}  # each sees the grant as the card
+        region = self.region
         assert hooked.seen is not None
-        region = hooked.seen["region"]
-        assert isinstance(region, Snapshot)
         assert region.devices[0].used_bytes == fit * self.each <= box.limit_bytes
         # one region, a slot for each process that charged (the query-only ones charge nothing)
         assert len(region.processes) == attempts
@@ -421,4 +430,4 @@ def bounded_start(
         while_held=both,
         timeout=timeout,
     )
-    return BoundedStart(plan, each, fit, box, bare, hooked, box.snapshot())
+    return BoundedStart(plan, each, box, bare, hooked, box.snapshot())
