@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.gatesim import PAIR, Slices, rewriter, run, sparse  # noqa: E402
+from tests.support.gatesim import PAIR, Slices, pair, rewriter, run, sparse  # noqa: E402
 
 MODELS = {
     "pair (as measured, a little busier)": PAIR,
@@ -82,10 +82,7 @@ def main() -> None:
         for name, model in MODELS.items():
             held = 0
             for s in range(args.pair_runs):
-                sim = Slices(work / f"p{len(pairs)}-{s}", 1000 + s)
-                for pid, (limit, lumps) in model.items():
-                    sim.lumpy(pid, limit, lumps)
-                e, _ = run(sim, "report", 10)
+                _, e = pair(work / f"p{len(pairs)}", 1000 + s, model, "report")
                 held += bool(e.gate_writes)
             pairs[name] = held
             print(f"honest 30/70 pair, {name}: a gate written in {held} of {args.pair_runs} runs of 10 s")

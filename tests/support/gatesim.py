@@ -168,7 +168,17 @@ def sparse(p: float, low: float, high: float) -> Callable[[random.Random], float
 # the H200's 30/70 pair, 2026-12-05: the one at 30 % was sampled in 10 of 40 periods at 84-91 %
 # (the driver's share 19.6 %, the hook's 25.4 %), the one at 70 % in 32 of 40 at 79 % median,
 # 90 % at the 90th percentile (61.2 %, the hook's 65.7 %); here both a little busier than that
-PAIR = {101: (30, sparse(0.28, 0.84, 0.91)), 102: (70, sparse(0.82, 0.68, 0.93))}
+Model = dict[int, tuple[int, Callable[[random.Random], float]]]  # pid: (its grant %, its lumps)
+PAIR: Model = {101: (30, sparse(0.28, 0.84, 0.91)), 102: (70, sparse(0.82, 0.68, 0.93))}
+
+
+def pair(tmp: Path, seed: int, model: Model = PAIR, action: str = "kill") -> tuple[Slices, ComputeEnforcer]:
+    """Containers within their grants sharing the card (pid: (grant, lumps)), 10 s."""
+    sim = Slices(tmp / str(seed), seed)
+    for pid, (limit, lumps) in model.items():
+        sim.lumpy(pid, limit, lumps)
+    e, _ = run(sim, action, 10)
+    return sim, e
 
 
 def rewriter(tmp: Path, seed: int, seconds: float, neighbour: bool = False) -> tuple[Slices, ComputeEnforcer]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.gatesim import CARD, OTHER, PAIR, PASS_NS, Sim, Slices, rewriter, run
+from tests.support.gatesim import CARD, OTHER, PAIR, PASS_NS, Sim, Slices, pair, rewriter, run
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import encode, read_grant, update_grant
 from vgpu.plugin.config import parse_node_config
@@ -203,10 +203,7 @@ def test_lumpy_samples_of_a_card_shared_in_time_slices_seldom_hold_a_container_w
     walk this wide may stray that far now and then: a run or two is allowed), and it never acts."""
     held = []
     for seed in range(40):
-        sim = Slices(tmp_path / str(seed), seed)
-        for pid, (limit, lumps) in PAIR.items():
-            sim.lumpy(pid, limit, lumps)
-        e, _ = run(sim, "kill", 10)
+        sim, e = pair(tmp_path, seed)
         assert not e.counts and not sim.events, (seed, e.counts)
         if e.gate_writes:
             held.append((seed, e.gate_writes, {pid: round(sim.share(pid, 10), 1) for pid in PAIR}))
