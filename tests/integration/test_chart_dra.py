@@ -113,6 +113,7 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
         "/var/lib/kubelet/plugins_registry",
         "/var/run/cdi",
         "/var/lib/vgpu",  # grants, regions and the hook's lib/<hash>/ folder, as the device plugin's
+        "/sys/fs/cgroup",  # the monitor's, for enforcement.compute throttle (the default): the freezer
     }
     assert volumes["config"]["configMap"]["name"] == "vgpu-device-plugin-config"
     # the monitor beside it: the real `vgpu monitor` parses its flags, the fake cards included
@@ -140,6 +141,51 @@ def test_the_dra_plugin_has_no_privilege_and_the_monitor_only_kill_where_it_kill
     )
     alone = _pod(render(*DRA, "--set", "dra.monitor.enabled=false", kube_version=K136), "vgpu-dra-plugin")
     assert [c["name"] for c in alone["containers"]] == ["dra-plugin"] and "hostPID" not in alone
+
+
+def test_the_dra_monitor_gets_the_host_cgroups_and_kill_where_any_node_throttles_or_kills() -> None:
+    """The monitor beside the DRA plugin runs the compute gate too: throttle (the default) needs
+    the host's cgroups for its freezer; a node override's kill or evict needs its right."""
+    quiet = (
+        "--set",
+        "devicePlugin.enforcement.memory=report",
+        "--set",
+        "devicePlugin.enforcement.compute=report",
+    )
+    override = ("--set", "devicePlugin.nodeOverrides[0].name=gpu-9", "--set")
+
+    def rights(*values: str) -> tuple[list[str], bool, bool]:
+        """(the monitor's added capabilities, whether it mounts the host's cgroups, whether the
+        role may evict)."""
+        objs = render(*DRA, *values, kube_version=K136)
+        pod = _pod(objs, "vgpu-dra-plugin")
+        mounts = {c["name"]: {m["mountPath"] for m in c["volumeMounts"]} for c in pod["containers"]}
+        assert "/host/sys/fs/cgroup" not in mounts["dra-plugin"]
+        cgroup = "/host/sys/fs/cgroup" in mounts["monitor"]
+        assert cgroup == (
+            "/sys/fs/cgroup" in {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+        )
+        rules = find(objs, "ClusterRole", "vgpu-kube-system-dra-plugin")["rules"]
+        evict = any("pods/eviction" in r["resources"] for r in rules)
+        return container(pod, "monitor")["securityContext"]["capabilities"].get("add", []), cgroup, evict
+
+    assert rights() == (["KILL"], True, False)  # memory kill, compute throttle
+    assert rights(*quiet) == ([], False, False)
+    assert rights(*quiet, *override, "devicePlugin.nodeOverrides[0].enforcement.compute=kill") == (
+        ["KILL"],
+        False,
+        False,
+    )
+    assert rights(*quiet, *override, "devicePlugin.nodeOverrides[0].enforcement.compute=throttle") == (
+        [],
+        True,
+        False,
+    )
+    assert rights(*quiet, *override, "devicePlugin.nodeOverrides[0].enforcement.memory=evict") == (
+        [],
+        False,
+        True,
+    )
 
 
 def test_the_dra_plugins_rights_are_its_slices_claims_and_node_and_the_monitors() -> None:

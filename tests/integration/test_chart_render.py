@@ -459,6 +459,58 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
     assert (("pods/eviction", "create") in granted) == (action == "evict")
 
 
+def test_a_node_override_changes_enforcement_on_its_node_only_and_the_pods_get_every_right_it_needs() -> None:
+    """One DaemonSet and one role serve every node, so a right one node's action needs (KILL, the
+    host's cgroups, pods/eviction) is given where any node may take that action."""
+    objs = render(
+        *(
+            "--set",
+            "devicePlugin.enforcement.memory=report",
+            "--set",
+            "devicePlugin.enforcement.compute=report",
+        ),
+        *("--set", "devicePlugin.nodeOverrides[0].name=strict"),
+        *("--set", "devicePlugin.nodeOverrides[0].enforcement.memory=kill"),
+        *("--set", "devicePlugin.nodeOverrides[0].enforcement.compute=throttle"),
+        *("--set", "devicePlugin.nodeOverrides[0].enforcement.intervalMs=50"),
+        *("--set", "devicePlugin.nodeOverrides[1].name=soft"),
+        *("--set", "devicePlugin.nodeOverrides[1].enforcement.memory=evict"),
+    )
+
+    def actions(node: str) -> tuple[str, str, int, int]:
+        cfg = node_config(objs, node)
+        return cfg.enforce_memory, cfg.enforce_compute, cfg.enforce_interval_ms, cfg.memory_tolerance_mib
+
+    assert actions("gpu-node-1") == ("report", "report", 100, 256)
+    assert actions("strict") == ("kill", "throttle", 50, 256)
+    assert actions("soft") == ("evict", "report", 100, 256)
+    pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    plugin = container(pod, "device-plugin")
+    assert plugin["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    assert "/host/sys/fs/cgroup" in {m["mountPath"] for m in plugin["volumeMounts"]}
+    assert "/sys/fs/cgroup" in {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    rules = find(objs, "ClusterRole", "vgpu-kube-system-device-plugin")["rules"]
+    assert ("pods/eviction", "create") in {
+        (r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]
+    }
+    refused = template(
+        "--set",
+        "devicePlugin.nodeOverrides[0].name=n",
+        "--set",
+        "devicePlugin.nodeOverrides[0].enforcement.memory=freeze",
+    )
+    assert refused.returncode != 0 and "enforcement" in refused.stderr and "memory" in refused.stderr, (
+        refused.stderr
+    )
+    refused = template(
+        "--set",
+        "devicePlugin.nodeOverrides[0].name=n",
+        "--set",
+        "devicePlugin.nodeOverrides[0].enforcement.interval=50",
+    )
+    assert refused.returncode != 0 and "interval" in refused.stderr, refused.stderr
+
+
 def test_a_bad_compute_enforcement_value_is_refused_by_the_schema() -> None:
     result = template("--set", "devicePlugin.enforcement.compute=freeze")
     assert result.returncode != 0 and "compute" in result.stderr, result.stderr

@@ -14,10 +14,12 @@ The file (``--config``; every key optional)::
     enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
       memory: kill             # a container holding more device memory than granted: kill (SIGKILL
                                # its process holding the most), evict (the Eviction API) or report
+      compute: throttle        # launches run past the node's compute gate: throttle (the cgroup
+                               # freezer), evict, kill (its process with the most GPU time) or report
       memoryToleranceMiB: 256  # allowed past the grant per process on a card (driver context memory)
       intervalMs: 100          # how often the driver's per-process memory is read (10..500)
     nodes:                     # per-node overrides of the keys above, by node name
-      gpu-node-7: {split: 4}
+      gpu-node-7: {split: 4, enforcement: {memory: report}}
 
 A bad value stops the plugin at start with the file, the field and the fix; it never runs
 half-configured.

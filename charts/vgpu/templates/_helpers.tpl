@@ -157,3 +157,21 @@ each of them; without any, it is the one term.
 {{- $_ = set $affinity "nodeAffinity" $node -}}
 {{- toYaml $affinity -}}
 {{- end -}}
+
+{{/*
+vgpu.enforcementActions: every action the node monitors may take, as "a,b,...": the cluster-wide
+devicePlugin.enforcement.memory and .compute and those of each nodeOverrides[].enforcement. The
+DaemonSets and roles are one for all nodes, so each right an action needs (KILL, the host's
+cgroups for throttle, pods/eviction) is given where any node may take it.
+*/}}
+{{- define "vgpu.enforcementActions" -}}
+{{- $d := .Values.devicePlugin -}}
+{{- $acts := list $d.enforcement.memory $d.enforcement.compute -}}
+{{- range $d.nodeOverrides -}}
+{{- with .enforcement -}}
+{{- with .memory }}{{ $acts = append $acts . }}{{ end -}}
+{{- with .compute }}{{ $acts = append $acts . }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $acts | uniq | sortAlpha | join "," -}}
+{{- end -}}
