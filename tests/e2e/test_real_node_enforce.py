@@ -1,6 +1,7 @@
 """The node's second line of defence on the real node: a process that bypasses the hook and goes
 past its grant is killed from the host within 1 s, the pod gets an Event and the metric counts it;
-with ``enforcement.memory: report`` nothing is killed but the crossing is reported; a neighbour
+with ``enforcement.memory: report`` nothing is killed but the crossing is reported; with
+``evict`` set for this node alone (``nodeOverrides``) the API server evicts the pod; a neighbour
 within its grant is never touched.
 
 The real kubelet, containerd and runc run the sample image's ``t_bypass`` (native/hook/tests),
@@ -154,11 +155,13 @@ def _killed_within_1s(node: Node) -> None:
     assert _metric(node, "kill", "neighbour") == 0
 
 
-def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready: Node) -> None:
-    node = plugin_ready
+def _upgrade(node: Node, *values: str) -> None:
+    """``helm upgrade --reuse-values`` with ``values`` (``key=value``), then wait until the new
+    device-plugin pod has replaced the old one and registered with the kubelet."""
     before = node.plugin_pod()
     assert before is not None
     registered = node.kubelet_log().count("registration request from device plugin")
+    sets = [arg for value in values for arg in ("--set", value)]
     upgraded = subprocess.run(
         [
             str(node.sandbox.bin("helm")),
@@ -168,8 +171,7 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
             "-n",
             NAMESPACE,
             "--reuse-values",
-            "--set",
-            "devicePlugin.enforcement.memory=report",
+            *sets,
             f"--kubeconfig={node.sandbox.kubeconfig}",
         ],
         capture_output=True,
@@ -182,7 +184,7 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
         pod = _plugin_running(node)
         return pod if pod and pod["metadata"]["uid"] != before["metadata"]["uid"] else None
 
-    wait_for(new_plugin, "the device-plugin pod with enforcement.memory report", 240, every=1.0, ignore=FLAKY)
+    wait_for(new_plugin, f"the device-plugin pod with {' '.join(values)}", 240, every=1.0, ignore=FLAKY)
     # the kubelet admits a GPU pod only once the new plugin has registered and listed its devices
     wait_for(
         lambda: (
@@ -194,6 +196,11 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
         every=1.0,
         ignore=FLAKY,
     )
+
+
+def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready: Node) -> None:
+    node = plugin_ready
+    _upgrade(node, "devicePlugin.enforcement.memory=report")
     _pod(node, "greedy-report", "exec t_bypass 512 3000")
     try:
         wait_for(lambda: _crossed_ns(node, "greedy-report"), "the crossing", 180, every=1.0, ignore=FLAKY)
@@ -216,3 +223,54 @@ def test_with_report_the_crossing_is_reported_and_nothing_is_killed(plugin_ready
         raise
     finally:
         node.kubectl("delete", "pod", "-n", "default", "greedy-report", "--wait=false", check=False)
+
+
+def test_evict_set_for_this_node_alone_evicts_the_pod_through_the_api_server(plugin_ready: Node) -> None:
+    """Cluster-wide ``report``, ``evict`` for this node by ``nodeOverrides``: the chart gives the
+    plugin the eviction right, the real API server evicts the pod (policy/v1 Eviction) and the
+    kubelet stops it; once per crossing, while the pod terminates."""
+    node = plugin_ready
+    _upgrade(
+        node,
+        "devicePlugin.enforcement.memory=report",
+        f"devicePlugin.nodeOverrides[0].name={realnode.NAME}",
+        "devicePlugin.nodeOverrides[0].enforcement.memory=evict",
+    )
+    _pod(node, "greedy-evict", "exec t_bypass 512 3000")
+    try:
+        crossed = wait_for(
+            lambda: _crossed_ns(node, "greedy-evict"), "the crossing", 180, every=1.0, ignore=FLAKY
+        )
+        line = wait_for(
+            lambda: re.search(
+                r"memory over grant: evicting the pod: container cuda of default/greedy-evict .*"
+                r"\[at monotonic ([\d.]+) s\]",
+                _plugin_log(node),
+            ),
+            "the eviction in the plugin's log",
+            30,
+            every=1.0,
+            ignore=FLAKY,
+        )
+        seconds = float(line.group(1)) - crossed / 1e9
+        _log(f"crossing to eviction: {seconds * 1000:.0f} ms; {line.group(0)[:300]}")
+        assert 0 <= seconds < 1.0, f"evicted {seconds:.3f} s after the crossing"
+
+        def gone() -> bool:
+            listed = node.get("pods", "-n", "default", "--field-selector", "metadata.name=greedy-evict")
+            return not listed["items"] or "deletionTimestamp" in listed["items"][0]["metadata"]
+
+        wait_for(gone, "the API server to evict the pod", 30, every=0.5, ignore=FLAKY)
+        [event] = wait_for(
+            lambda: _events(node, "greedy-evict"), "the Event on the pod", 30, every=1.0, ignore=FLAKY
+        )
+        assert event["type"] == "Warning" and event["message"].startswith("evicting the pod"), event
+        assert "could not evict" not in event["message"], event
+        time.sleep(1.0)  # more passes see it over while it terminates: still one action
+        assert _metric(node, "evict", "greedy-evict") == 1
+        assert _metric(node, "kill", "greedy-evict") == 0
+    except AssertionError:
+        _diagnose(node, "greedy-evict")
+        raise
+    finally:
+        node.kubectl("delete", "pod", "-n", "default", "greedy-evict", "--wait=false", check=False)
