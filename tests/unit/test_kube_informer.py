@@ -29,7 +29,8 @@ def obj(name: str, rv: int) -> Obj:
 
 
 class Source:
-    """list: the current items at version "10"; watch: what the test queues (an error raises)."""
+    """list: the current items at version "10"; watch: what the test queues (an error raises),
+    ending when nothing came for ``expire_s``; with ``gone`` every watch is a 410 at once."""
 
     def __init__(self, items: list[str]) -> None:
         self.items = list(items)
@@ -37,6 +38,8 @@ class Source:
         self.lists = 0
         self.list_errors: list[Exception] = []
         self.watched_from: list[str] = []
+        self.expire_s = 0.05
+        self.gone = False
 
     def list(self) -> tuple[list[Obj], str]:
         if self.list_errors:
@@ -46,9 +49,11 @@ class Source:
 
     def watch(self, rv: str) -> Iterator[tuple[str, Obj]]:
         self.watched_from.append(rv)
+        if self.gone:
+            raise Gone(f"watch things from {rv}: too old resource version", status=410)
         while True:
             try:
-                item = self.events.get(timeout=0.05)
+                item = self.events.get(timeout=self.expire_s)
             except queue.Empty:
                 return  # the watch expired: the informer watches again from its version
             if isinstance(item, Exception):
@@ -92,7 +97,7 @@ def informer(source: Source, seen: Seen, backoff: Backoff | None = None, **kw: A
         seen.on_event,
         backoff=backoff or Backoff(0.01, 0.01),
         on_broken=seen.on_broken,
-        **kw,
+        **({"min_watch_s": 0.0} | kw),  # the source's watches expire after 50 ms
     )
 
 
@@ -142,6 +147,47 @@ def test_a_410_gone_lists_again_at_once_without_the_backoff() -> None:
         assert inf.backoff.current_s == 30.0  # a 410 is no failure: the delay did not grow
     finally:
         inf.stop(timeout_s=None)
+
+
+def test_a_watch_that_ends_at_once_with_no_event_is_opened_again_only_after_a_growing_backoff() -> None:
+    """A proxy that closes every watch at once must not make the informer spin on the API server;
+    the version is still good, so it watches again from it without listing."""
+    source, seen = Source(["a"]), Seen()
+    source.expire_s = 0.0
+    backoff = Backoff(0.05, 0.4)
+    inf = informer(source, seen, backoff=backoff, min_watch_s=1.0).start()
+    try:
+        assert inf.wait_synced(5)
+        time.sleep(1.0)
+        opened = list(source.watched_from)
+        # at 0, 0.05, 0.15, 0.35, 0.75 s (and one more on a slow machine); at once, thousands
+        assert 3 <= len(opened) <= 7, len(opened)
+        assert set(opened) == {"10"} and source.lists == 1 and seen.broken == 0
+        assert backoff.current_s == 0.4
+        # a watch that lasts: events flow again and the delay starts over
+        source.expire_s = 0.05
+        source.events.put(("ADDED", obj("b", 11)))
+        assert wait(lambda: seen.events == [("ADDED", "b")] and backoff.current_s == 0.05)
+    finally:
+        inf.stop()
+
+
+def test_a_410_right_after_a_410_lists_again_only_after_the_backoff() -> None:
+    """One 410 lists at once; a watch that is 410 again from the new list's version, before any
+    event, waits the backoff, so a version the server keeps refusing never spins list and watch."""
+    source, seen = Source(["a"]), Seen()
+    source.gone = True
+    inf = informer(source, seen, backoff=Backoff(0.2, 0.2)).start()
+    try:
+        assert inf.wait_synced(5)
+        time.sleep(0.5)
+        # list, 410, list at once, 410, 0.2 s, list, 410, 0.2 s, list: 3 or 4 lists
+        assert 2 <= source.lists <= 5, source.lists
+        source.gone = False
+        source.events.put(("ADDED", obj("b", 11)))
+        assert wait(lambda: seen.events == [("ADDED", "b")])
+    finally:
+        inf.stop()
 
 
 def test_errors_list_again_after_a_growing_backoff_that_a_good_watch_resets() -> None:

@@ -8,6 +8,12 @@ version (:class:`vgpu.kube.client.Gone`, HTTP 410) lists again at once; any othe
 error of the API server, a broken stream, a handler that raised) lists again after a
 :class:`vgpu.core.backoff.Backoff` delay, which a successful watch resets.
 
+Two answers that would otherwise loop at once, hammering the API server, wait the backoff too:
+a watch that ends within ``min_watch_s`` (1 s) with no event at all (a proxy or load balancer
+closing it; client-go's reflector calls this a "very short watch") is opened again from the same
+version after the delay, and a 410 that follows a 410 with no event between them lists again
+after the delay (one 410 lists at once, as before).
+
 ``synced`` is set once the first list is applied (``on_synced`` is then called once); ``lists``
 counts the lists. The users: the extender's pods, nodes and Leases (:mod:`vgpu.extender.sync`),
 the device plugin's arrival order (:mod:`vgpu.plugin.arrivals`) and the sandbox's kubelet
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,6 +59,7 @@ class Informer:
         on_synced: Callable[[], None] | None = None,
         on_broken: Callable[[], None] | None = None,
         logger: logging.Logger | None = None,
+        min_watch_s: float = 1.0,
     ) -> None:
         self.name = name
         self.list_fn = list_fn
@@ -62,8 +70,10 @@ class Informer:
         self.on_synced = on_synced
         self.on_broken = on_broken  # the watch stopped; a list follows (the user's view may lag)
         self.log = logger or log
+        self.min_watch_s = min_watch_s  # a watch shorter than this with no event is a failure
         self.synced = threading.Event()
         self.lists = 0
+        self.events = 0  # events the watches gave, bookmarks included
         self.resource_version: str | None = None  # None: list next
         self._service = Service(f"informer-{name}", lambda _stop: self.run(), stop)
 
@@ -84,17 +94,37 @@ class Informer:
     def run(self) -> None:
         """List and watch until the stop Event is set."""
         stopping = self.stopping
+        gone_before = False  # the last watch ended in a 410 before any event
         while not stopping.is_set():
+            before = self.events
             try:
                 if self.resource_version is None:
                     self._list()
+                opened = time.monotonic()
                 self._watch(self.watch_fn(str(self.resource_version)))
+                seen = self.events - before
+                gone_before = False
+                lasted = time.monotonic() - opened
+                if not seen and lasted < self.min_watch_s and not stopping.is_set():
+                    delay = self.backoff.next()
+                    self.log.warning(
+                        "%s: the watch ended after %.2fs with no event (closed by a proxy or the API "
+                        "server?); watching again in %.1fs",
+                        self.name,
+                        lasted,
+                        delay,
+                    )
+                    stopping.wait(delay)
+                    continue
                 self.backoff.reset()
             except KubeError as err:
                 self.resource_version = None
                 if self.on_broken is not None:
                     self.on_broken()
-                if _gone(err):
+                seen = self.events - before
+                at_once = _gone(err) and (seen > 0 or not gone_before)
+                gone_before = _gone(err) and not seen
+                if at_once:
                     self.log.info("%s: %s; listing again", self.name, err)
                     continue
                 delay = self.backoff.next()
@@ -102,6 +132,7 @@ class Informer:
                 stopping.wait(delay)
             except Exception:  # never let a bad event or handler kill the loop
                 self.resource_version = None
+                gone_before = False
                 if self.on_broken is not None:
                     self.on_broken()
                 delay = self.backoff.next()
@@ -123,6 +154,7 @@ class Informer:
         for kind, obj in events:
             if stopping.is_set():
                 return
+            self.events += 1
             if kind != "BOOKMARK":
                 self.on_event(kind, obj)
             rv = (obj.get("metadata") or {}).get("resourceVersion")
