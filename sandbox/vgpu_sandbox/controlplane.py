@@ -157,11 +157,13 @@ def scheduler_config(
     scheduler_name: str = "default-scheduler",
     extender_url: str | None = None,
     extender_ca_b64: str | None = None,
+    extender_client: tuple[Path, Path] | None = None,
     managed_resources: tuple[str, ...] = (),
     percentage_of_nodes_to_score: int | None = None,
     client_qps: int = 200,
 ) -> str:
-    """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS.
+    """A KubeSchedulerConfiguration (v1) as JSON, optionally calling the vGPU extender over TLS
+    (``extender_client``: the client certificate and key kube-scheduler gives it).
 
     ``client_qps``: kube-scheduler's own API client rate (burst twice that). It limits the binds
     kube-scheduler makes itself, not those the extender makes.
@@ -179,6 +181,9 @@ def scheduler_config(
         "profiles": [profile],
     }
     if extender_url is not None:
+        tls: dict[str, object] = {"insecure": False, "caData": extender_ca_b64}
+        if extender_client is not None:
+            tls["certFile"], tls["keyFile"] = str(extender_client[0]), str(extender_client[1])
         config["extenders"] = [
             {
                 "urlPrefix": extender_url,
@@ -187,7 +192,7 @@ def scheduler_config(
                 "bindVerb": "bind",
                 "weight": 1,
                 "enableHTTPS": True,
-                "tlsConfig": {"insecure": False, "caData": extender_ca_b64},
+                "tlsConfig": tls,
                 "nodeCacheCapable": True,
                 "httpTimeout": "30s",
                 "managedResources": [{"name": r, "ignoredByScheduler": True} for r in managed_resources],

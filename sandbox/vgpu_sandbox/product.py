@@ -81,6 +81,8 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
     layout = sandbox.layout
     progress("starting the vgpu extender, its kube-scheduler and the admission webhook")
     pair = sandbox.ca.issue("extender", ["127.0.0.1", "localhost"])
+    # kube-scheduler's client certificate: the extender answers its scheduling verbs to it alone
+    client = sandbox.ca.issue("vgpu-scheduler-extender-client", [], client=True)
     port, metrics_port = sandbox.port("extender"), sandbox.port("extender-metrics")
     sandbox.launch(
         "vgpu-extender",
@@ -90,6 +92,7 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
             f"--listen=127.0.0.1:{port}",
             f"--cert-file={pair.cert}",
             f"--key-file={pair.key}",
+            f"--client-ca-file={sandbox.ca.cert_path}",
             f"--metrics-listen=127.0.0.1:{metrics_port}",
             f"--namespace={NAMESPACE}",
             f"--scheduler-name={SCHEDULER_NAME}",
@@ -112,6 +115,7 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
             scheduler_name=SCHEDULER_NAME,
             extender_url=f"https://127.0.0.1:{port}",
             extender_ca_b64=ca_b64,
+            extender_client=(client.cert, client.key),
             managed_resources=MANAGED_RESOURCES,
         )
     )

@@ -141,7 +141,7 @@ def strict_extender(sandbox: Sandbox, folder: Path) -> Iterator[tuple[str, str]]
     assert "--reject-unsatisfiable=true" in command
     ca = CertificateAuthority(folder / "pki")
     pair = ca.issue("extender", ["127.0.0.1"])
-    port, flags = local_extender_flags(command, pair.cert, pair.key)
+    port, flags = local_extender_flags(command, pair.cert, pair.key, ca.cert_path)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     proc = start(
         [sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={sandbox.kubeconfig}", *flags],

@@ -357,13 +357,17 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
             sandbox, base64.b64decode(secret).decode(), tmp_path / "ext.kubeconfig"
         )
         tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
-        for name in ("tls.crt", "tls.key", "ca.crt"):
+        for name in ("tls.crt", "tls.key", "ca.crt", "client.crt", "client.key"):
             (tmp_path / name).write_bytes(base64.b64decode(tls[name]))
         deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)["spec"]["template"]["spec"]
         command = next(c for c in deploy["containers"] if c["name"] == "extender")["command"]
-        port, flags = local_extender_flags(command, tmp_path / "tls.crt", tmp_path / "tls.key")
+        port, flags = local_extender_flags(
+            command, tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt"
+        )
         extender = ["extender", f"--kubeconfig={extender_kubeconfig}", *flags]
         ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))  # the release's CA
+        # kube-scheduler's client certificate from the release's Secret: the verbs answer it alone
+        ctx.load_cert_chain(str(tmp_path / "client.crt"), str(tmp_path / "client.key"))
 
         def call(path: str, body: object | None = None) -> tuple[int, Any]:
             data = None if body is None else json.dumps(body).encode()

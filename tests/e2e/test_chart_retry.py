@@ -116,7 +116,10 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
     # the extender, on the chart's command line, with the release's certificate
     for name, data in chart.tls.items():
         (tmp_path / name).write_bytes(data)
-    port, flags = local_extender_flags(chart.extender, tmp_path / "tls.crt", tmp_path / "tls.key")
+    port, flags = local_extender_flags(
+        chart.extender, tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt"
+    )
+    assert "--client-ca-file=/etc/vgpu/tls/ca.crt" in chart.extender  # only kube-scheduler may call
     extender = [
         sys.executable,
         "-m",
@@ -132,6 +135,10 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
     service = urlsplit(ext["urlPrefix"])
     ext["urlPrefix"] = f"https://127.0.0.1:{port}"
     ext["tlsConfig"]["serverName"] = service.hostname
+    # its client certificate from the release's Secret, where the chart mounts it in the pod
+    assert ext["tlsConfig"]["certFile"] == "/etc/vgpu/extender-client/tls.crt"
+    ext["tlsConfig"]["certFile"] = str(tmp_path / "client.crt")
+    ext["tlsConfig"]["keyFile"] = str(tmp_path / "client.key")
     config["clientConnection"] = {"kubeconfig": str(sandbox.kubeconfig)}
     config_file = tmp_path / "scheduler-config.yaml"
     config_file.write_text(yaml.safe_dump(config))

@@ -39,6 +39,29 @@ def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
     return yaml.safe_load(cm["data"]["scheduler-config.yaml"])
 
 
+def checkable_config(objs: list[dict[str, Any]], tmp: Path) -> Path:
+    """The rendered KubeSchedulerConfiguration written to ``tmp``, with the Secrets the
+    kube-scheduler container mounts (its client certificate and key) written there as the pod
+    mounts them and the config's paths pointing at them, so the real kube-scheduler can build
+    its extender client."""
+    text = find(objs, "ConfigMap", "vgpu-scheduler-config")["data"]["scheduler-config.yaml"]
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container(pod, "kube-scheduler")["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        data = find(objs, "Secret", secret["secretName"])["data"]
+        folder = tmp / mount["name"]
+        folder.mkdir()
+        for item in secret["items"]:
+            (folder / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+        text = text.replace(mount["mountPath"] + "/", f"{folder}/")
+    config = tmp / "scheduler-config.yaml"
+    config.write_text(text)
+    return config
+
+
 def node_config(objs: list[dict[str, Any]], node: str) -> NodeConfig:
     """What the real device plugin makes of the rendered node settings on ``node``."""
     cm = find(objs, "ConfigMap", "vgpu-device-plugin-config")
@@ -135,9 +158,7 @@ def test_percentage_of_nodes_to_score_reaches_the_profile_only_when_set(tmp_path
     cfg = scheduler_config(objs)
     assert cfg["profiles"][0]["percentageOfNodesToScore"] == 100
     # and the real kube-scheduler takes it
-    config = tmp_path / "scheduler-config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    result = kube_scheduler_checks(config, [], tmp_path)
+    result = kube_scheduler_checks(checkable_config(objs, tmp_path), [], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     written = yaml.safe_load((tmp_path / "written.yaml").read_text())
     assert written["profiles"][0]["percentageOfNodesToScore"] == 100
@@ -193,6 +214,47 @@ def test_the_serving_certificate_is_signed_by_the_ca_every_client_is_given() -> 
         assert hook["clientConfig"]["service"]["name"] == "vgpu-extender"
 
 
+def test_only_kube_schedulers_client_certificate_may_call_the_scheduling_verbs() -> None:
+    """kube-scheduler gets a client certificate of the release's CA, and only it (never the
+    extender's serving key); the extender takes that CA for its verbs. Off, neither is rendered."""
+    objs = render()
+    data = find(objs, "Secret", "vgpu-extender-tls")["data"]
+    ca, _ = _certs(objs)
+    client = x509.load_pem_x509_certificate(base64.b64decode(data["client.crt"]))
+    assert client.issuer == ca.subject and client.signature_hash_algorithm is not None
+    key = ca.public_key()
+    assert isinstance(key, ec.EllipticCurvePublicKey)
+    key.verify(client.signature, client.tbs_certificate_bytes, ec.ECDSA(client.signature_hash_algorithm))
+    usage = client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH in usage
+    (ext,) = scheduler_config(objs)["extenders"]
+    tls = ext["tlsConfig"]
+    assert (tls["certFile"], tls["keyFile"]) == (
+        "/etc/vgpu/extender-client/tls.crt",
+        "/etc/vgpu/extender-client/tls.key",
+    )
+    pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    mount = next(
+        m for m in container(pod, "kube-scheduler")["volumeMounts"] if m["name"] == "extender-client"
+    )
+    assert mount["mountPath"] == "/etc/vgpu/extender-client" and mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == "extender-client")["secret"]
+    assert volume["secretName"] == "vgpu-extender-tls"
+    assert {i["key"]: i["path"] for i in volume["items"]} == {
+        "client.crt": "tls.crt",
+        "client.key": "tls.key",
+    }
+    assert "--client-ca-file=/etc/vgpu/tls/ca.crt" in container(pod, "extender")["command"]
+
+    off = render("--set", "scheduler.extender.clientAuth=false")
+    assert not {"client.crt", "client.key"} & set(find(off, "Secret", "vgpu-extender-tls")["data"])
+    (ext,) = scheduler_config(off)["extenders"]
+    assert "certFile" not in ext["tlsConfig"] and "keyFile" not in ext["tlsConfig"]
+    pod = find(off, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
+    assert all(v["name"] != "extender-client" for v in pod["volumes"])
+    assert not [a for a in container(pod, "extender")["command"] if a.startswith("--client-ca-file")]
+
+
 def test_the_certificate_lasts_the_days_asked_for() -> None:
     _, crt = _certs(render("--set", "webhook.certificate.validityDays=30"))
     days = (crt.not_valid_after_utc - crt.not_valid_before_utc).days
@@ -223,6 +285,7 @@ def test_the_extender_runs_with_the_contracts_command_line() -> None:
         "listen": "0.0.0.0:8443",
         "cert-file": "/etc/vgpu/tls/tls.crt",
         "key-file": "/etc/vgpu/tls/tls.key",
+        "client-ca-file": "/etc/vgpu/tls/ca.crt",
         "metrics-listen": "0.0.0.0:9395",
         "namespace": NS,
         "scheduler-name": "vgpu-scheduler",
@@ -562,10 +625,11 @@ def test_the_custom_registry_scenario_pulls_every_image_from_the_mirror_with_cre
 def test_kube_scheduler_1_33_accepts_the_rendered_configuration_and_flags(
     values: Path, tmp_path: Path
 ) -> None:
-    """The real kube-scheduler decodes the config strictly and validates it, then writes it out."""
+    """The real kube-scheduler decodes the config strictly and validates it, builds its extender
+    client (its client certificate and key, from the Secret as the pod mounts them), then writes
+    the config out."""
     objs = render("-f", str(values))
-    config = tmp_path / "scheduler-config.yaml"
-    config.write_text(find(objs, "ConfigMap", "vgpu-scheduler-config")["data"]["scheduler-config.yaml"])
+    config = checkable_config(objs, tmp_path)
     pod = find(objs, "Deployment", "vgpu-scheduler")["spec"]["template"]["spec"]
     command = container(pod, "kube-scheduler")["command"]
     assert command[0] == "kube-scheduler"

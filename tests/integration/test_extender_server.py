@@ -48,10 +48,7 @@ def _kubeconfig(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    tmp = tmp_path_factory.mktemp("extender")
-    ca = CertificateAuthority(tmp / "pki")
+def _run(tmp: Path, ca: CertificateAuthority, *extra: str) -> Running:
     pair = ca.issue("extender", ["127.0.0.1", "localhost"])
     port, mport = free_port(), free_port()
     log = tmp / "extender.log"
@@ -63,6 +60,7 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         "--cert-file", str(pair.cert), "--key-file", str(pair.key),
         "--metrics-listen", f"127.0.0.1:{mport}",
         "--namespace", "kube-system", "--scheduler-name", "vgpu-scheduler", "--workers", "4",
+        *extra,
     ]  # fmt: skip
     proc = start(argv, log, env)
     running = Running(
@@ -72,15 +70,21 @@ def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     while True:
         try:
             if requests.get(running.url + "/healthz", verify=str(ca.cert_path), timeout=2).status_code == 200:
-                break
+                return running
         except requests.RequestException:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"extender did not come up:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def extender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    tmp = tmp_path_factory.mktemp("extender")
+    running = _run(tmp, CertificateAuthority(tmp / "pki"))
     yield running
-    stop(proc, grace=20)
+    stop(running.proc, grace=20)
 
 
 def post(ext: Running, route: str, data: bytes) -> requests.Response:
@@ -164,3 +168,93 @@ def test_the_cli_names_a_bad_setting(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "--default-cores" in r.stderr
+
+
+@dataclass
+class Certified:
+    ext: Running
+    client: tuple[str, str]  # a client certificate and key the extender's client CA signed
+    stranger: tuple[str, str]  # one another CA signed
+
+
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Certified]:
+    """An extender with --client-ca-file: its one CA signs its serving and client certificates."""
+    tmp = tmp_path_factory.mktemp("certified")
+    ca = CertificateAuthority(tmp / "pki")
+    client = ca.issue("kube-scheduler", [], client=True)
+    other = CertificateAuthority(tmp / "other", name="not-the-release-ca").issue("intruder", [], client=True)
+    running = _run(tmp, ca, "--client-ca-file", str(ca.cert_path))
+    yield Certified(running, (str(client.cert), str(client.key)), (str(other.cert), str(other.key)))
+    stop(running.proc, grace=20)
+
+
+FILTER = b'{"Pod":{"metadata":{"name":"p","uid":"u"},"spec":{"containers":[]}},"NodeNames":["a"]}'
+
+
+def _chunks(body: bytes) -> Iterator[bytes]:
+    yield body  # a generator body goes chunked: gunicorn's own parser, not the worker's short one
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["short-parser", "gunicorn-parser"])
+def test_with_a_client_ca_the_scheduling_verbs_answer_only_its_certificates(
+    certified: Certified, chunked: bool
+) -> None:
+    ext = certified.ext
+
+    def call(route: str, cert: tuple[str, str] | None) -> requests.Response:
+        return requests.post(
+            ext.url + route,
+            data=_chunks(FILTER) if chunked else FILTER,
+            headers={"Content-Type": "application/json"},
+            verify=str(ext.ca),
+            cert=cert,
+            timeout=10,
+        )
+
+    for route in ("/filter", "/prioritize", "/bind"):
+        refused = call(route, None)
+        assert refused.status_code == 403, (route, refused.text)
+        error = refused.json()["Error"]
+        assert route[1:] in error and "--client-ca-file" in error and "certFile and keyFile" in error
+    answered = call("/filter", certified.client)
+    assert answered.status_code == 200 and "loading" in answered.json()["Error"]  # past the check
+    # a certificate another CA signed never gets past the handshake
+    with pytest.raises(requests.exceptions.ConnectionError):
+        call("/filter", certified.stranger)
+    # the webhooks (the API server gives no certificate) and the probes answer anyone
+    review = call("/webhook/validate", None)
+    assert review.status_code == 400 and "AdmissionReview" in review.json()["Error"]
+    assert requests.get(ext.url + "/healthz", verify=str(ext.ca), timeout=5).text == "ok\n"
+
+
+def test_refused_calls_are_counted_by_verb_and_logged_once(certified: Certified) -> None:
+    for _ in range(3):
+        requests.post(certified.ext.url + "/bind", data=b"{}", verify=str(certified.ext.ca), timeout=10)
+    text = requests.get(certified.ext.metrics_url, timeout=5).text
+    counted = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('vgpu_scheduler_uncertified_calls_total{verb="bind"}')
+    ]
+    assert counted and counted[0] >= 3, text[-2000:]
+    logged = certified.ext.log.read_text()
+    assert logged.count("refused bind from 127.0.0.1") == 1, logged[-2000:]
+
+
+def test_the_cli_refuses_a_client_ca_without_https_or_without_the_file(tmp_path: Path) -> None:
+    kubeconfig = str(_kubeconfig(tmp_path / "kubeconfig"))
+    base = [sys.executable, "-m", "vgpu.commands.cli", "extender", "--kubeconfig", kubeconfig]
+    plain = subprocess.run(
+        [*base, "--insecure-http", "--client-ca-file", str(tmp_path / "kubeconfig")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert plain.returncode == 2 and "--client-ca-file needs HTTPS" in plain.stderr, plain.stderr
+    ca = CertificateAuthority(tmp_path / "pki")
+    pair = ca.issue("extender", ["127.0.0.1"])
+    missing = subprocess.run(
+        [*base, "--cert-file", str(pair.cert), "--key-file", str(pair.key),
+         "--client-ca-file", "/no/such.pem"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "--client-ca-file /no/such.pem: no such file" in missing.stderr

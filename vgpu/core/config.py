@@ -52,6 +52,9 @@ class SchedulerConfig:
     metrics_listen: str = "0.0.0.0:9395"
     cert_file: str | None = None
     key_file: str | None = None
+    # the CA whose certificates may call the scheduling verbs (filter, prioritize, bind): set, a
+    # call without a client certificate it signed is refused; the webhooks and probes need none
+    client_ca_file: str | None = None
     # threads: kube-scheduler binds asynchronously, and each bind holds a thread while the API
     # server answers (tens of ms under load); filter, on every pod's path, must not queue behind them
     workers: int = 32

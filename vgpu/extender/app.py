@@ -5,7 +5,10 @@ without tags, so capitalised): ``ExtenderArgs`` {Pod, Nodes, NodeNames} in, ``Ex
 {Nodes, NodeNames, FailedNodes, FailedAndUnresolvableNodes, Error}, ``HostPriorityList``
 [{Host, Score}], ``ExtenderBindingArgs`` {PodName, PodNamespace, PodUID, Node} and
 ``ExtenderBindingResult`` {Error}. Like Go's decoder, keys match case-insensitively. Malformed
-JSON or fields get HTTP 400 with ``Error`` naming the problem. The handlers only translate: the
+JSON or fields get HTTP 400 with ``Error`` naming the problem. With a client CA
+(``client_ca_file``) the scheduling verbs answer only a caller whose TLS client certificate that CA
+signed (HTTP 403 otherwise); the webhooks, which the API server calls without one, and the probes
+answer anyone. The handlers only translate: the
 work happens in :class:`vgpu.extender.state.SchedulerState`. Every request goes through Flask's
 routing: a WSGI layer that handed the verbs' POSTs to their handlers past Flask was measured and
 dropped, since it gave under 10 % more pods per second (bench/RESULTS.md).
@@ -28,6 +31,12 @@ from vgpu.extender.state import NotReady, SchedulerState
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 MAX_BODY = 64 * 1024 * 1024
+SCHEDULING_VERBS = ("/filter", "/prioritize", "/bind")  # kube-scheduler's: with a client CA, its alone
+UNCERTIFIED = (
+    "this extender answers {verb} only to a caller with a TLS client certificate signed by its client "
+    "CA (--client-ca-file); give kube-scheduler's extender tlsConfig a certFile and keyFile that CA "
+    "signed (the chart does: docs/install.md, 'Who may call the extender')"
+)
 
 
 class BadRequest(ValueError):
@@ -220,7 +229,9 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
         "/webhook/validate-config": validate_config,
     }
     for path, handler in routes.items():
-        app.add_url_rule(path, endpoint=handler.__name__, view_func=_view(handler), methods=["POST"])
+        guarded = bool(config.client_ca_file) and path in SCHEDULING_VERBS
+        view = _certified(_view(handler), path.lstrip("/")) if guarded else _view(handler)
+        app.add_url_rule(path, endpoint=handler.__name__, view_func=view, methods=["POST"])
     app.extensions["vgpu_verbs"] = routes  # path -> handler (body bytes -> status, answer): the fuzzers
 
     @app.get("/healthz")
@@ -244,6 +255,39 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
 
 Handler = Callable[[bytes], tuple[int, Any]]
 TOO_LARGE = {"Error": f"body larger than {MAX_BODY} bytes"}
+
+
+def peer_certified(environ: dict[str, Any]) -> bool:
+    """Whether the caller gave a TLS client certificate: the server asks for one and verifies a
+    given one against the client CA in the handshake (``CERT_OPTIONAL``), so one here is signed."""
+    getpeercert = getattr(environ.get("gunicorn.socket"), "getpeercert", None)
+    if getpeercert is None:
+        return False
+    try:
+        return bool(getpeercert())
+    except (ValueError, OSError):  # no handshake (plain HTTP) or the connection is gone
+        return False
+
+
+_refusals_logged: set[str] = set()
+
+
+def _certified(view: Callable[[], Response], verb: str) -> Callable[[], Response]:
+    """``view``, answered only to a caller with a client certificate (HTTP 403 otherwise; the
+    first refusal of each verb is logged, every one counted)."""
+    message = UNCERTIFIED.format(verb=verb)
+
+    def guarded() -> Response:
+        if peer_certified(request.environ):
+            return view()
+        metrics.UNCERTIFIED.labels(verb).inc()
+        if verb not in _refusals_logged:
+            _refusals_logged.add(verb)
+            log.warning("refused %s from %s: %s", verb, request.remote_addr, message)
+        return _json(403, {"Error": message})
+
+    guarded.__name__ = view.__name__
+    return guarded
 
 
 def _view(handler: Handler) -> Callable[[], Response]:

@@ -1,6 +1,7 @@
 """``vgpu extender``: the kube-scheduler extender and admission webhook over HTTPS.
 
     vgpu extender --kubeconfig PATH --listen HOST:PORT --cert-file PEM --key-file PEM
+                  [--client-ca-file PEM]
                   --metrics-listen HOST:PORT --namespace NS --scheduler-name vgpu-scheduler
                   [--workers N] [--node-policy binpack|spread] [--gpu-policy binpack|spread]
                   [--default-mem MIB] [--default-cores PCT] [--filter-keep N]
@@ -36,6 +37,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", help="HOST:PORT for the HTTPS verbs and webhook (default 0.0.0.0:9443)")
     parser.add_argument("--cert-file", help="PEM certificate for HTTPS")
     parser.add_argument("--key-file", help="PEM private key for HTTPS")
+    parser.add_argument(
+        "--client-ca-file",
+        help="PEM CA: filter, prioritize and bind answer only a caller with a client certificate it "
+        "signed (kube-scheduler's extender tlsConfig certFile/keyFile); the webhooks need none",
+    )
     parser.add_argument("--metrics-listen", help="HOST:PORT for plain-HTTP /metrics (default 0.0.0.0:9395)")
     parser.add_argument("--namespace", help="namespace of the Leases (default kube-system)")
     parser.add_argument("--scheduler-name", help="schedulerName pods are routed to (default vgpu-scheduler)")
@@ -69,6 +75,7 @@ FLAGS = (
     "listen",
     "cert_file",
     "key_file",
+    "client_ca_file",
     "metrics_listen",
     "namespace",
     "scheduler_name",
@@ -117,7 +124,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for flag, path in (("--cert-file", config.cert_file), ("--key-file", config.key_file)):
+    if config.client_ca_file and args.insecure_http:
+        print(
+            "vgpu extender: --client-ca-file needs HTTPS (client certificates are TLS's): drop "
+            "--insecure-http, or the client CA",
+            file=sys.stderr,
+        )
+        return 2
+    files = (
+        ("--cert-file", config.cert_file),
+        ("--key-file", config.key_file),
+        ("--client-ca-file", config.client_ca_file),
+    )
+    for flag, path in files:
         if path and not os.path.isfile(path):
             print(f"vgpu extender: {flag} {path}: no such file", file=sys.stderr)
             return 2

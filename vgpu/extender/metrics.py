@@ -28,6 +28,11 @@ BAD_REQUESTS = Counter(
     "Calls rejected with HTTP 400 because their JSON or fields were malformed, by route.",
     ["route"],
 )
+UNCERTIFIED = Counter(
+    "vgpu_scheduler_uncertified_calls",
+    "Scheduling calls refused with HTTP 403: the caller gave no client certificate of the client CA.",
+    ["verb"],
+)
 INVENTORY_ERRORS = Counter(
     "vgpu_scheduler_inventory_errors",
     "Node inventory annotations that did not decode; the node is skipped until it is fixed.",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import sys
 from typing import Any
 
@@ -100,6 +101,11 @@ class ExtenderServer(BaseApplication):  # type: ignore[misc]
         if cfg.cert_file and cfg.key_file:
             settings["certfile"] = cfg.cert_file
             settings["keyfile"] = cfg.key_file
+            if cfg.client_ca_file:
+                # asked for, verified against the CA when given; the verbs refuse a call without
+                # one (vgpu.extender.app), the webhooks and probes take none
+                settings["ca_certs"] = cfg.client_ca_file
+                settings["cert_reqs"] = ssl.CERT_OPTIONAL
         for key, value in settings.items():
             self.cfg.set(key, value)
 
@@ -111,13 +117,14 @@ _SSL_CACHE: dict[str, Any] = {}
 
 
 def _cached_ssl_context(conf: Any, default_factory: Any) -> Any:
-    """One SSLContext per process, rebuilt when the certificate or key file changes.
+    """One SSLContext per process, rebuilt when the certificate, key or client CA file changes.
 
     gunicorn's default builds a new context (and reads the key) for every connection; under a
     burst, when kube-scheduler opens more connections than it keeps idle, that dominated the CPU.
     """
     stamp = tuple(
-        os.stat(p).st_mtime_ns if p and os.path.exists(p) else 0 for p in (conf.certfile, conf.keyfile)
+        os.stat(p).st_mtime_ns if p and os.path.exists(p) else 0
+        for p in (conf.certfile, conf.keyfile, conf.ca_certs)
     )
     if _SSL_CACHE.get("stamp") != stamp:
         _SSL_CACHE["context"] = default_factory()

@@ -238,6 +238,7 @@ class LingeringThreadWorker(ThreadWorker):  # type: ignore[misc]
         environ["PATH_INFO"] = path
         environ["QUERY_STRING"] = query
         environ["SERVER_NAME"], environ["SERVER_PORT"] = str(conn.server[0]), str(conn.server[1])
+        environ["gunicorn.socket"] = conn.sock  # as gunicorn's: the TLS peer (vgpu.extender.app)
         client = conn.client
         if isinstance(client, tuple):
             environ["REMOTE_ADDR"], environ["REMOTE_PORT"] = str(client[0]), str(client[1])

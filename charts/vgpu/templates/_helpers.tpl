@@ -89,7 +89,10 @@ handshake costs an RSA-2048 key several times what it costs a P-256 key.
 {{- /* the DNS names reach it through the Service (kube-scheduler, the API server); 127.0.0.1 and
 localhost serve a probe or a debugging session inside the pod */ -}}
 {{- $cert := genSignedCertWithKey (printf "%s.%s.svc" $svc $ns) (list "127.0.0.1") $names $days $ca (genPrivateKey "ecdsa") -}}
-{{- $_ := set . "vgpuTLS" (dict "ca" $ca.Cert "crt" $cert.Cert "key" $cert.Key) -}}
+{{- /* kube-scheduler's client certificate: with scheduler.extender.clientAuth the extender answers
+filter, prioritize and bind only to a certificate this CA signed */ -}}
+{{- $client := genSignedCertWithKey "kube-scheduler" nil nil $days $ca (genPrivateKey "ecdsa") -}}
+{{- $_ := set . "vgpuTLS" (dict "ca" $ca.Cert "crt" $cert.Cert "key" $cert.Key "clientCrt" $client.Cert "clientKey" $client.Key) -}}
 {{- end -}}
 {{- toYaml .vgpuTLS -}}
 {{- end -}}
