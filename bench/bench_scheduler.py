@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
          [--filter-calls 200] [--percentage-of-nodes-to-score P] [--kube-api-qps Q]
-         [--short-parser on|off]
+         [--short-parser on|off] [--client-auth on|off]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
@@ -34,6 +34,9 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
    machine when it has neither Go nor a package index.
 8. ``--short-parser off`` runs the extender with ``VGPU_EXTENDER_SHORT_PARSER=0`` (every request
    through gunicorn's own HTTP parser), for an A/B of the worker's short parser.
+9. ``--client-auth off`` runs the extender without ``--client-ca-file`` and kube-scheduler without
+   its client certificate (the chart's ``scheduler.extender.clientAuth: false``), for an A/B of
+   what the client certificate costs in each TLS handshake (default on, as the chart).
 
 Prints one line per figure and the machine; asserts nothing.
 """
@@ -259,10 +262,13 @@ class Extender:
         percentage: int | None = None,
         qps: int = 200,
         short_parser: bool = True,
+        client_auth: bool = True,
     ) -> None:
         ca = CertificateAuthority(folder / "pki")
         self.ca_path = str(ca.cert_path)
         pair = ca.issue("extender", ["127.0.0.1"])
+        client = ca.issue("bench-kube-scheduler", [], client=True) if client_auth else None
+        self.client_cert = (str(client.cert), str(client.key)) if client else None
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
@@ -275,6 +281,8 @@ class Extender:
             f"--metrics-listen=127.0.0.1:{self.metrics_port}", "--namespace=kube-system",
             f"--scheduler-name={SCHEDULER}", "--identity=bench",
         ]  # fmt: skip
+        if client_auth:
+            argv.append(f"--client-ca-file={ca.cert_path}")
         log = (folder / "extender.log").open("ab")
         self.procs = [
             subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -294,6 +302,7 @@ class Extender:
             scheduler_name=SCHEDULER,
             extender_url=self.url,
             extender_ca_b64=base64.b64encode(ca.pem).decode(),
+            extender_client=(client.cert, client.key) if client else None,
             managed_resources=MANAGED,
             percentage_of_nodes_to_score=percentage,
             client_qps=qps,
@@ -353,7 +362,14 @@ def filter_latency(ext: Extender, names: list[str], calls: int) -> tuple[float, 
     for _ in range(calls):
         start = time.perf_counter()
         # verify= per call: a session-wide setting loses to REQUESTS_CA_BUNDLE in the environment
-        r = session.post(ext.url + "/filter", data=body, headers=headers, verify=ext.ca_path, timeout=30)
+        r = session.post(
+            ext.url + "/filter",
+            data=body,
+            headers=headers,
+            verify=ext.ca_path,
+            cert=ext.client_cert,
+            timeout=30,
+        )
         times.append(time.perf_counter() - start)
         answer = r.json()
         if r.status_code != 200 or answer.get("Error"):
@@ -402,6 +418,7 @@ def run_size(
     percentage: int | None = None,
     qps: int = 200,
     short_parser: bool = True,
+    client_auth: bool = True,
 ) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
@@ -429,7 +446,7 @@ def run_size(
             time.sleep(1)
         print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
         folder = work / f"ext-{n}"
-        ext = Extender(sb, folder, percentage, qps, short_parser)
+        ext = Extender(sb, folder, percentage, qps, short_parser, client_auth)
         state = sb.state()
         WATCHED.clear()
         for c in state.components if state else []:
@@ -519,6 +536,12 @@ def main() -> int:
         default="on",
         help="the extender worker's short HTTP parser (off: gunicorn's parser for every request)",
     )
+    parser.add_argument(
+        "--client-auth",
+        choices=("on", "off"),
+        default="on",
+        help="kube-scheduler calls the extender with a client certificate it checks (off: neither)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     print(
@@ -535,6 +558,7 @@ def main() -> int:
                 args.percentage_of_nodes_to_score,
                 args.kube_api_qps,
                 args.short_parser == "on",
+                args.client_auth == "on",
             )
     return 0
 
