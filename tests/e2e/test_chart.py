@@ -211,6 +211,46 @@ def test_install_upgrade_and_uninstall_of_a_release(sandbox: Sandbox, namespace:
         time.sleep(1)
 
 
+# The chart as main had it on 2026-12-05 (before the extender's client certificate and per-node
+# enforcement): a release installed from it must upgrade in place, also with --reuse-values,
+# which keeps that chart's values, so none of the keys added since.
+EARLIER = "1a56719"
+
+
+def test_a_release_of_an_earlier_chart_upgrades_in_place_with_its_values_reused(
+    sandbox: Sandbox, namespace: str, tmp_path: Path
+) -> None:
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", EARLIER, "charts/vgpu"], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        pytest.skip(
+            f"the earlier chart needs this checkout's git history ({EARLIER}): {archive.stderr[-200:]!r}"
+        )
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    earlier = tmp_path / "charts" / "vgpu"
+    helm(
+        sandbox, "install", RELEASE, str(earlier), "-n", namespace, *ISOLATION,
+        "--set", "devicePlugin.deviceSplitCount=7", "--wait",
+    )  # fmt: skip
+    try:
+        assert "client.crt" not in get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
+        for how in ("--reuse-values", "--reset-then-reuse-values"):
+            helm(sandbox, "upgrade", RELEASE, str(CHART), "-n", namespace, how, "--wait")
+            assert _node_config(sandbox)["split"] == 7, how  # the user's value kept
+            # what the new chart adds by default holds, though the old values never named it
+            tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
+            assert {"client.crt", "client.key"} <= set(tls), how
+            config = get(sandbox, "configmap", f"{RELEASE}-scheduler-config", "-n", NS)["data"]
+            (ext,) = yaml.safe_load(config["scheduler-config.yaml"])["extenders"]
+            assert ext["tlsConfig"]["certFile"] == "/etc/vgpu/extender-client/tls.crt", how
+            deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)["spec"]["template"]["spec"]
+            extender = next(c for c in deploy["containers"] if c["name"] == "extender")
+            assert "--client-ca-file=/etc/vgpu/tls/ca.crt" in extender["command"], how
+    finally:
+        helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait", check=False)
+
+
 def _kubeconfig_as(sandbox: Sandbox, token: str, path: Path) -> Path:
     """The sandbox's cluster and CA, with a ServiceAccount token as the user."""
     kc = yaml.safe_load(sandbox.kubeconfig.read_text())

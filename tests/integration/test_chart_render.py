@@ -246,6 +246,11 @@ def test_only_kube_schedulers_client_certificate_may_call_the_scheduling_verbs()
     }
     assert "--client-ca-file=/etc/vgpu/tls/ca.crt" in container(pod, "extender")["command"]
 
+    # a release upgraded with --reuse-values keeps the values of a chart without the key: on
+    absent = render("--set", "scheduler.extender.clientAuth=null")
+    assert "certFile" in scheduler_config(absent)["extenders"][0]["tlsConfig"]
+    assert "client.crt" in find(absent, "Secret", "vgpu-extender-tls")["data"]
+
     off = render("--set", "scheduler.extender.clientAuth=false")
     assert not {"client.crt", "client.key"} & set(find(off, "Secret", "vgpu-extender-tls")["data"])
     (ext,) = scheduler_config(off)["extenders"]

@@ -178,3 +178,12 @@ cgroups for throttle, pods/eviction) is given where any node may take it.
 {{- end -}}
 {{- $acts | uniq | sortAlpha | join "," -}}
 {{- end -}}
+
+{{/*
+vgpu.clientAuth: "true" where only kube-scheduler's client certificate may call the extender's
+verbs (scheduler.extender.clientAuth). A release upgraded with --reuse-values keeps the values of
+a chart that had no such key: absent, it is on, as the default.
+*/}}
+{{- define "vgpu.clientAuth" -}}
+{{- if dig "clientAuth" true .Values.scheduler.extender -}}true{{- end -}}
+{{- end -}}
