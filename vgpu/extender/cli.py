@@ -21,13 +21,13 @@ autoscaler may add the node it needs).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
 
+from vgpu.core import logs
 from vgpu.core.config import POLICIES, load_config
 from vgpu.core.errors import ConfigError
 
@@ -110,7 +110,7 @@ def filter_keep_setting(flag: int | None, env: Mapping[str, str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure("INFO")
     try:
         config = load_config({k: getattr(args, k) for k in FLAGS}, file=args.config)
         filter_keep = filter_keep_setting(getattr(args, "filter_keep", None), os.environ)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from vgpu.core import logs
 from vgpu.core.errors import ConfigError, KubeError
 from vgpu.core.service import Service
 from vgpu.plugin.config import NodeConfig, load_node_config
@@ -196,7 +197,7 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
 
 def serve(command: str, build: Callable[[], Startable], log_level: str = "INFO") -> int:
     """Build and start, then run until SIGTERM or SIGINT; 2 with one line on stderr for a bad setting."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(log_level)
     try:
         service = build()
         service.start()
