@@ -8,8 +8,8 @@ without tags, so capitalised): ``ExtenderArgs`` {Pod, Nodes, NodeNames} in, ``Ex
 JSON or fields get HTTP 400 with ``Error`` naming the problem. With a client CA
 (``client_ca_file``) the scheduling verbs answer only a caller whose TLS client certificate that CA
 signed (HTTP 403 otherwise); the webhooks, which the API server calls without one, and the probes
-answer anyone. The handlers only translate: the
-work happens in :class:`vgpu.extender.state.SchedulerState`. Every request goes through Flask's
+answer anyone. The handlers only translate: the work happens in
+:class:`vgpu.extender.state.SchedulerState`. Every request goes through Flask's
 routing: a WSGI layer that handed the verbs' POSTs to their handlers past Flask was measured and
 dropped, since it gave under 10 % more pods per second (bench/RESULTS.md).
 """
