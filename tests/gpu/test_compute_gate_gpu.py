@@ -274,8 +274,13 @@ def test_a_container_rewriting_its_bucket_is_held_to_its_grant_by_the_node(lib: 
 
 
 def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -> None:
-    """25/50/75 % (short kernels) one after the other, then 30 and 70 % at once: the node's gate
-    never closes on them, and the hook's time share (busy_ns) stays within 2 points."""
+    """25/50/75 % (short kernels) one after the other, then 30 and 70 % at once: the hook's time
+    share (busy_ns) stays within 2 points of each grant and the node takes no action. Alone, the
+    node's gate never closes on them. The pair shares the card in time slices, and the driver's
+    samples then give each 200 ms period wholly to one of the two (on the H200 the 30 % container
+    read 35.2 % over 8 s by them, 28.5 % by the hook): the gate may hold the one the samples show
+    over its grant for a moment, which the hook's share shows it did not cost more than the
+    2 points; the holds are recorded (``pair_gate_writes``)."""
     enforcer = node.enforcer()
     enforcer.start()
     try:
@@ -323,12 +328,14 @@ def test_the_hooks_accuracy_holds_with_the_node_running(lib: Path, node: Node) -
         two_containers=both,
         gate_writes=enforcer.gate_writes,
         pair_gate_writes=pair_writes,
+        second_line_actions=sum(enforcer.counts.values()),
         margin_pts=MARGIN,
         as_nobody=bool(node.demote),
         traces=traces,
     )
-    assert enforcer.gate_writes == 0 and not enforcer.counts, "the node held a container within its grant"
+    assert not enforcer.counts, f"the node acted on a container within its grant: {enforcer.counts}"
     for pct, figures in alone.items():
+        assert figures["gate_writes"] == 0, f"the node held a container alone within its grant: {pct}"
         assert abs(figures["hook_pct"] - pct) <= 2.0, (pct, figures)
     for pct, figures in both.items():
-        assert figures["hook_pct"] <= pct + 2.0, (pct, figures)
+        assert abs(figures["hook_pct"] - pct) <= 2.0, (pct, figures)  # each keeps its share
