@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from vgpu.core import logs
 from vgpu.core.backoff import Backoff
 from vgpu.core.errors import KubeError
 from vgpu.core.service import Service
@@ -418,10 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "--interval", type=float, default=0.5, help="seconds before listing again when the pod watch breaks"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("VGPU_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(os.environ.get("VGPU_LOG_LEVEL", "INFO"))
     from vgpu.kube.agent import NodeAgentClient
 
     client = NodeAgentClient(str(args.kubeconfig))
