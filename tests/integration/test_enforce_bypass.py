@@ -12,7 +12,6 @@ make cgroups); skipped otherwise, saying why.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +21,14 @@ import pytest
 from hook_harness import Built, build, env
 
 from tests.support import wait_for
-from tests.support.cgroups import StubNode, granted_container, kubepods_cgroups, reap, reaped_at
+from tests.support.cgroups import (
+    StubNode,
+    driver_records,
+    granted_container,
+    kubepods_cgroups,
+    reap,
+    reaped_at,
+)
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
 
@@ -37,8 +43,8 @@ def built() -> Built:
 
 
 class Node(StubNode):
-    def __init__(self, tmp: Path, cgroups: Path) -> None:
-        super().__init__(tmp, cgroups, CARD)
+    def __init__(self, tmp: Path, cgroups: Path, procs: Path) -> None:
+        super().__init__(tmp, cgroups, CARD, procs)
 
     def container(self, name: str) -> tuple[str, Path]:
         """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
@@ -51,20 +57,19 @@ class Node(StubNode):
             STUB_CUDA_PROCESS_DIR=str(self.procs),
             NVIDIA_VISIBLE_DEVICES=CARD,
             CUDA_DEVICE_MEMORY_LIMIT_0=f"{GRANT_MIB}m",
-            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.procs.parent / f"{cgroup.name}.region"),
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.tmp / f"{cgroup.name}.region"),
         )
         return self.spawn(cgroup, [built.prog("t_bypass"), str(below), str(target)], environ)
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    with kubepods_cgroups(tmp_path) as cgroups:
-        made = Node(tmp_path, cgroups)
+    with kubepods_cgroups(tmp_path) as cgroups, driver_records(tmp_path) as procs:
+        made = Node(tmp_path, cgroups, procs)
         try:
             yield made
         finally:
             reap(made.children)
-        shutil.rmtree(tmp_path / "procs", ignore_errors=True)
 
 
 def _line(child: subprocess.Popen[str], word: str) -> dict[str, str]:

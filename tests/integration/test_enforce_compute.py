@@ -12,7 +12,6 @@ Needs root (cgroups); skipped otherwise, saying why. Each test prints its figure
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import pytest
 from hook_harness import Built, build, env
 
 from tests.support.attacks import BucketWriter
-from tests.support.cgroups import StubNode, granted_container, kubepods_cgroups, reap
+from tests.support.cgroups import StubNode, driver_records, granted_container, kubepods_cgroups, reap
 from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.hostview import HostView
@@ -37,8 +36,8 @@ def built() -> Built:
 
 
 class Node(StubNode):
-    def __init__(self, tmp: Path, cgroups: Path) -> None:
-        super().__init__(tmp, cgroups, CARD)
+    def __init__(self, tmp: Path, cgroups: Path, procs: Path) -> None:
+        super().__init__(tmp, cgroups, CARD, procs)
 
     def container(self, sm_limit: int) -> tuple[Path, Path, Path]:
         """A pod with one container granted ``sm_limit`` % of the card: (cgroup, grant, region)."""
@@ -69,15 +68,14 @@ class Node(StubNode):
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    with kubepods_cgroups(tmp_path) as cgroups:
-        made = Node(tmp_path, cgroups)
+    with kubepods_cgroups(tmp_path) as cgroups, driver_records(tmp_path) as procs:
+        made = Node(tmp_path, cgroups, procs)
         try:
             yield made
         finally:
             reap(made.children)
             for freeze in cgroups.rglob("cgroup.freeze"):
                 freeze.write_text("0")
-        shutil.rmtree(tmp_path / "procs", ignore_errors=True)
 
 
 def _values(out: str) -> dict[str, str]:
