@@ -28,13 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
+import yaml
+
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.region import Region, Snapshot
+from vgpu.plugin.fake_nvml import FakeDiscovery
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "native" / "hook" / "build"
 PROGRAM = BUILD / "b_many"
 MIB = 1 << 20
+STUB_CARD = "GPU-57ab0000-0000-4000-8000-000000000000"  # the stub driver's device 0, as held_on_stub names it
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
 # What Allocate's environment may carry in from the caller's: none of it may leak into a run.
@@ -285,15 +289,14 @@ def held_on_gpu(pids: set[int]) -> dict[str, int]:
 
 def held_on_stub(process_dir: Path, pids: set[int]) -> dict[str, int]:
     """What the stub driver says these processes hold on device 0 (MiB; its files in
-    STUB_CUDA_PROCESS_DIR, as the fake NVML backend reads them), and how many hold anything."""
-    held: dict[int, int] = {}
-    for f in process_dir.glob("*@*"):
-        own = f.name.partition("@")[0]
-        if own.isdigit() and int(own) in pids and not f.name.endswith((".sm", ".tmp")):
-            used = int(f.read_text().split()[1])
-            if used:
-                held[int(own)] = used
-    return {"driver_mib": sum(held.values()) // MIB, "driver_procs": len(held)}
+    STUB_CUDA_PROCESS_DIR), read as the node reads them, through the fake NVML backend, and how
+    many hold anything."""
+    described = process_dir.parent / f"{process_dir.name}.gpus.yaml"
+    described.write_text(
+        yaml.safe_dump({"gpus": [{"uuid": STUB_CARD, "memoryMiB": 1 << 20}], "processDir": str(process_dir)})
+    )
+    held = [p for p in FakeDiscovery(described).processes(STUB_CARD) or [] if p.pid in pids]
+    return {"driver_mib": sum(p.memory_bytes for p in held) // MIB, "driver_procs": len(held)}
 
 
 @dataclass
