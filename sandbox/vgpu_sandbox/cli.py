@@ -13,14 +13,18 @@ from vgpu_sandbox.errors import SandboxError
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help=f"the sandbox's state folder (default: $VGPU_SANDBOX_DIR or {default_dir()})",
-    )
+    where = f"the sandbox's state folder (default: $VGPU_SANDBOX_DIR or {default_dir()})"
+    parser.add_argument("--dir", type=Path, default=None, help=where)
+    # also after the action (`vgpu sandbox down --dir X`), where it wins; absent there, it leaves
+    # the value before the action alone
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--dir", type=Path, default=argparse.SUPPRESS, help=where)
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    up = sub.add_parser("up", help="start a control plane with simulated GPU nodes")
+
+    def action(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, parents=[after])
+
+    up = action("up", "start a control plane with simulated GPU nodes")
     defaults = Spec()
     up.add_argument(
         "--nodes", type=int, default=defaults.nodes, help="simulated GPU nodes (default %(default)s)"
@@ -63,11 +67,11 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="with --real-node: no local extender, kube-scheduler or webhook; the chart's scheduler "
         "Deployment runs them in a pod on the real node once the playbook installs it",
     )
-    restart = sub.add_parser("restart", help="restart the real node's containerd or kubelet")
+    restart = action("restart", "restart the real node's containerd or kubelet")
     restart.add_argument("component", choices=("containerd", "kubelet"))
-    sub.add_parser("status", help="what runs, and the nodes").add_argument("--json", action="store_true")
-    sub.add_parser("kubeconfig", help="print the kubeconfig's path")
-    sub.add_parser("down", help="stop everything; leaves no process and no listening port")
+    action("status", "what runs, and the nodes").add_argument("--json", action="store_true")
+    action("kubeconfig", "print the kubeconfig's path")
+    action("down", "stop everything; leaves no process and no listening port")
 
 
 def _err(message: str) -> int:

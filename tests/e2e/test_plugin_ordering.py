@@ -1,7 +1,7 @@
 """Many vGPU pods landing on one node at once: every container starts with its own pod's limits.
 
 kubelet's Allocate never names the pod; the plugin must serve the pod kubelet is admitting.
-Eight pods applied in one `kubectl apply`, created in the same second, pinned to one node,
+Eight pods applied in one `kubectl apply`, created within seconds, pinned to one node,
 each asking for a different amount of memory and compute: the env the kubelet stand-in
 recorded for each container must be exactly its own pod's allocation (memory, SM limit,
 cards, priority, and the region folder named after its own pod UID). Repeated a few rounds,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -52,6 +53,11 @@ def _listed(sandbox: Sandbox, round_id: str) -> list[dict[str, Any]]:
     return list(json.loads(out)["items"])
 
 
+def _seconds(stamp: str) -> int:
+    """An API server timestamp (RFC 3339, whole seconds, UTC) in seconds."""
+    return int(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
+
+
 def _settled(pod: dict[str, Any]) -> bool:
     ann = pod["metadata"].get("annotations") or {}
     return RECORD_ANNOTATION in ann and (
@@ -77,8 +83,12 @@ def test_pods_applied_at_once_on_one_node_each_start_with_their_own_limits(
         assert len(pods) == PODS
         unsettled = [p["metadata"]["name"] for p in pods if not _settled(p)]
         assert not unsettled, sandbox.kubectl("describe", "pod", "-n", "default", *unsettled).stdout
-        created = {p["metadata"]["creationTimestamp"] for p in pods}
-        assert len(created) <= 2, created  # applied at once: one second, or two at a boundary
+        # applied at once, so the node admits them side by side: within a second or two on a quiet
+        # machine; the API server's writes spread them over 4 s under a writeback flood
+        created = sorted(_seconds(p["metadata"]["creationTimestamp"]) for p in pods)
+        assert created[-1] - created[0] <= 10, (
+            f"not applied at once: created over {created[-1] - created[0]} s"
+        )
 
         for pod in pods:
             meta, ann = pod["metadata"], pod["metadata"]["annotations"]

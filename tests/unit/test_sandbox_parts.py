@@ -167,6 +167,21 @@ def test_status_of_a_folder_never_started_says_so_and_is_not_a_failure(
     assert capsys.readouterr().out == f"no sandbox in {tmp_path}: start one with `vgpu sandbox up`\n"
 
 
+def test_dir_is_taken_before_or_after_the_action(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`vgpu sandbox down --dir X`, as the real node's refusal words it, names the same folder as
+    `vgpu sandbox --dir X down`; after the action it wins."""
+    for argv in (
+        ["sandbox", "status", f"--dir={tmp_path}"],
+        ["sandbox", f"--dir={tmp_path}", "status"],
+        ["sandbox", f"--dir={tmp_path / 'other'}", "status", "--dir", str(tmp_path)],
+    ):
+        assert main(argv) == 0
+        said = capsys.readouterr().out
+        assert said == f"no sandbox in {tmp_path}: start one with `vgpu sandbox up`\n", argv
+    assert main(["sandbox", "down", f"--dir={tmp_path}"]) == 0
+    assert capsys.readouterr().out.strip() == "sandbox: nothing was running"
+
+
 def test_the_demo_with_a_real_node_refuses_a_running_sandbox_without_one(tmp_path: Path) -> None:
     folder = write_state(tmp_path / "sb", alive=[True], ready=True, stopped=0.0)
     refusal = demo.reuse_refusal(Sandbox(folder), real_node=True)
