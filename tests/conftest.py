@@ -1,12 +1,14 @@
 """Shared test set-up: GPU tests are skipped, with the reason, where no GPU is present; every test
 is put in an ``xdist_group`` so that ``pytest -n 2 --dist loadgroup`` (``make test``) never runs at
-once two tests that share something (tests/README.md, "Parallel runs").
+once two tests that share something (tests/README.md, "Parallel runs"); a run that is sent SIGTERM
+tears its fixtures down before it ends.
 """
 
 from __future__ import annotations
 
 import inspect
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 
@@ -21,6 +23,18 @@ from tests.support.groups import REAL_NODE, SANDBOX, starts_real_node
 
 # Where a worker starts: the longest groups first, so that none is left to run alone at the end.
 _FIRST = (REAL_NODE, SANDBOX)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``timeout``, a cancelled CI job) ends the run as Ctrl-C does, through the fixtures'
+    teardown: by default Python dies at once, and a sandbox or real node it started stays up, its
+    kubelet holding the machine's one device-plugin socket, so the next run skips the real node."""
+    del config
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}: tearing the fixtures down")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _has_gpu() -> bool:
