@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
 from tests.support import container, pod
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, decode_allocation
+from vgpu.kube.lease import parse_time
 
 NODE = "vgpu-node-1"
 PODS = 8
@@ -53,11 +53,6 @@ def _listed(sandbox: Sandbox, round_id: str) -> list[dict[str, Any]]:
     return list(json.loads(out)["items"])
 
 
-def _seconds(stamp: str) -> int:
-    """An API server timestamp (RFC 3339, whole seconds, UTC) in seconds."""
-    return int(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
-
-
 def _settled(pod: dict[str, Any]) -> bool:
     ann = pod["metadata"].get("annotations") or {}
     return RECORD_ANNOTATION in ann and (
@@ -85,7 +80,8 @@ def test_pods_applied_at_once_on_one_node_each_start_with_their_own_limits(
         assert not unsettled, sandbox.kubectl("describe", "pod", "-n", "default", *unsettled).stdout
         # applied at once, so the node admits them side by side: within a second or two on a quiet
         # machine; the API server's writes spread them over 4 s under a writeback flood
-        created = sorted(_seconds(p["metadata"]["creationTimestamp"]) for p in pods)
+        created = sorted(t.timestamp() for p in pods if (t := parse_time(p["metadata"]["creationTimestamp"])))
+        assert len(created) == PODS, [p["metadata"]["creationTimestamp"] for p in pods]
         assert created[-1] - created[0] <= 10, (
             f"not applied at once: created over {created[-1] - created[0]} s"
         )
