@@ -21,14 +21,7 @@ import pytest
 from hook_harness import Built, build, env
 
 from tests.support import wait_for
-from tests.support.cgroups import (
-    StubNode,
-    driver_records,
-    granted_container,
-    kubepods_cgroups,
-    reap,
-    reaped_at,
-)
+from tests.support.cgroups import StubNode, granted_container, reaped_at, stub_node
 from vgpu.plugin.monitor.enforce import Enforcer
 from vgpu.plugin.monitor.hostview import HostView
 
@@ -43,9 +36,6 @@ def built() -> Built:
 
 
 class Node(StubNode):
-    def __init__(self, tmp: Path, cgroups: Path, procs: Path) -> None:
-        super().__init__(tmp, cgroups, CARD, procs)
-
     def container(self, name: str) -> tuple[str, Path]:
         """A pod with one granted container: its cgroup folder, named as the kubelet names it."""
         return granted_container(self.paths, self.cgroups, name, CARD, GRANT_MIB * MIB)
@@ -64,12 +54,8 @@ class Node(StubNode):
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    with kubepods_cgroups(tmp_path) as cgroups, driver_records(tmp_path) as procs:
-        made = Node(tmp_path, cgroups, procs)
-        try:
-            yield made
-        finally:
-            reap(made.children)
+    with stub_node(Node, tmp_path, CARD) as made:
+        yield made
 
 
 def _line(child: subprocess.Popen[str], word: str) -> dict[str, str]:

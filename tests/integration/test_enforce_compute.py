@@ -21,7 +21,7 @@ import pytest
 from hook_harness import Built, build, env
 
 from tests.support.attacks import BucketWriter
-from tests.support.cgroups import StubNode, driver_records, granted_container, kubepods_cgroups, reap
+from tests.support.cgroups import StubNode, granted_container, stub_node
 from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.hostview import HostView
@@ -36,9 +36,6 @@ def built() -> Built:
 
 
 class Node(StubNode):
-    def __init__(self, tmp: Path, cgroups: Path, procs: Path) -> None:
-        super().__init__(tmp, cgroups, CARD, procs)
-
     def container(self, sm_limit: int) -> tuple[Path, Path, Path]:
         """A pod with one container granted ``sm_limit`` % of the card: (cgroup, grant, region)."""
         pod_uid, cgroup = granted_container(self.paths, self.cgroups, "cuda", CARD, 4096 * MIB)
@@ -68,14 +65,8 @@ class Node(StubNode):
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    with kubepods_cgroups(tmp_path) as cgroups, driver_records(tmp_path) as procs:
-        made = Node(tmp_path, cgroups, procs)
-        try:
-            yield made
-        finally:
-            reap(made.children)
-            for freeze in cgroups.rglob("cgroup.freeze"):
-                freeze.write_text("0")
+    with stub_node(Node, tmp_path, CARD) as made:
+        yield made
 
 
 def _values(out: str) -> dict[str, str]:

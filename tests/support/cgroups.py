@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
@@ -141,3 +142,20 @@ class StubNode:
         )
         self.children.append(child)
         return child
+
+
+N = TypeVar("N", bound=StubNode)
+
+
+@contextmanager
+def stub_node(kind: type[N], tmp_path: Path, card: str) -> Iterator[N]:
+    """A ``kind`` of StubNode of ``card`` over its own kubepods-like cgroups and in-memory driver
+    records; at the end its children are reaped and its cgroups thawed (a test may have frozen one)."""
+    with kubepods_cgroups(tmp_path) as cgroups, driver_records(tmp_path) as procs:
+        node = kind(tmp_path, cgroups, card, procs)
+        try:
+            yield node
+        finally:
+            reap(node.children)
+            for freeze in cgroups.rglob("cgroup.freeze"):
+                freeze.write_text("0")
