@@ -40,6 +40,7 @@ class FakeKube:
         self.patches: list[tuple[str, dict[str, str | None]]] = []  # (pod name, patch)
         self.renewals: list[tuple[str, str, Mapping[str, str] | None]] = []  # (lease, holder, annotations)
         self.selectors: list[str | None] = []  # each list_pods' field selector
+        self.pod_events: list[tuple[str, str, str]] = []  # (pod name, reason, message)
         self.lists = 0
 
     def find(self, namespace: str, name: str) -> Obj | None:
@@ -75,6 +76,9 @@ class FakeKube:
         p = self.find(namespace, name)
         if p is not None:
             _merge(p["metadata"].setdefault("annotations", {}), annotations)
+
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, message: str, node: str) -> None:
+        self.pod_events.append((name, reason, message))
 
     def node_annotations(self, node: str) -> dict[str, str]:
         return dict(self.nodes.get(node, {}))

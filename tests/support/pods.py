@@ -88,7 +88,8 @@ def bound_pod(
 ) -> dict[str, Any]:
     """A pod bound to ``node`` as the extender leaves it: per container name its shares
     ``(card UUID, memory MiB, cores %)`` in the allocation annotation (or ``annotation`` verbatim),
-    phase ``bound``, and ``nvidia.com/gpu`` set to the number of shares. Containers named in
+    phase ``bound``, and the limits that ask for them (``nvidia.com/gpu``, the number of shares;
+    ``gpumem`` and ``gpucores``, the first share's, as the node checks them). Containers named in
     ``init`` are init containers; ``priority`` sets a container's ``nvidia.com/priority``. Other
     keywords go to :func:`pod`."""
     alloc = Allocation(
@@ -101,7 +102,15 @@ def bound_pod(
     )
 
     def spec(c: str) -> dict[str, Any]:
-        limits = {"nvidia.com/gpu": str(len(devices[c]))} if devices.get(c) else {}
+        # the limits the extender read the shares from: a node checks the placement against them
+        shares = devices.get(c)
+        limits = {}
+        if shares:
+            limits = {
+                "nvidia.com/gpu": str(len(shares)),
+                "nvidia.com/gpumem": str(shares[0][1]),
+                "nvidia.com/gpucores": str(shares[0][2]),
+            }
         if priority and c in priority:
             limits["nvidia.com/priority"] = priority[c]
         return container(c, limits=limits)

@@ -32,7 +32,14 @@ def alloc_pod(uid: str, rv: int, node: str = "a", mem: int = 3000, phase: str = 
             "resourceVersion": str(rv),
             "annotations": annotations,
         },
-        "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpumem": str(mem)}}}]},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "resources": {"limits": {"nvidia.com/gpumem": str(mem), "nvidia.com/gpucores": "10"}},
+                }
+            ]
+        },
         "status": {"phase": phase},
     }
 
@@ -87,6 +94,40 @@ def test_a_relist_forgets_pods_that_are_gone_but_keeps_binds_in_flight() -> None
     st.binding.add("u2")
     st.replace_pods([])
     assert st.ledger.pods() == {"u2": "a"}
+
+
+def _untrusted(kind: str) -> float:
+    from vgpu.extender import metrics
+
+    return metrics.UNTRUSTED_PLACEMENTS.labels(kind)._value.get()
+
+
+def test_an_allocation_changed_after_the_booking_is_not_a_new_booking() -> None:
+    """A running tenant that rewrites its own placement to shrink it keeps its booking: its
+    neighbours are never placed on top of what it holds."""
+    st = state()
+    st.apply_pod(alloc_pod("u1", 5, mem=30000))
+    before = _untrusted("changed")
+    st.apply_pod(alloc_pod("u1", 6, mem=1))
+    assert st.ledger.usage("a") == {"GPU-0": Usage(30000, 10, 1, 0)}
+    assert _untrusted("changed") == before + 1
+    st.apply_pod(alloc_pod("u1", 7, mem=1))  # the same change again: warned once
+    assert _untrusted("changed") == before + 1
+
+
+def test_after_a_restart_a_placement_that_is_not_what_the_pod_asks_for_is_booked_at_what_it_asks() -> None:
+    st = state()
+    inv = ann.encode_devices(ann.NodeInventory((ann.Device("GPU-0", 0, "m", 80000, 100, 4),)))
+    st.apply_node({"metadata": {"name": "a", "annotations": {ann.DEVICES_ANNOTATION: inv}}})
+    forged = alloc_pod("u1", 5, mem=0)  # a grant of no memory for a pod whose spec asks for 20000
+    forged["spec"]["containers"][0]["resources"]["limits"] = {
+        "nvidia.com/gpumem": "20000",
+        "nvidia.com/gpucores": "10",
+    }
+    before = _untrusted("mismatch")
+    st.replace_pods([forged, alloc_pod("u2", 6, mem=3000)])
+    assert st.ledger.usage("a") == {"GPU-0": Usage(20000 + 3000, 20, 2, 0)}
+    assert _untrusted("mismatch") == before + 1
 
 
 def test_a_malformed_allocation_is_not_counted_and_does_not_raise() -> None:

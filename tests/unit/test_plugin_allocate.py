@@ -128,22 +128,22 @@ def test_a_single_container_gets_its_cards_limits_region_and_hook(pods: Pods, tm
 
 
 def test_several_vgpus_are_indexed_in_the_order_of_visible_devices(pods: Pods, tmp_path: Path) -> None:
-    pods.add("p", {"main": [("GPU-d", 1000, 10), ("GPU-a", 2000, 0)]}, priority={"main": "0"})
+    pods.add("p", {"main": [("GPU-d", 1000, 10), ("GPU-a", 1000, 10)]}, priority={"main": "0"})
     cfg = NodeConfig(split=4, device_memory_scaling=2, oversubscribe=True)
     envs = dict(make(pods, tmp_path, cfg).allocate_container(["GPU-a::0", "GPU-d::0"]).response.envs)
     assert envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-d,GPU-a"
     assert (envs["CUDA_DEVICE_MEMORY_LIMIT_0"], envs["CUDA_DEVICE_SM_LIMIT_0"]) == ("1000m", "10")
-    assert (envs["CUDA_DEVICE_MEMORY_LIMIT_1"], envs["CUDA_DEVICE_SM_LIMIT_1"]) == ("2000m", "0")
+    assert (envs["CUDA_DEVICE_MEMORY_LIMIT_1"], envs["CUDA_DEVICE_SM_LIMIT_1"]) == ("1000m", "10")
     assert envs["CUDA_OVERSUBSCRIBE"] == "true"
     assert envs["CUDA_TASK_PRIORITY"] == "0"
     # memory scaled 2x: half of each grant is the card's, the rest spills to host memory
-    assert (envs["CUDA_DEVICE_MEMORY_BUDGET_0"], envs["CUDA_DEVICE_MEMORY_BUDGET_1"]) == ("500m", "1000m")
+    assert (envs["CUDA_DEVICE_MEMORY_BUDGET_0"], envs["CUDA_DEVICE_MEMORY_BUDGET_1"]) == ("500m", "500m")
     (grant,) = (tmp_path / "var/lib/vgpu/grants").glob("*.limits")
     assert read_grant(grant) == Grant(
         uuids=("GPU-d", "GPU-a"),
-        limits=(1000 << 20, 2000 << 20),
-        sm_limits=(10, 0),
-        budgets=(500 << 20, 1000 << 20),
+        limits=(1000 << 20, 1000 << 20),
+        sm_limits=(10, 10),
+        budgets=(500 << 20, 500 << 20),
         priority=0,
         oversubscribe=True,
         region_path=f"/var/lib/vgpu/containers/{grant.name.removesuffix('.limits')}/vgpu.region",
@@ -389,10 +389,20 @@ def test_unknown_device_ids_are_refused_as_invalid(pods: Pods, tmp_path: Path) -
 
 def test_a_card_not_on_this_node_fails_the_pod_with_a_reason(pods: Pods, tmp_path: Path) -> None:
     pods.add("p", {"main": [("GPU-elsewhere", 1000, 0)]})
-    with pytest.raises(AllocateError, match="not on node node-a"):
+    with pytest.raises(AllocateError, match="card GPU-elsewhere, which is not a card of this node"):
         make(pods, tmp_path).allocate_container(["GPU-a::0"])
     assert pods.phase("p") == "failed"
     assert "GPU-elsewhere" in (pods.patches[-1][1][REASON_ANNOTATION] or "")
+
+
+def test_a_card_gone_after_the_check_fails_the_pod_with_a_reason(pods: Pods, tmp_path: Path) -> None:
+    pods.add("p", {"main": [("GPU-b", 1000, 0)]})
+    alloc = make(pods, tmp_path)
+    real = alloc.state.card
+    alloc.state.card = lambda uuid: None if uuid == "GPU-b" else real(uuid)  # type: ignore[method-assign]
+    with pytest.raises(AllocateError, match="not on node node-a"):
+        alloc.allocate_container(["GPU-a::0"])
+    assert pods.phase("p") == "failed"
 
 
 def test_an_unhealthy_card_fails_the_pod(pods: Pods, tmp_path: Path) -> None:
@@ -475,3 +485,67 @@ def test_an_unwritable_host_folder_is_an_internal_error_and_the_container_can_be
     containers.unlink()
     assert alloc.allocate_container(["GPU-a::0"]).container == "main"
     assert pods.phase("p") == "allocated"
+
+
+# -- the tenant boundary: a placement that is not what the pod asks for is refused ---------------
+
+
+def forge(pods: Pods, name: str, limits: dict[str, str], devices: list[tuple[str, int, int]]) -> None:
+    """A pod whose own spec asks for ``limits`` but whose allocation gives ``devices``: what a
+    tenant who wrote its own placement annotation gets past a cluster without the admission policy."""
+    pods.add(name, {"main": devices})
+    pod = pods.find("default", name)
+    assert pod is not None
+    pod["spec"]["containers"][0]["resources"]["limits"] = limits
+
+
+def test_a_forged_grant_with_no_limit_is_refused_and_the_pod_told_why_once(
+    pods: Pods, tmp_path: Path
+) -> None:
+    forge(pods, "forged", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}, [("GPU-a", 0, 0)])
+    alloc = make(pods, tmp_path)
+    with pytest.raises(AllocateError) as err:
+        alloc.allocate_container(["GPU-a::0"])
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/forged (vgpu.openaios.io/allocation: container main is given 0 MiB on card GPU-a" in str(
+        err.value
+    )
+    assert pods.phase("forged") == "failed"
+    with pytest.raises(AllocateError):  # kubelet rejected it; a later Allocate finds no pod
+        alloc.allocate_container(["GPU-a::0"])
+    ((name, reason, message),) = pods.pod_events  # once, not at every Allocate
+    assert (name, reason) == ("forged", "VgpuPlacementRefused")
+    assert "asks for 1000 MiB (nvidia.com/gpumem 1000)" in message
+    assert "written by the vgpu scheduler alone" in message
+    assert not list((tmp_path / "var/lib/vgpu/grants").glob("*.limits"))  # no grant was written
+
+
+def test_a_neighbour_with_an_honest_placement_is_served_beside_a_forged_one(
+    pods: Pods, tmp_path: Path
+) -> None:
+    forge(pods, "forged", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}, [("GPU-a", 80000, 100)])
+    pods.add("honest", {"main": [("GPU-a", 1000, 30)]}, created="2026-01-01T00:00:05Z")
+    served = make(pods, tmp_path).allocate_container(["GPU-a::1"])
+    assert (served.pod, dict(served.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"]) == ("honest", "1000m")
+    assert pods.phase("forged") == "failed"
+
+
+def test_a_pod_asking_only_for_a_card_gets_the_node_config_defaults_the_scheduler_applied(
+    pods: Pods, tmp_path: Path
+) -> None:
+    forge(pods, "whole", {"nvidia.com/gpu": "1"}, [("GPU-a", 80000, 0)])
+    forge(pods, "defaulted", {"nvidia.com/gpu": "1"}, [("GPU-b", 4096, 25)])
+    whole = make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert dict(whole.response.envs)["CUDA_DEVICE_MEMORY_LIMIT_0"] == "80000m"
+    assert pods.phase("defaulted") == "failed"  # the node's defaults (none) say the whole card
+    defaults = NodeConfig(default_mem=4096, default_cores=25)
+    pods.find("default", "defaulted")["metadata"]["annotations"][PHASE_ANNOTATION] = "bound"  # type: ignore[index]
+    served = make(pods, tmp_path / "again", defaults).allocate_container(["GPU-b::0"])
+    assert dict(served.response.envs)["CUDA_DEVICE_SM_LIMIT_0"] == "25"
+
+
+def test_a_spec_the_parser_refuses_gets_no_grant(pods: Pods, tmp_path: Path) -> None:
+    forge(pods, "bad", {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "300"}, [("GPU-a", 80000, 100)])
+    with pytest.raises(AllocateError, match=r"default/bad \(its spec: .*gpucores.*must be 0\.\.100"):
+        make(pods, tmp_path).allocate_container(["GPU-a::0"])
+    assert pods.phase("bad") == "failed"

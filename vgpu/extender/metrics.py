@@ -33,6 +33,13 @@ UNCERTIFIED = Counter(
     "Scheduling calls refused with HTTP 403: the caller gave no client certificate of the client CA.",
     ["verb"],
 )
+UNTRUSTED_PLACEMENTS = Counter(
+    "vgpu_scheduler_untrusted_placements",
+    "Allocation annotations the ledger did not take as they were: changed (after the extender "
+    "booked the pod; the booking is kept) or mismatch (found after a restart, not what the pod's "
+    "spec asks for; booked at least what it asks for). Placements are the extender's alone.",
+    ["kind"],
+)
 INVENTORY_ERRORS = Counter(
     "vgpu_scheduler_inventory_errors",
     "Node inventory annotations that did not decode; the node is skipped until it is fixed.",

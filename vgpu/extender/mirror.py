@@ -21,6 +21,7 @@ from vgpu.core.errors import AnnotationError, RequestError
 from vgpu.core.gpumode import device_plugin_refusal
 from vgpu.core.ledger import Usage, footprint
 from vgpu.core.placement import FilterResult, Placement, Shape, shape
+from vgpu.core.placementcheck import at_least_requested, placement_problems
 from vgpu.core.requests import PodRequest, parse_pod
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,20 @@ class Mirror:
                 # Not (yet) placed, or an event from before our own bind that the watch delivers
                 # late: either way nothing to change. Only deletion or finishing frees capacity.
                 return
-            if self._pod_raw.get(uid) == raw and self.ledger.node_of(uid) is not None:
+            booked = self._pod_raw.get(uid)
+            if booked is not None and self.ledger.node_of(uid) is not None:
+                if booked != raw:
+                    # Placements are the extender's alone (docs/security.md): one changed after the
+                    # booking (by anyone: the admission policy should have refused it) is not a new
+                    # booking; the ledger keeps what it bound.
+                    log.warning(
+                        "pod %s/%s: its %s changed after it was booked; keeping the booking",
+                        meta.get("namespace"),
+                        meta.get("name"),
+                        ann.ALLOCATION_ANNOTATION,
+                    )
+                    self._count_untrusted("changed")
+                    self._pod_raw[uid] = raw  # warned once per change
                 return  # the same allocation as already committed (most events are status updates)
             try:
                 allocation = ann.decode_allocation(raw)
@@ -223,12 +237,42 @@ class Mirror:
                 )
                 return
             try:
-                phases: list[list[str]] | None = _phases(parse_pod(pod, self.config))
+                request: PodRequest | None = parse_pod(pod, self.config)
             except RequestError:
-                phases = None  # count every container at once: never less than the truth
+                request = None
+            if request is not None:
+                allocation = self._trusted(pod, request, allocation)
+            phases = _phases(request) if request is not None else None  # None: every container at once
             self.assumed.pop(uid, None)
             self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
             self._pod_raw[uid] = raw
+
+    def _trusted(self, pod: Obj, request: PodRequest, allocation: ann.Allocation) -> ann.Allocation:
+        """A placement this extender did not book itself (found at a restart, or from a replica
+        before it): the node refuses one that is not what the pod asks for (vgpu/core/placementcheck.py),
+        so until the pod fails it is booked at no less than what the pod asks for. Caller holds the lock."""
+        entry = self.nodes.get(allocation.node)
+        if entry is None or entry.inventory is None:
+            return allocation
+        cards = {d.uuid: d for d in entry.inventory.devices}
+        problems = placement_problems(request, allocation, cards)
+        if not problems:
+            return allocation
+        meta = pod.get("metadata") or {}
+        log.warning(
+            "pod %s/%s: its placement is not what it asks for (%s); booking at least what it asks for",
+            meta.get("namespace"),
+            meta.get("name"),
+            "; ".join(problems),
+        )
+        self._count_untrusted("mismatch")
+        return at_least_requested(request, allocation, cards)
+
+    @staticmethod
+    def _count_untrusted(kind: str) -> None:
+        from vgpu.extender import metrics
+
+        metrics.UNTRUSTED_PLACEMENTS.labels(kind).inc()
 
     def replace_pods(self, pods: Iterable[Obj]) -> None:
         """A fresh list: forget pods it no longer has (except binds in flight), apply the rest."""

@@ -36,11 +36,9 @@ from vgpu.core.annotations import (
     PHASE_BOUND,
     PHASE_FAILED,
     REASON_ANNOTATION,
-    Allocation,
     ContainerAllocation,
-    decode_allocation,
 )
-from vgpu.core.errors import AnnotationError, KubeError
+from vgpu.core.errors import KubeError
 from vgpu.plugin.answer import PodFailure, container_response
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.arrivals import Arrivals
@@ -49,11 +47,13 @@ from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall
 from vgpu.plugin.paths import HostPaths
+from vgpu.plugin.waiting import Waiting, find_waiting, meta_of
 
 log = logging.getLogger(__name__)
 
-PRIORITY_RESOURCE = "nvidia.com/priority"
 DEFAULT_PRIORITY = "1"
+# The Event a pod gets when its placement is refused (kubectl describe pod shows it).
+PLACEMENT_REFUSED = "VgpuPlacementRefused"
 
 
 class PodSource(Protocol):
@@ -66,6 +66,10 @@ class PodSource(Protocol):
     def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None]
     ) -> None: ...
+
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, message: str, node: str) -> None:
+        """A Warning Event on the pod."""
+        ...
 
 
 class AllocateError(Exception):
@@ -88,51 +92,10 @@ class Served:
     response: api_pb2.ContainerAllocateResponse
 
 
-@dataclass(frozen=True)
-class _Waiting:
-    namespace: str
-    name: str
-    uid: str
-    created: str
-    allocation: Allocation
-    order: tuple[str, ...]  # containers with vGPUs, in the order kubelet starts them
-    priorities: Mapping[str, str]
-
-
-def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = pod.get("metadata") or {}
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _pod_ref(pod: Mapping[str, Any]) -> str:
-    m = _meta(pod)
-    return f"{m.get('namespace', '?')}/{m.get('name', '?')}"
-
-
-def _kubelet_order(pod: Mapping[str, Any], allocation: Allocation) -> tuple[str, ...]:
-    spec = pod.get("spec") or {}
-    names = [c.get("name") for c in (spec.get("initContainers") or [])] + [
-        c.get("name") for c in (spec.get("containers") or [])
-    ]
-    wanted = {c.name for c in allocation.containers if c.devices}
-    ordered = [n for n in names if n in wanted]
-    # Containers the annotation names but the spec does not are an error the caller reports.
-    return tuple(ordered + [c.name for c in allocation.containers if c.devices and c.name not in ordered])
-
-
-def _priorities(pod: Mapping[str, Any]) -> dict[str, str]:
-    spec = pod.get("spec") or {}
-    out: dict[str, str] = {}
-    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
-        limits = ((c.get("resources") or {}).get("limits")) or {}
-        out[str(c.get("name"))] = str(limits.get(PRIORITY_RESOURCE, DEFAULT_PRIORITY))
-    return out
-
-
 class _Ambiguous(Exception):
     """Two or more waiting pods could each be the one kubelet is starting, with different limits."""
 
-    def __init__(self, pods: list[_Waiting]) -> None:
+    def __init__(self, pods: list[Waiting]) -> None:
         self.pods = pods
         super().__init__(", ".join(f"{w.namespace}/{w.name}" for w in pods))
 
@@ -160,6 +123,8 @@ class Allocator:
         self.preferred_ttl_s = 60.0
         self._lock = threading.Lock()
         self._served: dict[str, set[str]] = {}  # pod uid -> containers already answered
+        # pods whose placement was refused, told once (vgpu/core/placementcheck.py)
+        self._refused: set[str] = set()
         # IDs GetPreferredAllocation answered -> (pod uid, container, when): Allocate honours it
         self._preferred: dict[frozenset[str], tuple[str, str, float]] = {}
 
@@ -169,64 +134,50 @@ class Allocator:
 
     # -- finding the pod --------------------------------------------------------------------
 
-    def _waiting(self) -> tuple[list[_Waiting], list[str]]:
+    def _waiting(self) -> tuple[list[Waiting], list[str]]:
         try:
             pods = self.pods.list_node_pods(self.node)
         except KubeError as err:
             raise AllocateError(
                 grpc.StatusCode.UNAVAILABLE, f"cannot list the pods of node {self.node}: {err}"
             ) from err
-        waiting: list[_Waiting] = []
-        malformed: list[str] = []
-        for pod in pods:
-            meta = _meta(pod)
-            annotations = meta.get("annotations") or {}
-            if meta.get("deletionTimestamp"):
-                continue
-            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                continue  # kubelet rejected it (UnexpectedAdmissionError...) or it is done: not waiting
-            if PHASE_ANNOTATION not in annotations and ALLOCATION_ANNOTATION not in annotations:
-                if self._asks_for_devices(pod):
-                    malformed.append(
-                        f"{_pod_ref(pod)} (asks for {self.config.resource_name} but has no "
-                        f"{ALLOCATION_ANNOTATION}: it was not placed by the vgpu scheduler; "
-                        "check its schedulerName and the admission webhook)"
-                    )
-                continue
-            if annotations.get(PHASE_ANNOTATION) != PHASE_BOUND:
-                continue
-            try:
-                allocation = decode_allocation(annotations.get(ALLOCATION_ANNOTATION))
-            except AnnotationError as err:
-                malformed.append(f"{_pod_ref(pod)} ({err})")
-                continue
-            if allocation.node != self.node:
-                malformed.append(
-                    f"{_pod_ref(pod)} ({ALLOCATION_ANNOTATION}: node: names {allocation.node!r}, "
-                    f"but the pod runs on {self.node!r})"
-                )
-                continue
-            waiting.append(
-                _Waiting(
-                    namespace=str(meta.get("namespace", "")),
-                    name=str(meta.get("name", "")),
-                    uid=str(meta.get("uid", "")),
-                    created=str(meta.get("creationTimestamp", "")),
-                    allocation=allocation,
-                    order=_kubelet_order(pod, allocation),
-                    priorities=_priorities(pod),
-                )
+        cards = {d.uuid: d for d in self.state.inventory().devices}
+        found = find_waiting(pods, self.node, self.config, cards)
+        for pod, problems in found.refused:
+            self._refuse_placement(pod, problems)
+        listed = {str(meta_of(p).get("uid", "")) for p in pods}
+        with self._lock:
+            self._refused &= listed
+        return found.waiting, found.malformed
+
+    def _refuse_placement(self, pod: Mapping[str, Any], problems: list[str]) -> None:
+        """Tell the pod, once, why its placement is refused: phase ``failed`` with the reason, and a
+        Warning Event. kubelet's Allocate error says the same and rejects the pod."""
+        meta = meta_of(pod)
+        uid = str(meta.get("uid", ""))
+        with self._lock:
+            if uid in self._refused:
+                return
+            self._refused.add(uid)
+        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        reason = (
+            f"the node refuses this pod's vGPU placement: it is not what the pod asks for "
+            f"({'; '.join(problems)}). Placements are written by the vgpu scheduler alone; delete the "
+            f"pod and create it without {ALLOCATION_ANNOTATION}, {PHASE_ANNOTATION} or {REASON_ANNOTATION}"
+        )
+        log.warning("pod %s/%s: %s", namespace, name, reason)
+        try:
+            self.pods.patch_pod_annotations(
+                namespace, name, {PHASE_ANNOTATION: PHASE_FAILED, REASON_ANNOTATION: reason}
             )
-        return waiting, malformed
+        except KubeError as err:
+            log.warning("could not mark pod %s/%s failed: %s", namespace, name, err)
+        try:
+            self.pods.pod_event(namespace, name, uid, PLACEMENT_REFUSED, reason, self.node)
+        except KubeError as err:
+            log.warning("could not record an event on pod %s/%s: %s", namespace, name, err)
 
-    def _asks_for_devices(self, pod: Mapping[str, Any]) -> bool:
-        spec = pod.get("spec") or {}
-        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
-            if self.config.resource_name in (((c.get("resources") or {}).get("limits")) or {}):
-                return True
-        return False
-
-    def _served_of(self, w: _Waiting) -> set[str]:
+    def _served_of(self, w: Waiting) -> set[str]:
         """Containers of the pod already answered; call with the lock held.
 
         Allocate creates each served container's folder, so after a restart of the plugin the
@@ -238,13 +189,13 @@ class Allocator:
             self._served[w.uid] = served
         return served
 
-    def _next(self, w: _Waiting) -> ContainerAllocation | None:
+    def _next(self, w: Waiting) -> ContainerAllocation | None:
         """The pod's next container kubelet will start; call with the lock held."""
         served = self._served_of(w)
         nxt = next((n for n in w.order if n not in served), None)
         return None if nxt is None else w.allocation.container(nxt)
 
-    def _remaining(self, w: _Waiting) -> tuple[Any, ...]:
+    def _remaining(self, w: Waiting) -> tuple[Any, ...]:
         """What the pod's unserved containers would start with; call with the lock held."""
         served = self._served_of(w)
         out = []
@@ -256,7 +207,7 @@ class Allocator:
             out.append((devices, w.priorities.get(n, DEFAULT_PRIORITY)))
         return tuple(out)
 
-    def _prune(self, waiting: list[_Waiting]) -> None:
+    def _prune(self, waiting: list[Waiting]) -> None:
         """Forget pods no longer waiting; call with the lock held (the folders keep the rest)."""
         listed = {w.uid for w in waiting}
         for uid in [u for u in self._served if u not in listed]:
@@ -267,15 +218,15 @@ class Allocator:
         for key in [k for k, (_, _, at) in self._preferred.items() if now - at > self.preferred_ttl_s]:
             del self._preferred[key]
 
-    def _ranks(self, waiting: list[_Waiting]) -> dict[str, int]:
+    def _ranks(self, waiting: list[Waiting]) -> dict[str, int]:
         uids = [w.uid for w in waiting]
         if not self.arrivals.watched:
             self.arrivals.retain(uids)  # no watch forgets them: the lists are the observations
         return self.arrivals.ranks(uids, self.catch_up_s)
 
     def _choose(
-        self, waiting: list[_Waiting], ranks: Mapping[str, int], count: int, ids: Sequence[str] = ()
-    ) -> tuple[_Waiting, ContainerAllocation]:
+        self, waiting: list[Waiting], ranks: Mapping[str, int], count: int, ids: Sequence[str] = ()
+    ) -> tuple[Waiting, ContainerAllocation]:
         """The pod and container kubelet is starting; call with the lock held.
 
         Raises LookupError when no waiting pod has a container of ``count`` vGPUs next, and
@@ -289,7 +240,7 @@ class Allocator:
                 container = self._next(w) if w is not None else None
                 if w is not None and container is not None and container.name == name:
                     return w, container
-        candidates: list[tuple[tuple[int, int, str], _Waiting, ContainerAllocation]] = []
+        candidates: list[tuple[tuple[int, int, str], Waiting, ContainerAllocation]] = []
         for w in waiting:
             container = self._next(w)
             if container is None or len(container.devices) != count:
@@ -330,7 +281,7 @@ class Allocator:
             self._preferred[frozenset(ids)] = (w.uid, container.name, time.monotonic())
         return ids
 
-    def _claim(self, count: int, ids: Sequence[str]) -> tuple[_Waiting, ContainerAllocation, bool, int]:
+    def _claim(self, count: int, ids: Sequence[str]) -> tuple[Waiting, ContainerAllocation, bool, int]:
         """Pick the pod and container for these IDs and mark the container served.
 
         Returns the pod, the container, whether it was the pod's last container and how many
@@ -363,13 +314,13 @@ class Allocator:
 
     # -- the answer -------------------------------------------------------------------------
 
-    def _response(self, w: _Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
+    def _response(self, w: Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
         priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
         return container_response(
             self.state, self.config, self.paths, self.hook, self.node, w.uid, container, priority, self.driver
         )
 
-    def _mark(self, w: _Waiting, phase: str, reason: str | None) -> None:
+    def _mark(self, w: Waiting, phase: str, reason: str | None) -> None:
         try:
             self.pods.patch_pod_annotations(
                 w.namespace, w.name, {PHASE_ANNOTATION: phase, REASON_ANNOTATION: reason}

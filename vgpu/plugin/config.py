@@ -9,6 +9,8 @@ The file (``--config``; every key optional)::
     smPolicy: cap              # cap: hold every container to its SM share; elastic: a container alone
                                # on its card may use idle SMs past its share (CUDA_SM_POLICY)
     resourceName: nvidia.com/gpu
+    defaultMem: 0              # the scheduler's defaultMem and defaultCores (the chart sets both from
+    defaultCores: 0            # one value): the node re-derives each pod's request as the scheduler did
     driverInject: runtime      # runtime: NVIDIA's container toolkit gives containers the driver;
                                # plugin: Allocate hands them its device nodes and libraries itself
     enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import ConfigError
 
 _RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -52,6 +56,13 @@ class NodeConfig:
     memory_tolerance_mib: int = 256  # enforcement.memoryToleranceMiB
     enforce_interval_ms: int = 100  # enforcement.intervalMs
     enforce_compute: str = "throttle"  # enforcement.compute
+    default_mem: int = 0  # the scheduler's defaultMem (MiB per vGPU when a container gives none)
+    default_cores: int = 0  # the scheduler's defaultCores
+
+    @cached_property
+    def request_settings(self) -> SchedulerConfig:
+        """What :func:`vgpu.core.requests.parse_pod` needs to read a pod as the scheduler did."""
+        return SchedulerConfig(default_mem=self.default_mem, default_cores=self.default_cores)
 
 
 _FIELDS = {
@@ -62,6 +73,8 @@ _FIELDS = {
     "resourceName": "resource_name",
     "smPolicy": "sm_policy",
     "driverInject": "driver_inject",
+    "defaultMem": "default_mem",
+    "defaultCores": "default_cores",
 }
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("runtime", "plugin")
@@ -134,6 +147,15 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                     source, path, f"must be a number above 0 (1 = the card as it is), got {value!r}"
                 )
             value = float(value)
+        elif key in ("defaultMem", "defaultCores"):
+            top = 100 if key == "defaultCores" else 1 << 20
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                raise ConfigError(
+                    source,
+                    path,
+                    f"must be a whole number from 0 to {top} (the scheduler's {key}: set both from one "
+                    f"value), got {value!r}",
+                )
         elif key == "oversubscribe":
             if not isinstance(value, bool):
                 raise ConfigError(source, path, f"must be true or false, got {value!r}")
