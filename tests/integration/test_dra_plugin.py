@@ -25,7 +25,7 @@ import pytest
 from hook_harness import build
 
 from tests.support import VGPU, running, short_dir, wait_for
-from tests.support.dra import allocation_result
+from tests.support.dra import allocation_result, asked_for
 from vgpu.dra import cdi
 from vgpu.dra.api import (
     dra_health_pb2,
@@ -49,12 +49,12 @@ V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources"
 
 
 def claim(name: str, uid: str, memory: str = "3000Mi", cores: str = "30", pool: str = NODE) -> dict[str, Any]:
+    results = [allocation_result(pool, memory, cores, share_id=f"share-{name}")]
     return {
         "metadata": {"namespace": "ns", "name": name, "uid": uid},
+        "spec": {"devices": asked_for(results)},
         "status": {
-            "allocation": {
-                "devices": {"results": [allocation_result(pool, memory, cores, share_id=f"share-{name}")]}
-            },
+            "allocation": {"devices": {"results": results}},
             "reservedFor": [{"resource": "pods", "name": f"pod-{name}", "uid": f"pod-{uid}"}],
         },
     }

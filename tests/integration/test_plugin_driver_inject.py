@@ -17,6 +17,7 @@ import yaml
 from vgpu_sandbox.kubelet import Kubelet
 
 from tests.support import FakeKube, bound_pod, short_dir
+from tests.support.driver import LIBDIR, VERSION, fake_driver
 from vgpu.core.errors import ConfigError
 from vgpu.plugin.config import NodeConfig, parse_node_config
 from vgpu.plugin.daemon import Daemon
@@ -26,35 +27,6 @@ from vgpu.plugin.node import NodeSettings, driver_files
 from vgpu.plugin.paths import HostPaths
 
 NODE = "node-d"
-VERSION = "580.95.05"
-LIBDIR = "usr/lib/x86_64-linux-gnu"
-
-
-def fake_driver(root: Path, *, libcuda: bool = True) -> Path:
-    """A host's driver files under ``root``: what the plugin must find, and decoys it must leave."""
-    lib = root / LIBDIR
-    lib.mkdir(parents=True)
-    families = ["libnvidia-ml", "libnvidia-ptxjitcompiler", "libnvidia-gpucomp", "libfoo"]
-    if libcuda:
-        families.append("libcuda")
-    for family in families:
-        (lib / f"{family}.so.{VERSION}").write_bytes(b"\x7fELF" + family.encode())
-        if family != "libnvidia-gpucomp":  # it has no soname link: its soname is the versioned name
-            (lib / f"{family}.so.1").symlink_to(f"{family}.so.{VERSION}")
-    if libcuda:
-        (lib / "libcuda.so").symlink_to("libcuda.so.1")  # the development link: not handed out
-    # An absolute link, as some distributions make: it must resolve inside the root, not the host.
-    (lib / "libnvidia-ml.so.1").unlink()
-    (lib / "libnvidia-ml.so.1").symlink_to(f"/{LIBDIR}/libnvidia-ml.so.{VERSION}")
-    (root / "usr/bin").mkdir(parents=True)
-    # A wrapper script in /usr/bin (some images have one) is passed over for the driver's ELF tool.
-    (root / "usr/bin/nvidia-smi").write_bytes(b"#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi")
-    (root / "usr/local/nvidia/bin").mkdir(parents=True)
-    (root / "usr/local/nvidia/bin/nvidia-smi").write_bytes(b"\x7fELF-smi")
-    (root / "dev").mkdir()
-    for node in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"):
-        (root / "dev" / node).write_bytes(b"")
-    return root
 
 
 @pytest.fixture
@@ -92,14 +64,16 @@ def test_no_driver_under_the_root_stops_the_plugin_naming_the_flag(tmp_path: Pat
         find_driver(root)
     settings = NodeSettings(node=NODE, driver_inject="plugin", driver_root=root, fake_nvml=tmp_path / "g")
     with pytest.raises(ConfigError, match="install the NVIDIA driver"):
-        driver_files(settings, NodeConfig())
+        driver_files(settings, NodeConfig(driver_inject="plugin"))
+    # The runtime's mode never looks at the driver root: the toolkit brings the driver.
+    assert driver_files(settings, NodeConfig(driver_inject="runtime")) is None
 
 
 def test_the_node_config_names_a_bad_mode() -> None:
     assert parse_node_config("driverInject: plugin", NODE, "f").driver_inject == "plugin"
     assert parse_node_config("", NODE, "f").driver_inject == "runtime"
     assert parse_node_config("nodes: {node-d: {driverInject: plugin}}", NODE, "f").driver_inject == "plugin"
-    with pytest.raises(ConfigError, match=r"driverInject.*runtime .*or plugin.*'toolkit'"):
+    with pytest.raises(ConfigError, match=r"driverInject.*must be plugin .*cdi .*runtime .*got 'toolkit'"):
         parse_node_config("driverInject: toolkit", NODE, "f")
 
 
@@ -140,7 +114,11 @@ def test_allocate_hands_out_the_driver_only_in_plugin_mode(tmp_path: Path, mode:
         assert response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
         mounts = {m.container_path: m for m in response.mounts}
         if mode == "runtime":  # the toolkit's job: nothing of the driver in the answer
-            assert not response.devices and not [p for p in mounts if "nvidia" in p or "libcuda" in p]
+            driver = [p for p in mounts if "libcuda" in p or p.startswith(("/usr/bin", CONTAINER_LIB_DIR))]
+            assert not response.devices and not driver, mounts
+            # The card reaches the toolkit by a volume mount it trusts (the environment's list is
+            # for the hook and tools: the role sets accept-nvidia-visible-devices-envvar false).
+            assert mounts["/var/run/nvidia-container-devices/GPU-1"].host_path == "/dev/null"
             return
         granted = [d.host_path for d in response.devices]
         assert granted == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia1"]

@@ -79,6 +79,30 @@ def allocation_result(
     return result
 
 
+def asked_for(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``spec.devices`` of the claim that ``results`` answer: per request (``req``, or ``req/sub`` of
+    a ``firstAvailable``), as many devices as it got, asking the capacity it consumed, as the node's
+    check of a claim (vgpu/dra/claims.py) wants the spec and the scheduler's status to agree."""
+    requests: dict[str, dict[str, Any]] = {}
+    for r in results:
+        main, _, sub = str(r.get("request", "gpu")).partition("/")
+        choice = {"deviceClassName": DRIVER, "count": 0}
+        consumed = r.get("consumedCapacity")
+        if isinstance(consumed, dict):
+            choice["capacity"] = {"requests": {k: str(v) for k, v in consumed.items()}}
+        item = requests.setdefault(main, {"name": main})
+        if sub:
+            subs = item.setdefault("firstAvailable", [])
+            found = next((c for c in subs if c["name"] == sub), None)
+            if found is None:
+                found = {"name": sub, **choice}
+                subs.append(found)
+            found["count"] += 1
+        else:
+            item.setdefault("exactly", choice)["count"] += 1
+    return {"requests": list(requests.values())}
+
+
 def resource_health(pod: dict[str, Any], container: int = 0) -> dict[str, tuple[str, str]]:
     """The kubelet's word on the devices of a pod's container (``allocatedResourcesStatus``, from
     the DRA plugin's health stream): resource ID -> (health, message)."""

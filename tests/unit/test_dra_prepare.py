@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.dra import allocation_result, vgpu_config
+from tests.support.dra import allocation_result, asked_for, vgpu_config
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, plan
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
@@ -40,6 +40,7 @@ def claim(
         devices["config"] = config
     return {
         "metadata": {"namespace": "ns", "name": "c", "uid": uid},
+        "spec": {"devices": asked_for(results)},
         "status": {
             "allocation": {"devices": devices},
             "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}],
@@ -69,7 +70,12 @@ def test_a_claim_becomes_shares_of_cards() -> None:
 
 
 def test_results_of_other_drivers_are_left_to_them() -> None:
-    p = plan(claim([result(), result(driver="gpu.nvidia.com", device="x", pool="other")]), UID, BY_NAME, NODE)
+    p = plan(
+        claim([result(), result(driver="gpu.nvidia.com", device="x", pool="other", request="nic")]),
+        UID,
+        BY_NAME,
+        NODE,
+    )
     assert len(p.shares) == 1
 
 
@@ -344,3 +350,50 @@ def test_a_prepare_cut_short_is_finished_by_the_next_one(tmp_path: Path) -> None
     assert read_grant(p.paths.grant(folder)).limits == (3000 << 20,)
     assert sorted(q.name for q in p.paths.grants_dir.iterdir()) == [f"{folder}.hook", f"{folder}.limits"]
     assert Checkpoint(tmp_path / "state").uids() == [UID]
+
+
+# -- the tenant boundary: a share is prepared only if it is what the claim's own spec asks for --
+
+
+def _asking(
+    results: list[dict[str, Any]], memory: str | None, cores: str | None, count: int = 1
+) -> dict[str, Any]:
+    """A claim whose spec asks ``memory``/``cores`` (None: unnamed) of ``count`` cards, given ``results``."""
+    c = claim(results)
+    exactly = c["spec"]["devices"]["requests"][0]["exactly"]
+    exactly["count"] = count
+    exactly["capacity"] = {
+        "requests": {k: v for k, v in (("memory", memory), ("cores", cores)) if v is not None}
+    }
+    return c
+
+
+def test_a_status_that_gives_more_than_the_claims_spec_asks_is_not_prepared() -> None:
+    more = _asking([result(consumedCapacity={"memory": "8000Mi", "cores": "30"})], "3000Mi", "30")
+    with pytest.raises(ClaimError) as err:
+        plan(more, UID, BY_NAME, NODE)
+    assert err.value.field == "status.allocation.devices.results[0].consumedCapacity.memory"
+    assert "is 8000Mi, but the claim asks for 3000Mi (spec.devices.requests[0].exactly.capacity" in str(
+        err.value
+    )
+    cores = _asking([result(consumedCapacity={"memory": "3000Mi", "cores": "90"})], "3000Mi", "30")
+    with pytest.raises(ClaimError, match="consumedCapacity.cores: is 90, but the claim asks for 30"):
+        plan(cores, UID, BY_NAME, NODE)
+    twice = _asking([result(), result(device="gpu-1", share_id="s2")], "3000Mi", "30", count=1)
+    with pytest.raises(ClaimError, match=r"gives request 'gpu' 2 device\(s\), but it asks for 1"):
+        plan(twice, UID, BY_NAME, NODE)
+    ghost = claim([result(request="ghost")])
+    ghost["spec"]["devices"]["requests"][0]["name"] = "gpu"
+    with pytest.raises(ClaimError, match="'ghost' is not a request of the claim's spec"):
+        plan(ghost, UID, BY_NAME, NODE)
+
+
+def test_the_cards_request_policy_reads_the_spec_as_the_scheduler_does() -> None:
+    # rounded up to whole MiB and percent; the policy's default (1Gi, 100 %) where none is named
+    rounded = _asking([result(consumedCapacity={"memory": "2Mi", "cores": "4"})], "1500Ki", "3.5")
+    assert plan(rounded, UID, BY_NAME, NODE).shares[0].memory_mib == 2
+    defaults = _asking([result(consumedCapacity={"memory": "1Gi", "cores": "100"})], None, None)
+    assert plan(defaults, UID, BY_NAME, NODE).shares[0].cores == 100
+    over_card = _asking([result(consumedCapacity={"memory": "900000Mi", "cores": "30"})], "900000Mi", "30")
+    with pytest.raises(ClaimError, match="is more than the card has"):
+        plan(over_card, UID, BY_NAME, NODE)

@@ -62,7 +62,25 @@ def test_inside_a_cgroup_namespace_the_rest_of_the_path_is_found_below_the_root(
 
 def test_no_freezer_names_what_to_mount(tmp_path: Path) -> None:
     proc = _proc(tmp_path, f"0::/kubepods/burstable/{POD}/{CID}\n")
-    with pytest.raises(FreezerError, match="/host/sys/fs/cgroup"):
+    with pytest.raises(FreezerError, match="devicePlugin.hostPaths.podCgroups"):
         freezer_of(42, proc, tmp_path / "empty")
     with pytest.raises(FreezerError, match="no container"):
         freezer_of(42, _proc(tmp_path / "b", "0::/user.slice\n"), tmp_path)
+
+
+def test_only_the_kubelets_part_of_the_hierarchy_mounted_is_found_as_v2_and_as_v1(tmp_path: Path) -> None:
+    """The chart mounts the kubepods folder alone at its own path (devicePlugin.hostPaths.podCgroups),
+    so the hierarchy's root has no cgroup.controllers of its own: the kubepods folder's tells."""
+    root = tmp_path / "cg"
+    folder = root / "kubepods.slice" / "kubepods-burstable.slice" / f"cri-containerd-{CID}.scope"
+    folder.mkdir(parents=True)
+    (root / "kubepods.slice" / "cgroup.controllers").write_text("cpu")
+    (folder / "cgroup.freeze").write_text("0")
+    path = f"/kubepods.slice/kubepods-burstable.slice/cri-containerd-{CID}.scope"
+    assert freezer_of(42, _proc(tmp_path, f"0::{path}\n"), root).file == folder / "cgroup.freeze"
+    v1 = tmp_path / "v1"
+    folder = v1 / "freezer" / "kubepods" / "besteffort" / POD / CID
+    folder.mkdir(parents=True)
+    (folder / "freezer.state").write_text("THAWED")
+    proc = _proc(tmp_path / "b", f"6:freezer:/kubepods/besteffort/{POD}/{CID}\n0::/\n")
+    assert freezer_of(42, proc, v1).file == folder / "freezer.state"

@@ -418,9 +418,36 @@ def test_without_a_hook_library_only_the_region_folder_and_the_grant_are_mounted
     pods: Pods, tmp_path: Path
 ) -> None:
     pods.add("p", {"main": [("GPU-a", 1000, 0)]})
-    served = make(pods, tmp_path, hook=False).allocate_container(["GPU-a::0"])
+    served = make(pods, tmp_path, NodeConfig(split=4, driver_inject="cdi"), hook=False).allocate_container(
+        ["GPU-a::0"]
+    )
     mounts = [m.container_path for m in served.response.mounts]
     assert mounts == ["/var/lib/vgpu/containers/uid-p_main", "/etc/vgpu/limits"]
+
+
+@pytest.mark.parametrize("inject", ["runtime", "cdi"])
+def test_the_cards_reach_the_container_by_mounts_or_cdi_names_never_by_its_environment(
+    pods: Pods, tmp_path: Path, inject: str
+) -> None:
+    """A tenant sets its container's environment, never its mounts or CDI devices: the cards a
+    container gets are named where only Allocate's answer reaches (vgpu/plugin/inject.py)."""
+    pods.add("p", {"main": [("GPU-b", 1000, 0), ("GPU-c", 1000, 0)]})
+    config = NodeConfig(split=4, driver_inject=inject, cdi_kind="example.com/gpu")
+    response = make(pods, tmp_path, config).allocate_container(["GPU-b::0", "GPU-c::0"]).response
+    volume = [
+        (m.container_path, m.host_path, m.read_only)
+        for m in response.mounts
+        if "container-devices" in m.container_path
+    ]
+    if inject == "runtime":
+        assert volume == [
+            ("/var/run/nvidia-container-devices/GPU-b", "/dev/null", True),
+            ("/var/run/nvidia-container-devices/GPU-c", "/dev/null", True),
+        ]
+        assert not response.cdi_devices
+    else:
+        assert [d.name for d in response.cdi_devices] == ["example.com/gpu=GPU-b", "example.com/gpu=GPU-c"]
+        assert not volume
 
 
 def test_a_restarted_plugin_continues_a_half_served_pod_from_its_folders(pods: Pods, tmp_path: Path) -> None:
@@ -549,3 +576,18 @@ def test_a_spec_the_parser_refuses_gets_no_grant(pods: Pods, tmp_path: Path) -> 
     with pytest.raises(AllocateError, match=r"default/bad \(its spec: .*gpucores.*must be 0\.\.100"):
         make(pods, tmp_path).allocate_container(["GPU-a::0"])
     assert pods.phase("bad") == "failed"
+
+
+def test_a_pod_refused_at_the_preferred_allocation_is_still_named_by_allocate(
+    pods: Pods, tmp_path: Path
+) -> None:
+    """kubelet asks GetPreferredAllocation first: the refusal marks the pod failed there, and the
+    Allocate that follows must still say why, for kubelet to put on the pod."""
+    forge(pods, "forged", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}, [("GPU-a", 0, 0)])
+    alloc = make(pods, tmp_path)
+    alloc.preferred(["GPU-a::0", "GPU-b::0"], [], 1)
+    assert pods.phase("forged") == "failed"
+    with pytest.raises(
+        AllocateError, match=r"default/forged \(vgpu.openaios.io/allocation: container main is given 0 MiB"
+    ):
+        alloc.allocate_container(["GPU-a::0"])

@@ -9,18 +9,24 @@ another node's pool, a malformed entry of this driver's configuration) is a :cla
 naming the field, which the kubelet shows on the pod. The allocation's configuration entries of
 this driver (the class's, then the claim's: contract 8, :mod:`vgpu.core.claimconfig`) give each
 request its priority and SM policy.
+
+The tenant boundary (docs/security.md): a share is prepared only if it is what the claim's own
+spec asks of its request (``spec.devices.requests``: the count, and the capacity as the card's
+request policy reads it, its default where the request names none) and fits the card. Only the
+scheduler writes a claim's status; this checks it did so for this claim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vgpu.core.claimconfig import ConfigEntryError, Entry, VgpuConfig, check_entries, for_request
 from vgpu.core.errors import FieldError, RequestError
-from vgpu.core.quantity import parse_quantity
-from vgpu.dra.slices import DRIVER, MIB
+from vgpu.core.quantity import parse_quantity, quantity_value
+from vgpu.dra.slices import DEFAULT_CORES, DEFAULT_MEMORY_BYTES, DRIVER, MIB, memory_bytes
 from vgpu.plugin.discovery import Card
 
 RESULTS = "status.allocation.devices.results"
@@ -76,6 +82,94 @@ def _whole(value: Any, field: str, source: str) -> int:
         return parse_quantity(value, field)
     except RequestError as err:
         raise ClaimError(source, field, err.message) from err
+
+
+SPEC = "spec.devices.requests"
+
+
+def _asked(spec: Any, request: str) -> tuple[str, Mapping[str, Any]] | None:
+    """Where the claim's spec asks for ``request`` (``req`` or ``req/sub``) and that choice's
+    fields (``deviceClassName``, ``count``, ``capacity``...); None when it names no such request."""
+    main, _, sub = request.partition("/")
+    items = spec if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)) else []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or item.get("name") != main:
+            continue
+        if not sub:
+            return f"{SPEC}[{i}].exactly", _mapping(item.get("exactly"))
+        subs = item.get("firstAvailable")
+        for j, choice in enumerate(subs if isinstance(subs, Sequence) else []):
+            if isinstance(choice, Mapping) and choice.get("name") == sub:
+                return f"{SPEC}[{i}].firstAvailable[{j}]", choice
+    return None
+
+
+def _expected(asked: Mapping[str, Any], total: int) -> tuple[int, int]:
+    """(memory bytes, cores) the card's request policy (vgpu/dra/slices.py) gives what a request
+    asks: whole MiB rounded up and whole percent rounded up, the policy's default where it names none."""
+    capacity = _mapping(_mapping(asked.get("capacity")).get("requests"))
+    memory = quantity_value(capacity["memory"]) if "memory" in capacity else None
+    cores = quantity_value(capacity["cores"]) if "cores" in capacity else None
+    want_memory = (
+        max(MIB, math.ceil(memory / MIB) * MIB)
+        if memory is not None
+        else (DEFAULT_MEMORY_BYTES if total >= DEFAULT_MEMORY_BYTES else total)
+    )
+    want_cores = max(1, math.ceil(cores)) if cores is not None else DEFAULT_CORES
+    return want_memory, want_cores
+
+
+def _check_asked(
+    share: Share, claim: Mapping[str, Any], card: Card, scaling: float, at: str, source: str
+) -> None:
+    """The share is what the claim's spec asks of its request and fits the card; ClaimError else."""
+    found = _asked(_mapping(_mapping(claim.get("spec")).get("devices")).get("requests"), share.request)
+    if found is None:
+        raise ClaimError(
+            source, f"{at}.request", f"{share.request!r} is not a request of the claim's spec ({SPEC})"
+        )
+    where, asked = found
+    total = memory_bytes(card, scaling)
+    memory, cores = _expected(asked, total)
+    got = share.memory_mib * MIB
+    if got > total:
+        raise ClaimError(
+            source,
+            f"{at}.consumedCapacity.memory",
+            f"{share.memory_mib}Mi is more than the card has ({total // MIB}Mi)",
+        )
+    for what, have, want in (("memory", got, memory), ("cores", share.cores, cores)):
+        if have != want:
+            shown = f"{have // MIB}Mi" if what == "memory" else str(have)
+            wanted = f"{want // MIB}Mi" if what == "memory" else str(want)
+            raise ClaimError(
+                source,
+                f"{at}.consumedCapacity.{what}",
+                f"is {shown}, but the claim asks for {wanted} ({where}.capacity.requests.{what}, or the "
+                "card's default): the allocation is not what the claim asks for; delete the claim and its "
+                "pod, and create them again for the scheduler to allocate",
+            )
+
+
+def _check_counts(shares: Sequence[Share], claim: Mapping[str, Any], source: str) -> None:
+    """As many results per request as its spec's ``count`` (ExactCount, the default)."""
+    per: dict[str, int] = {}
+    for s in shares:
+        per[s.request] = per.get(s.request, 0) + 1
+    for request, n in per.items():
+        found = _asked(_mapping(_mapping(claim.get("spec")).get("devices")).get("requests"), request)
+        if found is None:
+            continue  # named by _check_asked
+        where, asked = found
+        if asked.get("allocationMode", "ExactCount") != "ExactCount":
+            continue
+        count = asked.get("count", 1)
+        if n != count:
+            raise ClaimError(
+                source,
+                RESULTS,
+                f"gives request {request!r} {n} device(s), but it asks for {count} ({where}.count)",
+            )
 
 
 def _share(result: Mapping[str, Any], i: int, cards: Mapping[str, Card], node: str, source: str) -> Share:
@@ -137,9 +231,12 @@ def _share(result: Mapping[str, Any], i: int, cards: Mapping[str, Card], node: s
     )
 
 
-def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: str) -> ClaimPlan:
+def plan(
+    claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: str, memory_scaling: float = 1.0
+) -> ClaimPlan:
     """The shares this driver prepares for ``claim`` on ``node``; ``cards`` maps the slice's device
-    names to the node's healthy cards. ``ClaimError`` naming the field for anything else."""
+    names to the node's healthy cards (their memory offered at ``memory_scaling``, as the slice
+    offers it). ``ClaimError`` naming the field for anything else."""
     meta = _mapping(claim.get("metadata"))
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
     source = f"ResourceClaim {namespace}/{name}"
@@ -156,13 +253,13 @@ def plan(claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: st
     results = _mapping(allocation.get("devices")).get("results") or []
     if not isinstance(results, list):
         raise ClaimError(source, RESULTS, "must be a list")
-    shares = tuple(
-        _share(r, i, cards, node, source)
-        for i, r in enumerate(results)
-        if isinstance(r, Mapping) and r.get("driver") == DRIVER
-    )
+    ours = [(i, r) for i, r in enumerate(results) if isinstance(r, Mapping) and r.get("driver") == DRIVER]
+    shares = tuple(_share(r, i, cards, node, source) for i, r in ours)
     if not shares:
         raise ClaimError(source, RESULTS, f"has no device of driver {DRIVER}")
+    for (i, _), share in zip(ours, shares, strict=True):
+        _check_asked(share, claim, cards[share.device], memory_scaling, f"{RESULTS}[{i}]", source)
+    _check_counts(shares, claim, source)
     try:
         configs = tuple(check_entries(_mapping(allocation.get("devices")).get("config"), CONFIG, source))
     except ConfigEntryError as err:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import shutil
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
 from vgpu.hookabi.grant import GRANT_SUFFIX
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin import folders, inject
 from vgpu.plugin.answer import limits, write_grant_file
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.discovery import Card
@@ -116,7 +116,7 @@ class Preparer:
             claim = self.claims.get_resource_claim(namespace, name)
             if claim is None:
                 raise ClaimError(f"ResourceClaim {namespace}/{name}", "", "not found in the API server")
-            claim_plan = plan(claim, uid, self._healthy(), self.node)
+            claim_plan = plan(claim, uid, self._healthy(), self.node, self.config.device_memory_scaling)
             devices, folders = self._write(claim_plan)
             self.checkpoint.put(
                 uid, {"namespace": namespace, "name": name, "devices": devices, "folders": folders}
@@ -152,8 +152,14 @@ class Preparer:
                         "requestNames": [request],
                         "poolName": self.node,
                         "deviceName": share.device,
-                        # one CDI device per request carries all its cards; the kubelet needs it once
-                        "cdiDeviceIDs": [cdi.device_id(uid, request)] if j == 0 else [],
+                        # one CDI device per request carries all its cards; the kubelet needs it
+                        # once (and, with driverInject cdi, each card's device of the node's spec)
+                        "cdiDeviceIDs": ([cdi.device_id(uid, request)] if j == 0 else [])
+                        + (
+                            inject.cdi_names(self.config.cdi_kind, [share.uuid])
+                            if self.config.driver_inject == "cdi"
+                            else []
+                        ),
                     }
                 )
                 requests.append(
@@ -208,9 +214,7 @@ class Preparer:
                 ) from err
         inside = folder_inside(folder)
         host_dir = self.paths.containers_dir / folder
-        host_dir.mkdir(parents=True, exist_ok=True)
-        self.paths.containers_dir.chmod(0o700)  # only root reaches the folders on the host
-        host_dir.chmod(0o777)  # the container's processes, whatever their user, create the region
+        folders.make(host_dir, self.config.container_folder)  # as the device plugin's (plugin/folders.py)
         node_config = dataclasses.replace(self.config, sm_policy=config.sm_policy or self.config.sm_policy)
         env, grant = limits(shares, node_config, f"{inside}/{REGION_FILE_NAME}", str(config.priority))
         grant_file = write_grant_file(self.paths, folder, grant)
@@ -226,6 +230,8 @@ class Preparer:
             ]
         if self.driver is not None:
             mounts += [(m.container_path, m.host_path, True) for m in self.driver.mounts()]
+        if self.config.driver_inject == "runtime":  # NVIDIA's toolkit, by volume mounts (plugin/inject.py)
+            mounts += [(c, h, True) for c, h in inject.volume_mounts([s.uuid for s in shares])]
         return cdi.Edits(env=env, mounts=mounts, device_nodes=nodes)
 
     def unprepare(self, uid: str) -> None:
@@ -233,16 +239,16 @@ class Preparer:
         with self._lock:
             entry = self.checkpoint.get(uid)
             prefix = f"{DRA_PREFIX}_{uid}_"
-            folders = set(entry["folders"] if entry else [])
+            names = set(entry["folders"] if entry else [])
             for where in (self.paths.containers_dir, self.paths.grants_dir):
                 with contextlib.suppress(FileNotFoundError):
-                    folders.update(
+                    names.update(
                         p.name.removesuffix(GRANT_SUFFIX).removesuffix(RECORD_SUFFIX)
                         for p in where.iterdir()
                         if p.name.startswith(prefix)
                     )
-            for folder in sorted(folders):
-                shutil.rmtree(self.paths.containers_dir / folder, ignore_errors=True)
+            for folder in sorted(names):
+                folders.remove(self.paths.containers_dir / folder)
                 for path in (self.paths.grant(folder), self.paths.grants_dir / f"{folder}{RECORD_SUFFIX}"):
                     path.unlink(missing_ok=True)
             cdi.spec_path(self.cdi_dir, uid).unlink(missing_ok=True)

@@ -123,8 +123,8 @@ class Allocator:
         self.preferred_ttl_s = 60.0
         self._lock = threading.Lock()
         self._served: dict[str, set[str]] = {}  # pod uid -> containers already answered
-        # pods whose placement was refused, told once (vgpu/core/placementcheck.py)
-        self._refused: set[str] = set()
+        # pods whose placement was refused, uid -> "<ns>/<name> (why)", told once (core/placementcheck.py)
+        self._refused: dict[str, str] = {}
         # IDs GetPreferredAllocation answered -> (pod uid, container, when): Allocate honours it
         self._preferred: dict[frozenset[str], tuple[str, str, float]] = {}
 
@@ -145,9 +145,18 @@ class Allocator:
         found = find_waiting(pods, self.node, self.config, cards)
         for pod, problems in found.refused:
             self._refuse_placement(pod, problems)
+        # a pod refused a moment ago (at GetPreferredAllocation, say) is failed now, and so no
+        # longer bound: Allocate's error still names it and why, for kubelet to show on the pod
+        told = {r.partition(" ")[0] for r in found.malformed}
+        with self._lock:
+            for pod in pods:
+                why = self._refused.get(str(meta_of(pod).get("uid", "")))
+                if why is not None and why.partition(" ")[0] not in told:
+                    found.malformed.append(why)
         listed = {str(meta_of(p).get("uid", "")) for p in pods}
         with self._lock:
-            self._refused &= listed
+            for uid in [u for u in self._refused if u not in listed]:
+                del self._refused[uid]
         return found.waiting, found.malformed
 
     def _refuse_placement(self, pod: Mapping[str, Any], problems: list[str]) -> None:
@@ -155,11 +164,11 @@ class Allocator:
         Warning Event. kubelet's Allocate error says the same and rejects the pod."""
         meta = meta_of(pod)
         uid = str(meta.get("uid", ""))
+        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
         with self._lock:
             if uid in self._refused:
                 return
-            self._refused.add(uid)
-        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+            self._refused[uid] = f"{namespace}/{name} ({'; '.join(problems)})"
         reason = (
             f"the node refuses this pod's vGPU placement: it is not what the pod asks for "
             f"({'; '.join(problems)}). Placements are written by the vgpu scheduler alone; delete the "

@@ -18,6 +18,7 @@ from typing import Protocol
 from vgpu.core.annotations import ContainerAllocation
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.plugin import folders, inject
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
@@ -65,11 +66,10 @@ def container_response(
             ) from err
     inside = paths.container_dir_inside(pod_uid, container.name)
     host_dir = paths.container_dir(pod_uid, container.name)
-    host_dir.mkdir(parents=True, exist_ok=True)
     # The container's processes, whatever their user, create the region in their folder, so the
-    # folder is open to all; its parent is closed (0700), so on the host only root reaches it.
-    paths.containers_dir.chmod(0o700)
-    host_dir.chmod(0o777)
+    # folder is open to all; its parent is closed (0700), so on the host only root reaches it; a
+    # tmpfs of its own with containerFolder: tmpfs (vgpu/plugin/folders.py).
+    folders.make(host_dir, config.container_folder)
     envs, grant = limits(container.devices, config, f"{inside}/{REGION_FILE_NAME}", priority)
     record = write_grant_file(paths, host_dir.name, grant)
     # Which hook version the container gets, where it cannot reach: the version stays on the
@@ -86,7 +86,18 @@ def container_response(
         ]
     if driver is not None:
         mounts += driver.mounts()
-    return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=devices)
+    uuids = [d.uuid for d in container.devices]
+    cdi_devices: list[api_pb2.CDIDevice] = []
+    if config.driver_inject == "runtime":  # NVIDIA's toolkit, by volume mounts (vgpu/plugin/inject.py)
+        mounts += [
+            api_pb2.Mount(container_path=c, host_path=h, read_only=True)
+            for c, h in inject.volume_mounts(uuids)
+        ]
+    elif config.driver_inject == "cdi":
+        cdi_devices = [api_pb2.CDIDevice(name=n) for n in inject.cdi_names(config.cdi_kind, uuids)]
+    return api_pb2.ContainerAllocateResponse(
+        envs=envs, mounts=mounts, devices=devices, cdi_devices=cdi_devices
+    )
 
 
 def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:

@@ -11,8 +11,14 @@ The file (``--config``; every key optional)::
     resourceName: nvidia.com/gpu
     defaultMem: 0              # the scheduler's defaultMem and defaultCores (the chart sets both from
     defaultCores: 0            # one value): the node re-derives each pod's request as the scheduler did
-    driverInject: runtime      # runtime: NVIDIA's container toolkit gives containers the driver;
-                               # plugin: Allocate hands them its device nodes and libraries itself
+    containerFolder: directory # tmpfs: each container's writable region folder is a small tmpfs of
+                               # its own, nosuid,nodev,noexec (the chart's default; needs CAP_SYS_ADMIN)
+    driverInject: runtime      # how a container gets its cards, never from its own environment:
+                               # plugin: Allocate hands it the cards' device nodes and the driver's
+                               # libraries itself; cdi: Allocate names CDI devices <cdiKind>=<uuid>
+                               # of the node's CDI spec; runtime: NVIDIA's toolkit, told the cards by
+                               # volume mounts (/var/run/nvidia-container-devices/<uuid>)
+    cdiKind: nvidia.com/gpu    # the CDI kind of the node's spec (driverInject: cdi)
     enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
       memory: kill             # a container holding more device memory than granted: kill (SIGKILL
                                # its process holding the most), evict (the Eviction API) or report
@@ -39,6 +45,7 @@ import yaml
 
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import ConfigError
+from vgpu.plugin.folders import FOLDER_KINDS
 
 _RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
@@ -51,13 +58,15 @@ class NodeConfig:
     oversubscribe: bool = False
     resource_name: str = "nvidia.com/gpu"
     sm_policy: str = "cap"
-    driver_inject: str = "runtime"
+    driver_inject: str = "runtime"  # the chart's default is plugin
+    cdi_kind: str = "nvidia.com/gpu"  # cdiKind (driverInject: cdi)
     enforce_memory: str = "kill"  # enforcement.memory
     memory_tolerance_mib: int = 256  # enforcement.memoryToleranceMiB
     enforce_interval_ms: int = 100  # enforcement.intervalMs
     enforce_compute: str = "throttle"  # enforcement.compute
     default_mem: int = 0  # the scheduler's defaultMem (MiB per vGPU when a container gives none)
     default_cores: int = 0  # the scheduler's defaultCores
+    container_folder: str = "directory"  # containerFolder: tmpfs or directory (vgpu/plugin/folders.py)
 
     @cached_property
     def request_settings(self) -> SchedulerConfig:
@@ -73,11 +82,13 @@ _FIELDS = {
     "resourceName": "resource_name",
     "smPolicy": "sm_policy",
     "driverInject": "driver_inject",
+    "cdiKind": "cdi_kind",
     "defaultMem": "default_mem",
     "defaultCores": "default_cores",
+    "containerFolder": "container_folder",
 }
 SM_POLICIES = ("cap", "elastic")
-INJECT_MODES = ("runtime", "plugin")
+INJECT_MODES = ("plugin", "cdi", "runtime")
 MEMORY_ACTIONS = ("kill", "evict", "report")
 COMPUTE_ACTIONS = ("throttle", "evict", "kill", "report")
 _ENFORCEMENT = {
@@ -156,6 +167,13 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                     f"must be a whole number from 0 to {top} (the scheduler's {key}: set both from one "
                     f"value), got {value!r}",
                 )
+        elif key == "containerFolder" and value not in FOLDER_KINDS:
+            raise ConfigError(
+                source,
+                path,
+                f"must be tmpfs (each container's region folder a small tmpfs of its own, nosuid,nodev,"
+                f"noexec; needs CAP_SYS_ADMIN) or directory (a plain folder), got {value!r}",
+            )
         elif key == "oversubscribe":
             if not isinstance(value, bool):
                 raise ConfigError(source, path, f"must be true or false, got {value!r}")
@@ -176,9 +194,12 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
             raise ConfigError(
                 source,
                 path,
-                f"must be runtime (NVIDIA's container toolkit gives containers the driver) or plugin (the "
-                f"plugin hands them the driver's device nodes and libraries itself), got {value!r}",
+                f"must be plugin (the plugin hands containers the cards' device nodes and the driver's "
+                f"libraries itself), cdi (the node's CDI spec, by device name) or runtime (NVIDIA's "
+                f"container toolkit, told the cards by volume mounts), got {value!r}",
             )
+        elif key == "cdiKind" and (not isinstance(value, str) or not _RESOURCE.match(value)):
+            raise ConfigError(source, path, f"must be a CDI kind like nvidia.com/gpu, got {value!r}")
         cfg = replace(cfg, **{_FIELDS[key]: value})
     return cfg
 

@@ -13,6 +13,7 @@ Imports go one way: the commands import this module, this module imports the par
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import signal
 import sys
@@ -53,7 +54,7 @@ class NodeSettings:
     listen: tuple[str, int] | None = None  # HOST, PORT of /metrics; None: not served
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)  # None: no arbiter
     hook_library: Path | None = None  # libvgpu.so to install on the host (the plugin only)
-    driver_inject: str | None = None  # runtime | plugin; None: the node config's driverInject
+    driver_inject: str | None = None  # plugin | cdi | runtime; None: the node config's driverInject
     driver_root: Path = Path("/")  # where the plugin reads the host's driver files (driverInject: plugin)
     driver_host_root: str = "/"  # the same folder as the host names it (the Mounts' host paths)
     sweep: tuple[float, float] = (60.0, 300.0)  # the plugin's sweep interval and minimum age, seconds
@@ -97,13 +98,20 @@ def hook_install(settings: NodeSettings, paths: HostPaths) -> HookInstall | None
 
 
 def _config(settings: NodeSettings) -> NodeConfig:
-    return load_node_config(settings.config, settings.node)
+    config = load_node_config(settings.config, settings.node)
+    if settings.driver_inject is not None:  # the flag over the node config
+        config = dataclasses.replace(config, driver_inject=settings.driver_inject)
+    return config
 
 
 def driver_files(settings: NodeSettings, config: NodeConfig) -> DriverFiles | None:
-    """The driver's files to hand out under ``driverInject: plugin`` (None: the runtime's job);
-    its libnvidia-ml is loaded first, so that NVML finds it where no ld.so cache names it."""
-    if (settings.driver_inject or config.driver_inject) != "plugin":  # the flag over the node config
+    """The driver's files to hand out under ``driverInject: plugin`` (None: the runtime's or the
+    CDI spec's job). Under ``plugin`` and ``cdi`` the driver's libnvidia-ml is loaded from the
+    driver root first, so that NVML finds it where no ld.so cache names it (no runtime gives the
+    plugin's own pod the driver then)."""
+    if config.driver_inject == "runtime" or (
+        config.driver_inject == "cdi" and settings.fake_nvml is not None
+    ):
         return None
     found = find_driver(settings.driver_root, settings.driver_host_root, settings.root / "dev")
     if found.nvml is not None and settings.fake_nvml is None:
@@ -111,6 +119,8 @@ def driver_files(settings: NodeSettings, config: NodeConfig) -> DriverFiles | No
             ctypes.CDLL(str(found.nvml), mode=ctypes.RTLD_GLOBAL)
         except OSError as err:
             raise ConfigError("--driver-root", "", f"cannot load {found.nvml} ({err})") from err
+    if config.driver_inject != "plugin":
+        return None
     log.info(
         "driverInject: plugin: %d library paths and %d tools from %s go to containers with the device nodes",
         len(found.libraries),

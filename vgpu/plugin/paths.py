@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.hookabi.grant import grant_path
+
+log = logging.getLogger(__name__)
 
 PLUGIN_SOCKET_NAME = "vgpu.sock"
 KUBELET_SOCKET_NAME = "kubelet.sock"
@@ -100,15 +103,16 @@ def sweep_container_dirs(
     A folder younger than ``min_age_s`` stays even without a pod: Allocate creates it before the
     pod's status settles, and a listing may lag behind.
     """
-    import shutil
+    from vgpu.plugin import folders
 
     removed: list[Path] = []
     for folder in _entries(paths.containers_dir):
         try:
             if folder.is_dir() and _stale(folder, live_pod_uids, min_age_s, now):
-                shutil.rmtree(folder)
+                folders.remove(folder)
                 removed.append(folder)
-        except OSError:
+        except OSError as err:
+            log.warning("cannot remove %s, whose pod left the node: %s (trying next sweep)", folder, err)
             continue
     for record in _entries(paths.grants_dir):  # a grant outlives its folder by nothing
         try:

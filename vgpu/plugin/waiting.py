@@ -10,7 +10,7 @@ is not what they ask for are also handed back for the node to tell them (phase `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,7 @@ def _asks_for_devices(pod: Obj, resource: str) -> bool:
     return False
 
 
-def find_waiting(pods: list[Obj], node: str, config: NodeConfig, cards: Mapping[str, Device]) -> Found:
+def find_waiting(pods: Sequence[Obj], node: str, config: NodeConfig, cards: Mapping[str, Device]) -> Found:
     """Sort the pods bound to ``node`` (``cards``: its inventory, by UUID) into waiting, malformed
     and refused; pods that finished, are being deleted or were already served are passed over."""
     found = Found()

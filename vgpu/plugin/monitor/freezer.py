@@ -8,10 +8,13 @@ its container (``vgpu.plugin.monitor.cgroup.parse_path``), the unified one (``0:
 ``freezer`` controller's, so a hybrid host (v1 controllers and a unified hierarchy beside them)
 is read right.
 
-The cgroup file system is looked for at ``/host/sys/fs/cgroup`` (the chart mounts the host's there
-when ``enforcement.compute`` is ``throttle``), else ``/sys/fs/cgroup``. A reader in its own cgroup
-namespace sees other containers' paths with leading ``/..`` parts; the rest of such a path (which
-ends in the pod's and the container's own folders) is looked for a few levels below the root.
+The cgroup file system is looked for at ``/host/sys/fs/cgroup``, else ``/sys/fs/cgroup``. The
+chart mounts there, when ``enforcement.compute`` is ``throttle``, only the kubelet's part of the
+host's cgroups (``devicePlugin.hostPaths.podCgroups``: ``/sys/fs/cgroup/kubepods.slice`` at
+``/host/sys/fs/cgroup/kubepods.slice``, say), so a hierarchy is also recognised by a folder below it
+that holds its marker. A reader in its own cgroup namespace sees other containers' paths with leading
+``/..`` parts; the rest of such a path (which ends in the pod's and the container's own folders) is looked
+for a few levels below the root.
 """
 
 from __future__ import annotations
@@ -52,12 +55,23 @@ def cgroup_root(roots: tuple[Path, ...] = ROOTS) -> Path:
     return roots[-1]
 
 
+def _has(base: Path, marker: str) -> bool:
+    """``base`` is a hierarchy's root: it holds ``marker``, or a folder below it does (the pods'
+    part of the hierarchy, kubepods.slice say, mounted alone at its own path)."""
+    if (base / marker).exists():
+        return True
+    try:
+        return any((c / marker).exists() for c in base.iterdir() if c.is_dir())
+    except OSError:
+        return False
+
+
 def _mounts(root: Path) -> list[tuple[Path, tuple[str, str, str]]]:
     """Where to look, in order: the unified hierarchy and the v1 freezer, as mounted under ``root``."""
     found = []
     for base, kind in ((root, _V2), (root / "unified", _V2), (root / "freezer", _V1)):
         marker = "cgroup.controllers" if kind is _V2 else "freezer.state"
-        if (base / marker).exists() or (kind is _V1 and base.is_dir()):
+        if _has(base, marker) or (kind is _V1 and base.is_dir()):
             found.append((base, kind))
     return found
 
@@ -99,5 +113,7 @@ def freezer_of(pid: int, proc: Path = Path("/proc"), root: Path | None = None) -
                     return Freezer(folder / name, frozen, thawed)
     raise FreezerError(
         f"no cgroup freezer found under {root} for process {pid} ({lines[0][2]}); mount the host's "
-        "/sys/fs/cgroup at /host/sys/fs/cgroup (the chart does with enforcement.compute: throttle)"
+        "cgroup folder of the kubelet's pods at the same path under /host (the chart does with "
+        "enforcement.compute: throttle: set devicePlugin.hostPaths.podCgroups to the node's, e.g. "
+        "/sys/fs/cgroup/kubepods for the cgroupfs driver, /sys/fs/cgroup/freezer/kubepods on cgroup v1)"
     )
