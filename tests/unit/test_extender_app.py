@@ -6,12 +6,14 @@ Binding needs the API server; it is covered by the e2e tests.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 
+from tests.support import container, pod
 from tests.support.dra import claim_template, resource_claim, vgpu_config
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
@@ -228,7 +230,7 @@ def test_the_config_webhook_refuses_a_malformed_vgpu_configuration_naming_the_fi
         f"vgpu.openaios.io configuration: {kind} {where}: {field}.opaque.parameters.priority: "
         "must be 0 (high) or 1 (normal), as nvidia.com/priority, got 5"
     )
-    good = review(_configured(kind, {"priority": 0, "smPolicy": "elastic"}))
+    good = review(_configured(kind, {"priority": 1, "smPolicy": "elastic"}))
     assert client.post("/webhook/validate-config", json=good).get_json()["response"]["allowed"] is True
     # another driver's entry is its driver's business, and updates are checked as creations
     other = review(_configured(kind, {"priority": 5}, driver="gpu.nvidia.com"), operation="UPDATE")
@@ -518,3 +520,111 @@ def test_the_validating_webhook_names_a_selection_that_matches_no_card_of_the_cl
     state.replace_nodes([])  # no card known yet: nothing to compare with
     resp = answer(**{"nvidia.com/use-gputype": "A100"})
     assert resp["allowed"] and "warnings" not in resp
+
+
+# -- the tenant boundary (vgpu/core/boundary.py): the webhook where the admission policies are off --
+
+SCHEDULER = "system:serviceaccount:kube-system:vgpu-scheduler"
+PLUGIN = "system:serviceaccount:kube-system:vgpu-device-plugin"
+GUARDED = SchedulerConfig(
+    scheduler_account=SCHEDULER, node_agent_account=PLUGIN, high_priority_namespaces="serving, infer"
+)
+
+
+def _as(body: dict[str, Any], user: str, node: str = "", old: dict[str, Any] | None = None) -> dict[str, Any]:
+    req = body["request"]
+    req["userInfo"] = {"username": user}
+    if node:
+        req["userInfo"]["extra"] = {"authentication.kubernetes.io/node-name": [node]}
+    if old is not None:
+        req["oldObject"] = old
+    return body
+
+
+def _placed(node: str = "node-a", phase: str = "bound") -> dict[str, Any]:
+    p = pod("p", container("main", limits={"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}), node=node)
+    p["metadata"]["annotations"] = {
+        "vgpu.openaios.io/allocation": '{"version":1}',
+        "vgpu.openaios.io/phase": phase,
+    }
+    return p
+
+
+def _validate(cfg: SchedulerConfig, body: dict[str, Any]) -> dict[str, Any]:
+    state = SchedulerState(cfg, clock=lambda: 0.0)
+    return create_app(cfg, state).test_client().post("/webhook/validate", json=body).get_json()["response"]
+
+
+def test_the_webhook_refuses_a_tenant_that_writes_its_own_placement_naming_the_rule() -> None:
+    resp = _validate(GUARDED, _as(review(_placed()), "system:serviceaccount:team-a:alice"))
+    assert resp["allowed"] is False
+    assert resp["status"]["message"].startswith(
+        "vgpu.openaios.io/allocation, phase and reason are written by the vgpu scheduler alone, never by "
+        "system:serviceaccount:team-a:alice"
+    )
+    # shrinking or removing it on an update is the same write
+    running = _placed(phase="allocated")
+    shrunk = copy.deepcopy(running)
+    shrunk["metadata"]["annotations"]["vgpu.openaios.io/allocation"] = '{"version":1,"node":"x"}'
+    assert _validate(GUARDED, _as(review(shrunk, "UPDATE"), "alice", old=running))["allowed"] is False
+    del shrunk["metadata"]["annotations"]["vgpu.openaios.io/phase"]
+    assert _validate(GUARDED, _as(review(shrunk, "UPDATE"), "alice", old=running))["allowed"] is False
+    # any other change of the pod is the tenant's own
+    labelled = copy.deepcopy(running)
+    labelled["metadata"]["labels"] = {"team": "a"}
+    assert _validate(GUARDED, _as(review(labelled, "UPDATE"), "alice", old=running))["allowed"] is True
+    # without the accounts configured the webhook leaves placements to the admission policies
+    assert _validate(CFG, _as(review(_placed()), "alice"))["allowed"] is True
+
+
+def test_the_scheduler_writes_placements_and_the_nodes_plugin_only_its_own_pods_phase() -> None:
+    bound = _placed()
+    assert _validate(GUARDED, _as(review(bound, "UPDATE"), SCHEDULER, old=pod("p")))["allowed"] is True
+    done = copy.deepcopy(bound)
+    done["metadata"]["annotations"]["vgpu.openaios.io/phase"] = "allocated"
+    ok = _validate(GUARDED, _as(review(done, "UPDATE"), PLUGIN, "node-a", old=bound))
+    assert ok["allowed"] is True
+    other = _validate(GUARDED, _as(review(done, "UPDATE"), PLUGIN, "node-b", old=bound))
+    assert other["status"]["message"] == (
+        "the vgpu device plugin of node node-b may write the phase of pods bound to its own node only, "
+        "not of a pod on node node-a"
+    )
+    nameless = _validate(GUARDED, _as(review(done, "UPDATE"), PLUGIN, old=bound))
+    assert "(its token names no node)" in nameless["status"]["message"]
+    forged = copy.deepcopy(done)
+    forged["metadata"]["annotations"]["vgpu.openaios.io/allocation"] = "{}"
+    refused = _validate(GUARDED, _as(review(forged, "UPDATE"), PLUGIN, "node-a", old=bound))
+    assert refused["status"]["message"].startswith(
+        "the vgpu device plugin writes a pod's phase and reason, never"
+    )
+
+
+def test_priority_zero_is_admitted_only_in_the_namespaces_the_admin_lists() -> None:
+    def pod_in(namespace: str) -> dict[str, Any]:
+        limits = {"nvidia.com/gpu": "1", "nvidia.com/priority": "0"}
+        return pod("p", container("main", limits=limits), namespace=namespace)
+
+    resp = _validate(GUARDED, _as(review(pod_in("team-a")), "alice"))
+    assert resp["allowed"] is False
+    assert resp["status"]["message"] == (
+        "nvidia.com/priority: 0 (high priority: every priority-1 container on the card yields to it) is "
+        "allowed only in the namespaces the cluster admin lists in the chart value "
+        "tenantBoundary.highPriorityNamespaces, and team-a is not one of them: drop it (priority 1 is the "
+        "default), or ask the admin to add the namespace"
+    )
+    assert _validate(GUARDED, _as(review(pod_in("infer")), "alice"))["allowed"] is True
+    assert _validate(CFG, _as(review(pod_in("team-a")), "alice"))["allowed"] is False  # none listed: none
+
+
+def test_a_claims_priority_zero_is_refused_outside_the_listed_namespaces_a_classes_is_the_admins() -> None:
+    def check(cfg: SchedulerConfig, kind: str) -> dict[str, Any]:
+        state = SchedulerState(cfg, clock=lambda: 0.0)
+        client = create_app(cfg, state).test_client()
+        body = review(_configured(kind, {"priority": 0}))
+        return client.post("/webhook/validate-config", json=body).get_json()["response"]
+
+    claim = check(GUARDED, "ResourceClaim")
+    assert claim["allowed"] is False and claim["status"]["message"].startswith("VgpuConfig priority: 0")
+    assert check(GUARDED, "DeviceClass")["allowed"] is True
+    listed = SchedulerConfig(high_priority_namespaces="ns")
+    assert check(listed, "ResourceClaimTemplate")["allowed"] is True

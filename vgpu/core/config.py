@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from vgpu.core.boundary import Boundary
 from vgpu.core.errors import ConfigError
 
 BINPACK = "binpack"
@@ -65,9 +67,31 @@ class SchedulerConfig:
     plugin_lease_grace_s: int = 5
     # admission: also deny what the cluster's present cards and nodes cannot hold (see above)
     reject_unsatisfiable: bool = False
+    # the tenant boundary (vgpu.core.boundary, docs/security.md): the user names of the scheduler's
+    # account (kube-scheduler and the extender) and of the device plugin's, whose writes of the
+    # placement annotations the webhook lets through (empty: it does not check placements), and
+    # the namespaces (comma-separated) whose pods and claims may ask for priority 0
+    scheduler_account: str = ""
+    node_agent_account: str = ""
+    high_priority_namespaces: str = ""
 
     def __post_init__(self) -> None:
         _check(self)
+
+    @property
+    def boundary(self) -> Boundary:
+        return Boundary(
+            scheduler=self.scheduler_account,
+            node_agent=self.node_agent_account,
+            high_priority_namespaces=_namespaces(self.high_priority_namespaces),
+        )
+
+
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _namespaces(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 _INT_FIELDS = {
@@ -105,6 +129,14 @@ def _check(cfg: SchedulerConfig) -> None:
         raise ConfigError(
             "settings", "defaultCores", f"must be 0..100 (percent of a card), got {cfg.default_cores}"
         )
+    for ns in _namespaces(cfg.high_priority_namespaces):
+        if len(ns) > 63 or not _NAMESPACE.match(ns):
+            raise ConfigError(
+                "settings",
+                "highPriorityNamespaces",
+                f"{ns!r} is not a namespace name (lower-case letters, digits and '-'); "
+                "give names separated by commas",
+            )
     for name in ("node_policy", "gpu_policy"):
         if getattr(cfg, name) not in POLICIES:
             raise ConfigError(

@@ -216,7 +216,7 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
     @verb("validate-config", lambda e: {"Error": e})
     def validate_config(raw: bytes) -> tuple[int, Any]:
         try:
-            return 200, webhook.validate_config(_body(raw))
+            return 200, webhook.validate_config(_body(raw), config.boundary)
         except webhook.ReviewError as err:
             raise BadRequest(str(err)) from err
 

@@ -65,6 +65,21 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="the webhook also denies requests larger than any card or node the cluster has now "
         "(default false: such pods wait Pending, e.g. for a cluster autoscaler)",
     )
+    parser.add_argument(
+        "--scheduler-account",
+        help="user name of the scheduler's ServiceAccount (kube-scheduler and this extender): the webhook "
+        "lets only it, and --node-agent-account on its own node, write the placement annotations "
+        "(default: none, placements unchecked by the webhook; docs/security.md)",
+    )
+    parser.add_argument(
+        "--node-agent-account",
+        help="user name of the device plugin's ServiceAccount (see --scheduler-account)",
+    )
+    parser.add_argument(
+        "--high-priority-namespaces",
+        metavar="NS[,NS...]",
+        help="namespaces whose pods and claims may ask for priority 0 (default: none)",
+    )
     parser.add_argument("--identity", help="holder name for the Lease (default: host name)")
     parser.add_argument("--config", help="YAML/JSON settings file (keys: defaultMem, nodePolicy, ...)")
     parser.add_argument("--insecure-http", action="store_true", help="serve plain HTTP (tests only)")
@@ -86,6 +101,9 @@ FLAGS = (
     "default_cores",
     "identity",
     "reject_unsatisfiable",
+    "scheduler_account",
+    "node_agent_account",
+    "high_priority_namespaces",
 )
 
 

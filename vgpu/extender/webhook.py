@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vgpu.core import annotations as ann
+from vgpu.core.boundary import Boundary, claim_priority_refusal, placement_refusal, priority_refusal
 from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_capacity, check_entries
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
@@ -62,6 +63,13 @@ def _request(review: Any) -> tuple[Obj, Obj]:
     if not isinstance(obj, dict):
         raise ReviewError("AdmissionReview.request.object is missing or not an object")
     return req, obj
+
+
+def _namespace(req: Obj, obj: Obj) -> str:
+    """The request's namespace (the object's, where an older AdmissionReview leaves it out)."""
+    meta = obj.get("metadata")
+    own = meta.get("namespace") if isinstance(meta, dict) else None
+    return str(req.get("namespace") or own or "default")
 
 
 def _response(
@@ -144,12 +152,29 @@ def validate(
     is checked only with ``config.reject_unsatisfiable``. ``cards``: every card the extender
     knows now, asked only of a pod with selection annotations."""
     req, pod = _request(review)
-    if req.get("operation") not in (None, "CREATE") or not asks_for_vgpu(pod):
+    boundary = config.boundary
+    found = req.get("userInfo")
+    user: Obj = found if isinstance(found, dict) else {}
+    refusal = placement_refusal(
+        boundary,
+        str(user.get("username") or ""),
+        user.get("extra"),
+        req.get("oldObject") if isinstance(req.get("oldObject"), dict) else None,
+        pod,
+        str(req.get("subResource") or ""),
+    )
+    if refusal:
+        return _response(review, req, False, refusal)
+    if req.get("operation") not in (None, "CREATE") or req.get("subResource") or not asks_for_vgpu(pod):
         return _response(review, req, True)
     try:
         request = parse_pod(pod, config)  # raises RequestError for the static rules
     except RequestError as err:
         return _response(review, req, False, f"vGPU request can never be satisfied: {err}")
+    namespace = _namespace(req, pod)
+    refusal = priority_refusal(boundary, namespace, [c.priority for c in request.containers])
+    if refusal:
+        return _response(review, req, False, refusal)
     problem = larger_than_cluster(pod, config, largest) if config.reject_unsatisfiable else None
     unselected = None
     if problem is None and cards is not None and request.wants_vgpu:
@@ -185,7 +210,10 @@ def _at(obj: Any, path: Sequence[str]) -> Any:
     return obj
 
 
-def validate_config(review: Any) -> Obj:
+NO_BOUNDARY = Boundary()
+
+
+def validate_config(review: Any, boundary: Boundary = NO_BOUNDARY) -> Obj:
     """A ResourceClaim, ResourceClaimTemplate or DeviceClass whose configuration entries of the
     vgpu DRA driver are malformed (contract 8) is denied, naming the field; entries of other
     drivers, and every other object, are allowed. The DRA plugin checks them again at
@@ -205,9 +233,14 @@ def validate_config(review: Any) -> Obj:
     )
     source = f"{kind} {name}"
     try:
-        check_entries(_at(obj, path), ".".join(path), source)
+        entries = check_entries(_at(obj, path), ".".join(path), source)
     except ConfigEntryError as err:
         return _response(review, req, False, f"{DRIVER} configuration: {err}")
+    if kind != "DeviceClass":  # the admin's, cluster-wide
+        priorities = [e.config.priority for e in entries if e.config.priority is not None]
+        refusal = claim_priority_refusal(boundary, _namespace(req, obj), priorities)
+        if refusal:
+            return _response(review, req, False, refusal)
     warnings: list[str] = []
     requests = REQUEST_FIELDS.get(kind)
     if requests is not None:

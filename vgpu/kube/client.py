@@ -24,6 +24,7 @@ from urllib.parse import quote, urlencode
 
 import orjson
 import urllib3
+import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from urllib3.exceptions import HTTPError as Urllib3Error
@@ -46,6 +47,41 @@ METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 AUTH_HEADERS_TTL_S = 10.0
 
 
+def impersonation(kubeconfig: str) -> dict[str, str]:
+    """The impersonation headers a kubeconfig's current user asks for, as kubectl sends them:
+    ``as`` (Impersonate-User) and ``as-user-extra`` (Impersonate-Extra-<key>, the key
+    percent-encoded). The Kubernetes client's own loader ignores both. ``as-groups`` is refused:
+    each group is a header of the same name, which the client's header maps cannot repeat."""
+    try:
+        with open(kubeconfig) as f:
+            doc = yaml.safe_load(f) or {}
+        contexts = {c.get("name"): c.get("context") or {} for c in doc.get("contexts") or []}
+        user_name = (contexts.get(doc.get("current-context")) or {}).get("user")
+        users = {u.get("name"): u.get("user") or {} for u in doc.get("users") or []}
+        user = users.get(user_name) or {}
+    except (OSError, yaml.YAMLError, AttributeError, TypeError) as err:
+        raise KubeError(f"cannot read the user of {kubeconfig}: {one_line(err)}") from err
+    if user.get("as-groups"):
+        raise KubeError(
+            f"{kubeconfig}: users[{user_name}].as-groups is not supported by vgpu's client (it "
+            "impersonates a user and its extra only); drop as-groups and bind the user's own roles"
+        )
+    headers: dict[str, str] = {}
+    if user.get("as"):
+        headers["Impersonate-User"] = str(user["as"])
+    extra = user.get("as-user-extra") or {}
+    if not isinstance(extra, dict):
+        raise KubeError(f"{kubeconfig}: users[{user_name}].as-user-extra must map keys to lists of values")
+    for key, values in extra.items():
+        values = values if isinstance(values, list) else [values]
+        if len(values) != 1:
+            raise KubeError(f"{kubeconfig}: users[{user_name}].as-user-extra[{key}] must hold one value")
+        headers["Impersonate-Extra-" + quote(str(key), safe="")] = str(values[0])
+    if extra and "Impersonate-User" not in headers:
+        raise KubeError(f"{kubeconfig}: users[{user_name}].as-user-extra needs as (the user to impersonate)")
+    return headers
+
+
 class Kube:
     """A small, thread-safe client for what the extender (and the device plugin) need."""
 
@@ -63,6 +99,7 @@ class Kube:
             raise KubeError(f"cannot load Kubernetes credentials from {where}: {one_line(err)}") from err
         cfg.connection_pool_maxsize = pool_size
         self.server: str = cfg.host  # the API server's URL, named in errors
+        impersonate = impersonation(kubeconfig) if kubeconfig else {}
         try:
             # the Binding and the watches: see vgpu.kube.wire (None with a proxy: all through urllib3)
             self._wire = Wire.from_configuration(cfg, pool_size) if wire else None
@@ -71,6 +108,8 @@ class Kube:
                 f"cannot use the TLS settings of {kubeconfig or 'the service account'}: {one_line(err)}"
             ) from err
         self.api_client = k8s.ApiClient(cfg)
+        for header, value in impersonate.items():
+            self.api_client.set_default_header(header, value)
         # typed Any: we pass plain dicts and read raw responses, which the generated stubs do not describe
         self.core: Any = k8s.CoreV1Api(self.api_client)
         self.coord: Any = k8s.CoordinationV1Api(self.api_client)
