@@ -90,10 +90,15 @@ build_crictl() {
      -o "$1/crictl" sigs.k8s.io/cri-tools/cmd/crictl)
 }
 
-# NVIDIA's nvidia-ctk, which roles/gpu_node runs on the real node. go-nvml needs cgo.
+# NVIDIA's nvidia-ctk, which roles/gpu_node runs on the real node, and nvidia-container-runtime,
+# which the role makes containerd's default runtime there (in CDI mode: no libnvidia-container).
+# go-nvml needs cgo.
 build_nvidia_ctk() {
-  (cd "$here/nvidia-ctk" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w" -o "$1/nvidia-ctk" \
-     github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk)
+  local cmd
+  for cmd in nvidia-ctk nvidia-container-runtime; do
+    (cd "$here/nvidia-ctk" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w" -o "$1/$cmd" \
+       "github.com/NVIDIA/nvidia-container-toolkit/cmd/$cmd") || return 1
+  done
 }
 
 build_kwok() {
@@ -143,7 +148,8 @@ for p in "${pieces[@]}"; do
     kubelet) build_once kubelet "$KUBE_VERSION" build_kubelet ;;
     containerd) build_once containerd "$CONTAINERD_VERSION" build_containerd ;;
     crictl) build_once crictl "$CRICTL_VERSION" build_crictl ;;
-    nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION" build_nvidia_ctk ;;
+    # +runtime: the piece gained nvidia-container-runtime; caches of nvidia-ctk alone build again
+    nvidia-ctk) build_once nvidia-ctk "$NVIDIA_CTK_VERSION+runtime" build_nvidia_ctk ;;
     kwok) build_once kwok "$KWOK_VERSION" build_kwok ;;
     # helm's default cluster version (helm template, helm lint) is baked in from KUBE_VERSION's
     # minor: a new pin must build a new helm, not reuse the cached one

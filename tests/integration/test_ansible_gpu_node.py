@@ -65,6 +65,25 @@ exit 0
 # config.toml (and makes it the default) unless it is already there, keeping everything else.
 FAKE_NVIDIA_CTK = """#!/bin/sh
 set -e
+if [ "$1" = config ]; then
+  # config --in-place --config-file=F --set key=value...: each key one "key = value" line, replaced
+  shift
+  file=/etc/nvidia-container-runtime/config.toml
+  for arg in "$@"; do case "$arg" in --config-file=*) file="${arg#--config-file=}" ;; esac; done
+  mkdir -p "$(dirname "$file")"
+  touch "$file"
+  prev=
+  for arg in "$@"; do
+    if [ "$prev" = --set ]; then
+      key="${arg%%=*}"
+      grep -v "^$key = " "$file" > "$file.new" || true
+      echo "$key = ${arg#*=}" >> "$file.new"
+      mv "$file.new" "$file"
+    fi
+    prev="$arg"
+  done
+  exit 0
+fi
 [ "$1 $2" = "runtime configure" ] || { echo "nvidia-ctk (test package): unsupported: $*" >&2; exit 2; }
 config=/etc/containerd/config.toml default=no runtime=docker
 for arg in "$@"; do
@@ -344,6 +363,10 @@ def test_gpu_node_merges_the_nvidia_runtime_into_the_hosts_daemon_json_and_a_sec
     assert merged["runtimes"]["runsc"] == {"path": "/usr/local/bin/runsc"}
     assert merged["runtimes"]["nvidia"] == {"path": "/usr/bin/nvidia-container-runtime", "args": []}
     assert merged["default-runtime"] == "nvidia"
+    # the tenant boundary: an unprivileged container's NVIDIA_VISIBLE_DEVICES gets it no card
+    toolkit = host.file("/etc/nvidia-container-runtime/config.toml").read_text().splitlines()
+    assert "accept-nvidia-visible-devices-envvar-when-unprivileged = false" in toolkit
+    assert "accept-nvidia-visible-devices-as-volume-mounts = true" in toolkit
     assert host.file("/usr/bin/nvidia-ctk").exists(), "nvidia-container-toolkit was not installed"
     status = host.file("/var/lib/dpkg/status").read_text()
     assert "Package: nvidia-container-toolkit\nStatus: install ok installed" in status
@@ -383,12 +406,26 @@ def test_gpu_node_writes_daemon_json_when_the_host_has_none_and_merges_inventory
 def test_gpu_node_configures_containerd_instead_and_restarts_it_only_when_its_config_changed(
     tmp_path: Path, debian_root: Path, package_source: str
 ) -> None:
-    host = _make_host(tmp_path, debian_root, package_source, gpu_node_container_runtime="containerd")
+    # a site's own toolkit settings are merged in; the tenant boundary's two cannot be turned back
+    settings = {
+        "nvidia-container-runtime.mode": "cdi",
+        "accept-nvidia-visible-devices-envvar-when-unprivileged": True,
+    }
+    host = _make_host(
+        tmp_path,
+        debian_root,
+        package_source,
+        gpu_node_container_runtime="containerd",
+        gpu_node_nvidia_runtime_settings=settings,
+    )
     original = CONTAINERD_CONFIG
     host.write("/etc/containerd/config.toml", original)
 
     first = host.play()
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    toolkit = host.file("/etc/nvidia-container-runtime/config.toml").read_text().splitlines()
+    assert "nvidia-container-runtime.mode = cdi" in toolkit
+    assert "accept-nvidia-visible-devices-envvar-when-unprivileged = false" in toolkit
     config = host.file("/etc/containerd/config.toml").read_text()
     assert config.startswith(original), "containerd's own settings were not kept"
     assert 'default_runtime_name = "nvidia"' in config

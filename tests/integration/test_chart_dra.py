@@ -28,7 +28,8 @@ def _pod(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def test_dra_is_off_by_default_and_renders_nothing_of_its_own() -> None:
     objs = render(kube_version=K136)
-    assert not [o for o in objs if o["kind"] in DRA_KINDS or "dra" in o["metadata"]["name"]]
+    # the tenant boundary's policies are the chart's own; DRA's policy names its plugin
+    assert not [o for o in objs if o["kind"] == "DeviceClass" or "dra" in o["metadata"]["name"]]
 
 
 def test_dra_before_kubernetes_1_34_is_refused_naming_the_value_the_version_and_the_fix() -> None:
@@ -85,8 +86,15 @@ def test_the_device_class_selects_the_driver_by_cel() -> None:
     assert dc["spec"]["selectors"] == [{"cel": {"expression": 'device.driver == "vgpu.openaios.io"'}}]
 
 
+# NVIDIA's runtime gives the plugins their cards, and the claims' folders are plain: nothing
+# needs privilege (the defaults, driver.inject plugin and tmpfs folders, do: see below).
+RUNTIME = ("--set", "driver.inject=runtime", "--set", "devicePlugin.containerFolder=directory")
+
+
 def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> None:
-    objs = render(*DRA, "--set", "dra.extraArgs[0]=--fake-nvml=/etc/fake/gpus.yaml", kube_version=K136)
+    objs = render(
+        *DRA, *RUNTIME, "--set", "dra.extraArgs[0]=--fake-nvml=/etc/fake/gpus.yaml", kube_version=K136
+    )
     pod = _pod(objs, "vgpu-dra-plugin")
     plugin = container(pod, "dra-plugin")
     assert plugin["command"] == [
@@ -113,7 +121,8 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
         "/var/lib/kubelet/plugins_registry",
         "/var/run/cdi",
         "/var/lib/vgpu",  # grants, regions and the hook's lib/<hash>/ folder, as the device plugin's
-        "/sys/fs/cgroup",  # the monitor's, for enforcement.compute throttle (the default): the freezer
+        # the monitor's, for enforcement.compute throttle (the default): the kubelet's part alone
+        "/sys/fs/cgroup/kubepods.slice",
     }
     assert volumes["config"]["configMap"]["name"] == "vgpu-device-plugin-config"
     # the monitor beside it: the real `vgpu monitor` parses its flags, the fake cards included
@@ -126,7 +135,7 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
 
 
 def test_the_dra_plugin_has_no_privilege_and_the_monitor_only_kill_where_it_kills() -> None:
-    pod = _pod(render(*DRA, kube_version=K136), "vgpu-dra-plugin")
+    pod = _pod(render(*DRA, *RUNTIME, kube_version=K136), "vgpu-dra-plugin")
     plugin = container(pod, "dra-plugin")["securityContext"]
     assert plugin == {
         "allowPrivilegeEscalation": False,
@@ -135,12 +144,21 @@ def test_the_dra_plugin_has_no_privilege_and_the_monitor_only_kill_where_it_kill
     }
     assert pod["hostPID"] is True and not pod.get("hostNetwork")
     assert container(pod, "monitor")["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
-    report = render(*DRA, "--set", "devicePlugin.enforcement.memory=report", kube_version=K136)
+    report = render(*DRA, *RUNTIME, "--set", "devicePlugin.enforcement.memory=report", kube_version=K136)
     assert (
         "add" not in container(_pod(report, "vgpu-dra-plugin"), "monitor")["securityContext"]["capabilities"]
     )
     alone = _pod(render(*DRA, "--set", "dra.monitor.enabled=false", kube_version=K136), "vgpu-dra-plugin")
     assert [c["name"] for c in alone["containers"]] == ["dra-plugin"] and "hostPID" not in alone
+    # the defaults: privileged for the driver and the claims' tmpfs folders, which the monitor
+    # beside it sees through HostToContainer propagation
+    default = _pod(render(*DRA, kube_version=K136), "vgpu-dra-plugin")
+    assert container(default, "dra-plugin")["securityContext"]["privileged"] is True
+    state = {
+        c["name"]: next(m for m in c["volumeMounts"] if m["name"] == "state") for c in default["containers"]
+    }
+    assert state["dra-plugin"]["mountPropagation"] == "Bidirectional"
+    assert state["monitor"]["mountPropagation"] == "HostToContainer"
 
 
 def test_the_dra_monitor_gets_the_host_cgroups_and_kill_where_any_node_throttles_or_kills() -> None:
@@ -157,14 +175,13 @@ def test_the_dra_monitor_gets_the_host_cgroups_and_kill_where_any_node_throttles
     def rights(*values: str) -> tuple[list[str], bool, bool]:
         """(the monitor's added capabilities, whether it mounts the host's cgroups, whether the
         role may evict)."""
-        objs = render(*DRA, *values, kube_version=K136)
+        objs = render(*DRA, *RUNTIME, *values, kube_version=K136)
         pod = _pod(objs, "vgpu-dra-plugin")
         mounts = {c["name"]: {m["mountPath"] for m in c["volumeMounts"]} for c in pod["containers"]}
-        assert "/host/sys/fs/cgroup" not in mounts["dra-plugin"]
-        cgroup = "/host/sys/fs/cgroup" in mounts["monitor"]
-        assert cgroup == (
-            "/sys/fs/cgroup" in {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-        )
+        cgroups = "/sys/fs/cgroup/kubepods.slice"
+        assert "/host" + cgroups not in mounts["dra-plugin"]
+        cgroup = "/host" + cgroups in mounts["monitor"]
+        assert cgroup == (cgroups in {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v})
         rules = find(objs, "ClusterRole", "vgpu-kube-system-dra-plugin")["rules"]
         evict = any("pods/eviction" in r["resources"] for r in rules)
         return container(pod, "monitor")["securityContext"]["capabilities"].get("add", []), cgroup, evict

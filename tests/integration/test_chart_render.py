@@ -299,6 +299,9 @@ def test_the_extender_runs_with_the_contracts_command_line() -> None:
         "default-mem": "0",
         "default-cores": "0",
         "reject-unsatisfiable": "false",
+        "scheduler-account": f"system:serviceaccount:{NS}:vgpu-scheduler",
+        "node-agent-account": f"system:serviceaccount:{NS}:vgpu-device-plugin",
+        "high-priority-namespaces": "",
     }
     mounts = {m["mountPath"]: m["name"] for m in container(pod, "extender")["volumeMounts"]}
     assert mounts["/etc/vgpu/tls"] == "extender-tls"
@@ -426,7 +429,10 @@ def test_a_driverless_node_gets_the_fake_nvml_file_the_host_network_and_its_api_
     assert args.fake_nvml == Path("/etc/vgpu/fake-nvml/gpus.yaml")
     assert str(args.hook_library) == "/usr/local/vgpu/libvgpu.so"  # the chart's own flags stay
     env = {e["name"]: e.get("value") for e in plugin["env"]}
-    assert env["KUBERNETES_SERVICE_HOST"] == "10.0.0.10" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    # inject: cdi: no NVIDIA runtime gives the plugin's pod the cards, so it asks for none
+    assert env["KUBERNETES_SERVICE_HOST"] == "10.0.0.10" and "NVIDIA_VISIBLE_DEVICES" not in env
+    assert node_config(objs, "n").driver_inject == "cdi"
+    assert "/host/sys/fs/cgroup/k8s.io" in {m["mountPath"] for m in plugin["volumeMounts"]}
     mount = next(m for m in plugin["volumeMounts"] if m["name"] == "fake-nvml")
     assert mount["mountPath"] == str(args.fake_nvml.parent) and mount["readOnly"] is True
     volume = next(v for v in pod["volumes"] if v["name"] == "fake-nvml")
@@ -476,8 +482,13 @@ def test_an_upgrade_replaces_the_device_plugin_pod_without_a_second_one_beside_i
     }
 
 
-def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
-    pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+# Where nothing needs privilege: NVIDIA's runtime gives the plugin its cards, and the containers'
+# folders are plain ones (the chart's defaults, plugin and tmpfs, need it: the next test).
+UNPRIVILEGED = ("--set", "driver.inject=runtime", "--set", "devicePlugin.containerFolder=directory")
+
+
+def test_the_device_plugin_runs_on_gpu_nodes_without_privilege_where_nothing_needs_it() -> None:
+    pod = find(render(*UNPRIVILEGED), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "on"}
     # the host's PID namespace for the memory enforcer's view of every container; not its network
     assert not pod.get("hostNetwork") and pod.get("hostPID") is True
@@ -489,13 +500,38 @@ def test_the_device_plugin_runs_on_gpu_nodes_without_privilege() -> None:
     assert host == {
         "/var/lib/kubelet/device-plugins": "Directory",
         "/var/lib/vgpu": "DirectoryOrCreate",
-        "/sys/fs/cgroup": "Directory",  # enforcement.compute: throttle (the default), the freezer
+        # enforcement.compute: throttle (the default), the freezer: the kubelet's part alone
+        "/sys/fs/cgroup/kubepods.slice": "Directory",
     }
+    state = next(m for m in container(pod, "device-plugin")["volumeMounts"] if m["name"] == "state")
+    assert "mountPropagation" not in state
+    env = {e["name"]: e.get("value") for e in container(pod, "device-plugin")["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"  # privileged or not, the runtime's own way in
+
+
+def test_by_default_the_device_plugin_is_privileged_for_the_driver_and_the_tmpfs_folders_alone() -> None:
+    """driver.inject plugin opens the cards' device nodes for NVML without NVIDIA's runtime, and
+    containerFolder tmpfs mounts each container's folder on the host: both need privilege, and
+    the tmpfs mounts reach the kubelet through Bidirectional propagation of /var/lib/vgpu."""
+    pod = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    plugin = container(pod, "device-plugin")
+    assert plugin["securityContext"] == {"privileged": True, "readOnlyRootFilesystem": True}
+    state = next(m for m in plugin["volumeMounts"] if m["name"] == "state")
+    assert state == {"name": "state", "mountPath": "/var/lib/vgpu", "mountPropagation": "Bidirectional"}
+    assert "--driver-root=/driver-root" in plugin["command"]
+    assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in plugin["env"]}
+    assert node_config(render(), "n").container_folder == "tmpfs"
+    for args in (("--set", "devicePlugin.containerFolder=directory"), ("--set", "driver.inject=runtime")):
+        one = container(
+            find(render(*args), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"],
+            "device-plugin",
+        )
+        assert one["securityContext"].get("privileged") is True, args  # the other still needs it
 
 
 @pytest.mark.parametrize("action", ["kill", "evict", "report"])
 def test_the_memory_enforcement_reaches_the_node_config_with_only_the_rights_it_needs(action: str) -> None:
-    objs = render("--set", f"devicePlugin.enforcement.memory={action}")
+    objs = render("--set", f"devicePlugin.enforcement.memory={action}", *UNPRIVILEGED)
     cfg = node_config(objs, "gpu-node-1")
     assert (cfg.enforce_memory, cfg.memory_tolerance_mib, cfg.enforce_interval_ms) == (action, 256, 100)
     sc = container(find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"], "device-plugin")
@@ -513,6 +549,7 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
         "devicePlugin.enforcement.memory=report",
         "--set",
         f"devicePlugin.enforcement.compute={action}",
+        *UNPRIVILEGED,
     )
     assert node_config(objs, "gpu-node-1").enforce_compute == action
     pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
@@ -520,7 +557,8 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
     assert sc["capabilities"].get("add") == (["KILL"] if action == "kill" else None)
     mounts = {m["mountPath"]: m for m in container(pod, "device-plugin")["volumeMounts"]}
     host = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert ("/host/sys/fs/cgroup" in mounts) == ("/sys/fs/cgroup" in host) == (action == "throttle")
+    cgroups = "/sys/fs/cgroup/kubepods.slice"
+    assert ("/host" + cgroups in mounts) == (cgroups in host) == (action == "throttle")
     rules = find(objs, "ClusterRole", "vgpu-kube-system-device-plugin")["rules"]
     granted = {(r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]}
     assert ("events", "create") in granted
@@ -543,6 +581,7 @@ def test_a_node_override_changes_enforcement_on_its_node_only_and_the_pods_get_e
         *("--set", "devicePlugin.nodeOverrides[0].enforcement.intervalMs=50"),
         *("--set", "devicePlugin.nodeOverrides[1].name=soft"),
         *("--set", "devicePlugin.nodeOverrides[1].enforcement.memory=evict"),
+        *UNPRIVILEGED,
     )
 
     def actions(node: str) -> tuple[str, str, int, int]:
@@ -555,8 +594,10 @@ def test_a_node_override_changes_enforcement_on_its_node_only_and_the_pods_get_e
     pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
     plugin = container(pod, "device-plugin")
     assert plugin["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
-    assert "/host/sys/fs/cgroup" in {m["mountPath"] for m in plugin["volumeMounts"]}
-    assert "/sys/fs/cgroup" in {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert "/host/sys/fs/cgroup/kubepods.slice" in {m["mountPath"] for m in plugin["volumeMounts"]}
+    assert "/sys/fs/cgroup/kubepods.slice" in {
+        v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v
+    }
     rules = find(objs, "ClusterRole", "vgpu-kube-system-device-plugin")["rules"]
     assert ("pods/eviction", "create") in {
         (r, v) for rule in rules for r in rule["resources"] for v in rule["verbs"]
@@ -584,12 +625,23 @@ def test_a_bad_compute_enforcement_value_is_refused_by_the_schema() -> None:
     assert result.returncode != 0 and "compute" in result.stderr, result.stderr
 
 
-def test_the_monitor_and_metrics_services_use_the_contract_ports() -> None:
+def test_the_monitor_and_metrics_services_use_the_contract_ports_inside_the_cluster_by_default() -> None:
     objs = render()
     monitor = find(objs, "Service", "vgpu-monitor")["spec"]
+    assert monitor["type"] == "ClusterIP" and "externalTrafficPolicy" not in monitor
+    assert [(p["port"], p.get("nodePort")) for p in monitor["ports"]] == [(9394, None)]
+    metrics = find(objs, "Service", "vgpu-scheduler-metrics")["spec"]
+    assert metrics["type"] == "ClusterIP"
+    assert [(p["port"], p.get("nodePort")) for p in metrics["ports"]] == [(9395, None)]
+    # node ports are an opt-in, HAMi's numbers by choice
+    opened = render(
+        "--set", "devicePlugin.monitor.service.type=NodePort,devicePlugin.monitor.service.nodePort=31992",
+        "--set", "scheduler.metrics.service.type=NodePort,scheduler.metrics.service.nodePort=31993",
+    )  # fmt: skip
+    monitor = find(opened, "Service", "vgpu-monitor")["spec"]
     assert monitor["type"] == "NodePort" and monitor["externalTrafficPolicy"] == "Local"
     assert [(p["port"], p["nodePort"]) for p in monitor["ports"]] == [(9394, 31992)]
-    metrics = find(objs, "Service", "vgpu-scheduler-metrics")["spec"]
+    metrics = find(opened, "Service", "vgpu-scheduler-metrics")["spec"]
     assert [(p["port"], p["nodePort"]) for p in metrics["ports"]] == [(9395, 31993)]
 
 
@@ -706,7 +758,7 @@ def test_the_sm_policy_reaches_the_plugin_per_node_and_a_bad_one_is_refused() ->
 
 
 def test_driver_inject_plugin_mounts_the_driver_root_and_reaches_the_node_config() -> None:
-    assert node_config(render(), "gpu-node-1").driver_inject == "runtime"
+    assert node_config(render(), "gpu-node-1").driver_inject == "plugin"  # the default
     objs = render("--set", "driver.inject=plugin", "--set", "driver.root=/run/nvidia/driver")
     assert node_config(objs, "gpu-node-1").driver_inject == "plugin"
     ds = find(objs, "DaemonSet", "vgpu-device-plugin")
@@ -719,9 +771,14 @@ def test_driver_inject_plugin_mounts_the_driver_root_and_reaches_the_node_config
     assert mount == {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True}
     volume = next(v for v in pod["volumes"] if v["name"] == "driver-root")
     assert volume["hostPath"] == {"path": "/run/nvidia/driver", "type": "Directory"}
-    # The default keeps the plugin unprivileged and without the host's driver folder.
-    default = find(render(), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
-    assert default["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
-    assert not [v for v in default["volumes"] if v["name"] == "driver-root"]
+    # runtime keeps the plugin without the host's driver folder (and, with plain folders, unprivileged)
+    runtime = find(render(*UNPRIVILEGED), "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert runtime["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert not [v for v in runtime["volumes"] if v["name"] == "driver-root"]
+    # cdi: the driver root for NVML, the kind for the names
+    cdi = render("--set", "driver.inject=cdi", "--set", "driver.cdiKind=example.com/gpu")
+    assert (node_config(cdi, "n").driver_inject, node_config(cdi, "n").cdi_kind) == ("cdi", "example.com/gpu")
+    cdi_pod = find(cdi, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    assert [v for v in cdi_pod["volumes"] if v["name"] == "driver-root"]
     refused = template("--set", "driver.inject=toolkit")
     assert refused.returncode != 0 and "inject" in refused.stderr

@@ -92,12 +92,17 @@ BAD_VALUES = [
         "set scheduler.leaderElection.enabled=true",
     ),
     (
-        ["--set", "devicePlugin.monitor.service.nodePort=31993"],
+        [
+            "--set",
+            "devicePlugin.monitor.service.type=NodePort,devicePlugin.monitor.service.nodePort=31993",
+            "--set",
+            "scheduler.metrics.service.type=NodePort,scheduler.metrics.service.nodePort=31993",
+        ],
         "scheduler.metrics.service.nodePort and devicePlugin.monitor.service.nodePort are both 31993",
         "change one of them",
     ),
     (
-        ["--set", "scheduler.metrics.service.type=ClusterIP"],
+        ["--set", "scheduler.metrics.service.nodePort=31993"],
         "scheduler.metrics.service.nodePort=31993 only applies to type NodePort",
         "scheduler.metrics.service.nodePort=null",
     ),
@@ -224,36 +229,32 @@ def _rbac(objs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def test_each_component_runs_as_its_own_service_account() -> None:
+def test_each_component_runs_as_its_own_service_account_on_an_expiring_projected_token() -> None:
     result = template()
     assert result.returncode == 0, result.stderr
     objs = [o for o in yaml.safe_load_all(result.stdout) if o]
     accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
-    assert accounts == {"vgpu-scheduler", "vgpu-extender", "vgpu-device-plugin"}
+    assert accounts == {"vgpu-scheduler", "vgpu-device-plugin"}
     deploy = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     ds = next(o for o in objs if o["kind"] == "DaemonSet")["spec"]["template"]["spec"]
     assert deploy["serviceAccountName"] == "vgpu-scheduler"
     assert ds["serviceAccountName"] == "vgpu-device-plugin"
-    # the extender container swaps the pod's token for its own account's
-    extender = next(c for c in deploy["containers"] if c["name"] == "extender")
-    token_mount = next(
-        m
-        for m in extender["volumeMounts"]
-        if m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
-    )
-    volume = next(v for v in deploy["volumes"] if v["name"] == token_mount["name"])
-    secret = next(
-        o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == volume["secret"]["secretName"]
-    )
-    assert secret["type"] == "kubernetes.io/service-account-token"
-    assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "vgpu-extender"
+    # kube-scheduler and the extender share the pod's projected token (kubelet renews it): no
+    # container mounts another token, and the chart makes no long-lived token Secret
+    assert deploy.get("automountServiceAccountToken", True) is True
+    for c in deploy["containers"]:
+        paths = [m["mountPath"] for m in c.get("volumeMounts", [])]
+        assert "/var/run/secrets/kubernetes.io/serviceaccount" not in paths, c["name"]
+    assert not [
+        o for o in objs if o["kind"] == "Secret" and o.get("type") == "kubernetes.io/service-account-token"
+    ]
 
 
 def test_no_component_may_read_secrets_or_use_wildcards() -> None:
     result = template()
     objs = [o for o in yaml.safe_load_all(result.stdout) if o]
     rules = _rbac(objs)
-    assert set(rules) >= {"vgpu-extender", "vgpu-device-plugin", "vgpu-scheduler"}
+    assert set(rules) >= {"vgpu-device-plugin", "vgpu-scheduler"}
     for account, account_rules in rules.items():
         for rule in account_rules:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], (account, rule)
@@ -267,7 +268,11 @@ def test_no_component_may_read_secrets_or_use_wildcards() -> None:
         for o in objs
         if o["kind"] == "ClusterRoleBinding" and o["subjects"][0]["name"] == "vgpu-scheduler"
     ]
-    assert sorted(scheduler_bindings) == ["system:kube-scheduler", "system:volume-scheduler"]
+    assert sorted(scheduler_bindings) == [
+        "system:kube-scheduler",
+        "system:volume-scheduler",
+        "vgpu-kube-system-extender",
+    ]
 
 
 def _image_names_built(text: str) -> dict[str, str]:

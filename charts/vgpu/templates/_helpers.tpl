@@ -110,28 +110,43 @@ imagePullSecrets:
 {{/*
 vgpu.webhookCommon: what both webhooks share: pod creation, in the namespaces and pods the
 values select, never in the release namespace: with failurePolicy Fail the extender's own pods
-must still be creatable while no extender answers.
+must still be creatable while no extender answers. Call with (dict "ctx" $ "guard" true) for the
+validating webhook: where the tenant boundary's policies are off (tenantBoundary.policies) it
+also sees pod updates and Bindings, to refuse placements written by anyone but the scheduler.
 */}}
 {{- define "vgpu.webhookCommon" -}}
+{{- $ctx := .ctx -}}
 admissionReviewVersions: ["v1"]
 sideEffects: None
-failurePolicy: {{ .Values.webhook.failurePolicy }}
-timeoutSeconds: {{ .Values.webhook.timeoutSeconds }}
+failurePolicy: {{ $ctx.Values.webhook.failurePolicy }}
+timeoutSeconds: {{ $ctx.Values.webhook.timeoutSeconds }}
 rules:
   - apiGroups: [""]
     apiVersions: ["v1"]
     operations: ["CREATE"]
     resources: ["pods"]
     scope: Namespaced
+  {{- if and .guard (not (include "vgpu.boundaryPolicies" $ctx)) }}
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["UPDATE"]
+    resources: ["pods", "pods/status"]
+    scope: Namespaced
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["bindings", "pods/binding"]
+    scope: Namespaced
+  {{- end }}
 namespaceSelector:
-  {{- $selector := deepCopy (.Values.webhook.namespaceSelector | default dict) }}
-  {{- $own := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" (list .Release.Namespace) }}
+  {{- $selector := deepCopy ($ctx.Values.webhook.namespaceSelector | default dict) }}
+  {{- $own := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" (list $ctx.Release.Namespace) }}
   {{- $expressions := $selector.matchExpressions | default list }}
   {{- if not (has $own $expressions) }}
   {{- $_ := set $selector "matchExpressions" (append $expressions $own) }}
   {{- end }}
   {{- toYaml $selector | nindent 2 }}
-{{- with .Values.webhook.objectSelector }}
+{{- with $ctx.Values.webhook.objectSelector }}
 objectSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -186,4 +201,49 @@ a chart that had no such key: absent, it is on, as the default.
 */}}
 {{- define "vgpu.clientAuth" -}}
 {{- if dig "clientAuth" true .Values.scheduler.extender -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+vgpu.boundaryPolicies: "true" where the tenant boundary's ValidatingAdmissionPolicies are
+rendered (tenantBoundary.policies; absent, as in a release of an earlier chart upgraded with
+--reuse-values, it is on, as the default).
+*/}}
+{{- define "vgpu.boundaryPolicies" -}}
+{{- if dig "policies" true (.Values.tenantBoundary | default dict) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+vgpu.podCgroups: the host's cgroup folders of the kubelet's pods (devicePlugin.hostPaths.podCgroups),
+each mounted read-write at /host<path> for the compute throttle's freezer, and nothing else of the
+host's cgroups. Call with (dict "ctx" $ "part" "mounts") for a container's volumeMounts, "volumes"
+for the pod's volumes. Absent (a release of an earlier chart upgraded with --reuse-values):
+/sys/fs/cgroup/kubepods.slice, the systemd driver's on cgroup v2.
+*/}}
+{{- define "vgpu.podCgroups" -}}
+{{- $paths := dig "podCgroups" (list "/sys/fs/cgroup/kubepods.slice") (.ctx.Values.devicePlugin.hostPaths | default dict) -}}
+{{- range $i, $path := $paths }}
+{{- if eq $.part "mounts" }}
+- name: pod-cgroups-{{ $i }}
+  mountPath: /host{{ $path }}
+{{- else }}
+- name: pod-cgroups-{{ $i }}
+  hostPath:
+    path: {{ $path }}
+    type: Directory
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+vgpu.nodePrivileged: "true" where the node's plugins run privileged: they load NVML from the
+driver root and open the cards' device nodes themselves (driver.inject plugin or cdi), or mount
+each container's tmpfs folder on the host (devicePlugin.containerFolder tmpfs, the default).
+*/}}
+{{- define "vgpu.nodePrivileged" -}}
+{{- if or (ne .Values.driver.inject "runtime") (eq (dig "containerFolder" "tmpfs" .Values.devicePlugin) "tmpfs") -}}true{{- end -}}
+{{- end -}}
+
+{{/* vgpu.driverRoot: "true" where the node's plugins mount driver.root (driver.inject plugin or cdi). */}}
+{{- define "vgpu.driverRoot" -}}
+{{- if ne .Values.driver.inject "runtime" -}}true{{- end -}}
 {{- end -}}
