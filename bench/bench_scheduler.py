@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
          [--filter-calls 200] [--percentage-of-nodes-to-score P] [--kube-api-qps Q]
-         [--short-parser on|off] [--client-auth on|off]
+         [--short-parser on|off] [--client-auth on|off] [--policies both|off|on]
 
 For each cluster size: a control-plane-only sandbox in a temp folder, N KWOK nodes of 8 GPUs
 (80 GiB, split 10) with an inventory annotation and a fresh plugin Lease, and our own extender
@@ -37,6 +37,11 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
 9. ``--client-auth off`` runs the extender without ``--client-ca-file`` and kube-scheduler without
    its client certificate (the chart's ``scheduler.extender.clientAuth: false``), for an A/B of
    what the client certificate costs in each TLS handshake (default on, as the chart).
+10. ``--policies both`` (the default) runs the bursts without, then with the chart's tenant-boundary
+    admission policies (docs/security.md), on the same cluster: the cost of the CEL checks on every
+    pod write and Binding. The extender runs as the scheduler's account in both (the sandbox's
+    identity impersonating it, as the sandbox runs it), which the placement policy trusts.
+    ``off`` or ``on``: one of the two.
 
 Prints one line per figure and the machine; asserts nothing.
 """
@@ -60,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from vgpu_sandbox import controlplane
+from vgpu_sandbox import controlplane, product
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.pki import CertificateAuthority
 
@@ -275,8 +280,10 @@ class Extender:
         env["VGPU_LEADER_LEASE"] = "vgpu-bench-extender"
         if not short_parser:
             env[SHORT_PARSER_ENV] = "0"
+        # as the scheduler's account, which the tenant boundary's placement policy trusts
+        kubeconfig = product.account_kubeconfig(sb, "bench-scheduler", product.SCHEDULER_ACCOUNT)
         argv = [
-            sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={sb.kubeconfig}",
+            sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={kubeconfig}",
             f"--listen=127.0.0.1:{self.port}", f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}", "--namespace=kube-system",
             f"--scheduler-name={SCHEDULER}", "--identity=bench",
@@ -409,6 +416,40 @@ def alone_then_extender(
     return alone, rate
 
 
+def run_pairs(
+    sb: Sandbox,
+    kube: Kube,
+    folder: Path,
+    plain: str,
+    ext: Extender,
+    n: int,
+    pods: int,
+    pairs: int,
+    label: str,
+) -> None:
+    """``pairs`` alone/with-extender bursts back to back, each share printed, and their median."""
+    shares = []
+    for k in range(1, pairs + 1):
+        tag = f"[{n} nodes{label}] pair {k}/{pairs}" if pairs > 1 else f"[{n} nodes{label}]"
+        alone, rate = alone_then_extender(
+            sb, kube, folder, plain, ext, pods, tag, lambda: delete_pods(sb, kube)
+        )
+        shares.append(100.0 * rate / alone)
+        print(
+            f"{tag} kube-scheduler + vGPU extender: {pods} pods, {rate:6.1f} pods/s "
+            f"({shares[-1]:.0f} % of alone)",
+            flush=True,
+        )
+        print(f"{tag}   {LAST_CPU[0]}", flush=True)
+        delete_pods(sb, kube)
+    if pairs > 1:
+        print(
+            f"[{n} nodes{label}] share of kube-scheduler's own rate over {pairs} pairs: median "
+            f"{statistics.median(shares):.0f} %, each: " + ", ".join(f"{x:.0f} %" for x in shares),
+            flush=True,
+        )
+
+
 def run_size(
     n: int,
     pods: int,
@@ -419,6 +460,7 @@ def run_size(
     qps: int = 200,
     short_parser: bool = True,
     client_auth: bool = True,
+    policies: str = "both",
 ) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
@@ -446,6 +488,7 @@ def run_size(
             time.sleep(1)
         print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
         folder = work / f"ext-{n}"
+        product.grant_accounts(sb)  # the scheduler's account, which the extender impersonates
         ext = Extender(sb, folder, percentage, qps, short_parser, client_auth)
         state = sb.state()
         WATCHED.clear()
@@ -467,26 +510,10 @@ def run_size(
             percentage_of_nodes_to_score=percentage,
             client_qps=qps,
         )
-        shares = []
-        for k in range(1, pairs + 1):
-            tag = f"[{n} nodes] pair {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
-            alone, rate = alone_then_extender(
-                sb, kube, folder, plain, ext, pods, tag, lambda: delete_pods(sb, kube)
-            )
-            shares.append(100.0 * rate / alone)
-            print(
-                f"{tag} kube-scheduler + vGPU extender: {pods} pods, {rate:6.1f} pods/s "
-                f"({shares[-1]:.0f} % of alone)",
-                flush=True,
-            )
-            print(f"{tag}   {LAST_CPU[0]}", flush=True)
-            delete_pods(sb, kube)
-        if pairs > 1:
-            print(
-                f"[{n} nodes] share of kube-scheduler's own rate over {pairs} pairs: median "
-                f"{statistics.median(shares):.0f} %, each: " + ", ".join(f"{x:.0f} %" for x in shares),
-                flush=True,
-            )
+        for phase in ("off", "on") if policies == "both" else (policies,):
+            if phase == "on":
+                product.apply_boundary(sb, lambda _: None)
+            run_pairs(sb, kube, folder, plain, ext, n, pods, pairs, f" policies {phase}")
         print(f"[{n} nodes] extender, server side, over the bursts: {ext.verb_latency()}", flush=True)
         if filter_calls:
             time.sleep(5)  # let KWOK and the watches go quiet: this measures the verb, not the burst
@@ -542,6 +569,12 @@ def main() -> int:
         default="on",
         help="kube-scheduler calls the extender with a client certificate it checks (off: neither)",
     )
+    parser.add_argument(
+        "--policies",
+        choices=("both", "off", "on"),
+        default="both",
+        help="the bursts without, then with the chart's tenant-boundary admission policies (default both)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     print(
@@ -559,6 +592,7 @@ def main() -> int:
                 args.kube_api_qps,
                 args.short_parser == "on",
                 args.client_auth == "on",
+                args.policies,
             )
     return 0
 

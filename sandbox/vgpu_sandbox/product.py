@@ -15,16 +15,19 @@ import base64
 import importlib.util
 import json
 import ssl
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from vgpu_sandbox import controlplane, nodes
 from vgpu_sandbox.binaries import repo_root
+from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
 NAMESPACE = "kube-system"
@@ -37,6 +40,16 @@ MANAGED_RESOURCES = (
     "nvidia.com/priority",
 )
 INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
+# The product's parts run as the accounts the chart makes for release vgpu in kube-system (the
+# playbook's, inventory/sandbox.yml), so the chart's tenant-boundary policies, which the sandbox
+# applies at up, judge them as they judge the chart's own pods: the extender as the scheduler
+# pod's account, each node's device plugin as the plugin's account with its node in the token's
+# extra (authentication.kubernetes.io/node-name). The sandbox's "vgpu" identity impersonates them.
+RELEASE = "vgpu"
+SCHEDULER_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-scheduler"
+PLUGIN_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-device-plugin"
+NODE_CLAIM = "authentication.kubernetes.io/node-name"
+BOUNDARY_TEMPLATE = "templates/tenant-boundary.yaml"
 
 
 def hook_library() -> Path | None:
@@ -70,10 +83,110 @@ def _vgpu(*args: str) -> list[str]:
 
 
 def start(sandbox: Handle, spec: Spec, parts: Parts, progress: Callable[[str], None]) -> None:
+    if parts.plugins or parts.extender:
+        grant_accounts(sandbox)
+        apply_boundary(sandbox, progress)
     if parts.plugins:
         start_node_agents(sandbox, spec, progress)
     if parts.extender:
         start_extender(sandbox, progress)
+
+
+def account_kubeconfig(sandbox: Handle, name: str, account: str, node: str | None = None) -> Path:
+    """A kubeconfig of the sandbox's "vgpu" identity impersonating ``account`` (and, for a node's
+    agent, with ``node`` as the token's node claim), as the product's parts run in the sandbox."""
+    base = json.loads(sandbox.layout.identity_kubeconfig("vgpu").read_text())
+    user = base["users"][0]["user"]
+    user["as"] = account
+    if node is not None:
+        user["as-user-extra"] = {NODE_CLAIM: [node]}
+    path = sandbox.layout.config / f"{name}.kubeconfig"
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(json.dumps(base, indent=2) + "\n")
+    return path
+
+
+def grant_accounts(sandbox: Handle) -> None:
+    """The accounts the parts impersonate may do anything: the sandbox checks the chart's policies
+    on them, not its RBAC (tests/e2e/test_chart.py runs the parts on the chart's own roles)."""
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "vgpu-sandbox-product"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+        "subjects": [
+            {"kind": "ServiceAccount", "namespace": NAMESPACE, "name": account.rsplit(":", 1)[1]}
+            for account in (SCHEDULER_ACCOUNT, PLUGIN_ACCOUNT)
+        ],
+    }
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(binding))
+
+
+def chart_values() -> dict[str, Any]:
+    """The chart values inventory/sandbox.yml gives the playbook's release: the sandbox's parts
+    and policies follow the same tenantBoundary (high priority in the default namespace)."""
+    inventory = yaml.safe_load((repo_root() / "inventory" / "sandbox.yml").read_text())
+    values = inventory["all"]["children"]["kube_control"]["vars"]["vgpu_scheduler_values"]
+    assert isinstance(values, dict)
+    return values
+
+
+def high_priority_namespaces() -> list[str]:
+    return list((chart_values().get("tenantBoundary") or {}).get("highPriorityNamespaces") or [])
+
+
+def boundary_objects(sandbox: Handle) -> list[dict[str, Any]]:
+    """The chart's tenant-boundary policies as release vgpu would install them with the sandbox
+    inventory's values, owned by that release (Helm adopts them when the playbook installs it,
+    and removes them with it)."""
+    values = {"tenantBoundary": chart_values().get("tenantBoundary") or {}}
+    rendered = subprocess.run(
+        [
+            str(sandbox.bin("helm")),
+            "template",
+            RELEASE,
+            str(repo_root() / "charts" / "vgpu"),
+            "--namespace",
+            NAMESPACE,
+            "--show-only",
+            BOUNDARY_TEMPLATE,
+            "--set-json",
+            f"tenantBoundary={json.dumps(values['tenantBoundary'])}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    if rendered.returncode != 0:
+        raise SandboxError(f"helm template of {BOUNDARY_TEMPLATE} failed: {rendered.stderr.strip()}")
+    objects = [o for o in yaml.safe_load_all(rendered.stdout) if o]
+    for obj in objects:
+        obj["metadata"].setdefault("annotations", {}).update(
+            {"meta.helm.sh/release-name": RELEASE, "meta.helm.sh/release-namespace": NAMESPACE}
+        )
+    return objects
+
+
+def apply_boundary(sandbox: Handle, progress: Callable[[str], None]) -> None:
+    """Apply the chart's tenant-boundary policies (again: an uninstalled release took them away),
+    and wait until the API server enforces them: a policy's binding is taken up within about a second."""
+    progress("applying the chart's tenant-boundary policies")
+    objects = boundary_objects(sandbox)
+    sandbox.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+    )
+    names = [o["metadata"]["name"] for o in objects if o["kind"] == "ValidatingAdmissionPolicy"]
+
+    def checked() -> bool:
+        for name in names:
+            got = sandbox.api_get(f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}")
+            status = got.get("status") or {}
+            if status.get("observedGeneration") != got["metadata"].get("generation"):
+                return False
+        return True
+
+    sandbox.wait_for("the API server to take up the tenant-boundary policies", checked, 30, "kube-apiserver")
 
 
 def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
@@ -88,7 +201,7 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
         "vgpu-extender",
         _vgpu(
             "extender",
-            f"--kubeconfig={layout.identity_kubeconfig('vgpu')}",
+            f"--kubeconfig={account_kubeconfig(sandbox, 'vgpu-scheduler', SCHEDULER_ACCOUNT)}",
             f"--listen=127.0.0.1:{port}",
             f"--cert-file={pair.cert}",
             f"--key-file={pair.key}",
@@ -96,6 +209,9 @@ def start_extender(sandbox: Handle, progress: Callable[[str], None]) -> None:
             f"--metrics-listen=127.0.0.1:{metrics_port}",
             f"--namespace={NAMESPACE}",
             f"--scheduler-name={SCHEDULER_NAME}",
+            f"--scheduler-account={SCHEDULER_ACCOUNT}",
+            f"--node-agent-account={PLUGIN_ACCOUNT}",
+            f"--high-priority-namespaces={','.join(high_priority_namespaces())}",
         ),
         port,
     )
@@ -198,7 +314,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
     progress(f"starting a device plugin and a kubelet stand-in on each of {spec.nodes} nodes")
     gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
     names = [nodes.node_name(i) for i in range(spec.nodes)]
-    kubeconfig = layout.identity_kubeconfig("vgpu")
+    kubeconfig = layout.identity_kubeconfig("vgpu")  # the kubelet stand-in's
     hook = hook_library()
     hook_args = [f"--hook-library={hook}"] if hook else []
     if hook is None:
@@ -227,7 +343,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
             _vgpu(
                 "device-plugin",
                 f"--node={name}",
-                f"--kubeconfig={kubeconfig}",
+                f"--kubeconfig={account_kubeconfig(sandbox, f'device-plugin-{name}', PLUGIN_ACCOUNT, name)}",
                 f"--namespace={NAMESPACE}",
                 f"--root={root}",
                 f"--fake-nvml={gpus_file}",

@@ -53,7 +53,7 @@ def start_plugin(sandbox: Handle, spec: Spec, node: str, folder: Path) -> None:
             "vgpu.commands.cli",
             "device-plugin",
             f"--node={node}",
-            f"--kubeconfig={sandbox.layout.identity_kubeconfig('vgpu')}",
+            f"--kubeconfig={product.account_kubeconfig(sandbox, COMPONENT, product.PLUGIN_ACCOUNT, node)}",
             f"--namespace={product.NAMESPACE}",
             f"--config={config}",
             f"--monitor-listen=127.0.0.1:{port}",

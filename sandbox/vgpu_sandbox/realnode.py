@@ -10,6 +10,8 @@ into containerd's ``k8s.io`` namespace.
 
 The node has no NVIDIA driver: the chart's device plugin describes its cards with the fake NVML
 backend (``gpus.yaml`` here), and the sample workload image carries the stub driver libraries.
+NVIDIA's container runtime is in the path all the same, containerd's default in CDI mode, with
+the stub's cards as a CDI spec (``vgpu_sandbox.realruntime``).
 
 Three host paths are fixed by Kubernetes and the product, so a machine holds one real node at a
 time: ``/var/lib/kubelet/device-plugins`` (kubelet's registration socket, whatever its
@@ -35,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu
+from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu, realruntime
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -197,7 +199,7 @@ def why_not(real_gpu: bool = False) -> str | None:
         return f"this machine cannot create namespaces (unshare: {probe.stderr.strip() or probe.returncode})"
     lacking = [n for n in _tools(real_gpu) if not (binaries.bin_dir() / n).exists()]
     if lacking:
-        pieces = ["kubelet", "containerd"] + ([] if real_gpu else ["crictl"])
+        pieces = ["kubelet", "containerd"] + ([] if real_gpu else ["crictl", "nvidia-ctk"])
         return (
             f"{', '.join(lacking)} not built in {binaries.bin_dir()}: run `make setup` as root "
             f"(tools/build.sh {' '.join(pieces)}), or point VGPU_BIN_DIR at the cache that holds them"
@@ -219,7 +221,7 @@ def why_not(real_gpu: bool = False) -> str | None:
 
 
 def _tools(real_gpu: bool) -> tuple[str, ...]:
-    return ("kubelet", *CONTAINERD_BINARIES) + (() if real_gpu else ("crictl",))
+    return ("kubelet", *CONTAINERD_BINARIES) + (() if real_gpu else ("crictl", realruntime.RUNTIME))
 
 
 def _images(real_gpu: bool) -> tuple[str, ...]:
@@ -397,9 +399,8 @@ def inventory(sandbox: Handle, spec: Spec, ctk: Path | None, values: dict[str, A
         "gpu_node_nvidia_ctk": str(ctk) if ctk else "/usr/bin/nvidia-ctk",
         "gpu_node_container_runtime": "containerd",
         "gpu_node_containerd_config": str(lay.containerd_config),
-        # runc stays the default: the nvidia runtime is added for a RuntimeClass; this node has no
-        # nvidia-container-runtime binary to make the default.
-        "gpu_node_nvidia_runtime_default": False,
+        # NVIDIA's runtime, built from Go modules, containerd's default in CDI mode (realruntime)
+        **realruntime.role_vars(lay.root),
         "gpu_node_backup": False,
         # containerd runs under the sandbox, not systemd.
         "gpu_node_containerd_restart_command": [
@@ -425,6 +426,9 @@ def chart_values(sandbox: Handle, spec: Spec, lay: NodeLayout, monitor_port: int
     assert state is not None
     api_port = state.ports["apiserver"]
     return {
+        # The cards reach containers as CDI devices of the stub's spec (realruntime): no driver here
+        # to hand out, and NVIDIA's runtime in the path refuses a container's own variable.
+        "driver": {"inject": "cdi"},
         "devicePlugin": {
             "image": {
                 "registry": "docker.io",
@@ -445,10 +449,21 @@ def chart_values(sandbox: Handle, spec: Spec, lay: NodeLayout, monitor_port: int
             ],
             "extraVolumeMounts": [{"name": "fake-nvml", "mountPath": FAKE_NVML_MOUNT, "readOnly": True}],
             "monitor": {"port": monitor_port},
+            # the kubelet's pod cgroups here (cgroupfs driver), for the throttle's freezer alone
+            "hostPaths": {"podCgroups": [str(pod_cgroups())]},
             "deviceSplitCount": spec.split,
             "tolerations": TOLERATIONS,
-        }
+        },
     }
+
+
+def pod_cgroups(cgroup_fs: Path = Path("/sys/fs/cgroup")) -> Path:
+    """Where the real node's containers' cgroups are: the kubelet runs without a QoS tree
+    (cgroupsPerQOS false), so containerd puts them under its own k8s.io, in the unified hierarchy
+    on cgroup v2 and in the v1 freezer's otherwise. The chart's plugin mounts only this folder."""
+    if (cgroup_fs / "cgroup.controllers").exists():
+        return cgroup_fs / "k8s.io"
+    return cgroup_fs / "freezer" / "k8s.io"
 
 
 def scheduler_values(sandbox: Handle) -> dict[str, Any]:
@@ -582,6 +597,7 @@ def _crictl(lay: NodeLayout, *args: str, timeout: float = 120) -> subprocess.Com
 
 def _containerd_argv(lay: NodeLayout) -> list[str]:
     return [
+        *realruntime.containerd_env(lay.root),  # the NVIDIA runtime's config (vgpu_sandbox.realruntime)
         str(binaries.bin_dir() / "containerd"),
         f"--config={lay.containerd_config}",
         "--log-level=info",
@@ -670,10 +686,17 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
     lay.stub_procs.mkdir(exist_ok=True)
     lay.stub_procs.chmod(0o1777)  # a sample pod's process may run as any user
-    described = {"gpus": nodes.fake_gpus(NAME, gpu), "processDir": f"{FAKE_NVML_MOUNT}/{lay.stub_procs.name}"}
+    gpus = nodes.fake_gpus(NAME, gpu)
+    described = {"gpus": gpus, "processDir": f"{FAKE_NVML_MOUNT}/{lay.stub_procs.name}"}
     lay.gpus_file.write_text(yaml.safe_dump(described, sort_keys=False))
     lay.gpus_file.chmod(0o644)
+    realruntime.write_stub_spec(lay.root, [str(g["uuid"]) for g in gpus])
+    record["shared_state"] = realruntime.share_state_dir()
+    _save_record(lay, record)
 
+    # containerd makes its k8s.io cgroup at its first container; the chart's plugin mounts it
+    # (devicePlugin.hostPaths.podCgroups) and may well be that first container
+    pod_cgroups().mkdir(exist_ok=True)
     progress(f"real node: starting the kubelet as {NAME}")
     sandbox.kubectl(
         "create",
@@ -852,6 +875,9 @@ def stop(sandbox: Handle, pids: dict[str, int]) -> None:
     if shims:
         procs.stop_all(shims, None, grace=5)
     unmount_under(lay.root)
+    realruntime.remove_stub_spec()
+    if record.get("shared_state"):  # the containers' tmpfs folders and the shared bind under them
+        unmount_under(realruntime.STATE_DIR)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
     subprocess.run(["ip", "addr", "del", f"{NODE_IP}/32", "dev", "lo"], capture_output=True, timeout=30)
     for created in record.get("created", []):

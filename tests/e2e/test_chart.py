@@ -27,6 +27,7 @@ from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.procs import free_port
 
 from tests import support
+from tests.support.driver import fake_driver
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,16 +37,26 @@ SCENARIOS = sorted(CHART.glob("ci/*-values.yaml"))
 NS = "vgpu-chart-test"
 SCHEDULER = "vgpu-chart-test-scheduler"  # served by no kube-scheduler of the sandbox
 RELEASE = "vgpu"
-# Keep clear of the sandbox's own product: other node ports, and a webhook that selects no
-# namespace (its pods are KWOK's: nothing answers behind the Service, and it fails closed).
+# Keep clear of the sandbox's own product: a webhook that selects no namespace (its pods are
+# KWOK's: nothing answers behind the Service, and it fails closed), and tenant-boundary rules
+# kept to this release's own namespace, which the namespace fixture labels for the sandbox's
+# rules to leave alone (inventory/sandbox.yml): each release's rules trust its own scheduler.
 ISOLATION = [
+    "--set-json", 'webhook.namespaceSelector={"matchLabels":{"vgpu-chart-test/none":"true"}}',
+    "--set", "webhook.timeoutSeconds=2",
+    "--set-json",
+    'tenantBoundary.namespaceSelector={"matchLabels":{"kubernetes.io/metadata.name":"' + NS + '"}}',
+]  # fmt: skip
+# the chart of EARLIER has neither key: its node ports are set apart from any other release's
+EARLIER_ISOLATION = [
     "--set", "devicePlugin.monitor.service.nodePort=31892",
     "--set", "scheduler.metrics.service.nodePort=31893",
     "--set-json", 'webhook.namespaceSelector={"matchLabels":{"vgpu-chart-test/none":"true"}}',
     "--set", "webhook.timeoutSeconds=2",
 ]  # fmt: skip
 CLUSTER_KINDS = (
-    "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,validatingwebhookconfigurations"
+    "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,validatingwebhookconfigurations,"
+    "validatingadmissionpolicies,validatingadmissionpolicybindings"
 )
 NAMESPACED_KINDS = "deployments,daemonsets,services,configmaps,secrets,serviceaccounts,roles,rolebindings"
 
@@ -84,6 +95,7 @@ def owned(sandbox: Sandbox) -> list[str]:
 @pytest.fixture(scope="module")
 def namespace(sandbox: Sandbox) -> Iterator[str]:
     sandbox.kubectl("create", "namespace", NS)
+    sandbox.kubectl("label", "namespace", NS, "vgpu.openaios.io/tenant-boundary=other-release")
     try:
         yield NS
     finally:
@@ -163,9 +175,9 @@ def test_install_upgrade_and_uninstall_of_a_release(sandbox: Sandbox, namespace:
     assert _node_config(sandbox)["split"] == 4
     assert _node_config(sandbox)["nodes"]["gpu-node-h200-0"]["split"] == 16
     monitor = get(sandbox, "service", f"{RELEASE}-monitor", "-n", NS)["spec"]
-    assert [p["nodePort"] for p in monitor["ports"]] == [31892]
+    assert monitor["type"] == "ClusterIP"  # node ports are an opt-in
     metrics = get(sandbox, "service", f"{RELEASE}-scheduler-metrics", "-n", NS)["spec"]
-    assert [p["nodePort"] for p in metrics["ports"]] == [31893]
+    assert metrics["type"] == "ClusterIP"
     deploy = get(sandbox, "deployment", f"{RELEASE}-scheduler", "-n", NS)
     extender = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "extender")
     assert "--node-policy=spread" in extender["command"] and "--gpu-policy=binpack" in extender["command"]
@@ -173,9 +185,15 @@ def test_install_upgrade_and_uninstall_of_a_release(sandbox: Sandbox, namespace:
     gpu_nodes = get(sandbox, "nodes", "-l", "gpu=on")["items"]
     ds = _daemonset(sandbox)
     assert ds["status"]["desiredNumberScheduled"] == len(gpu_nodes) > 0
-    # the token controller filled the extender's own ServiceAccount token
-    token = get(sandbox, "secret", f"{RELEASE}-extender-token", "-n", NS)
-    assert token["data"].get("token")
+    # the scheduler pod runs on its own projected token: no long-lived token Secret
+    secrets_ = get(sandbox, "secrets", "-n", NS)["items"]
+    assert not [x for x in secrets_ if x.get("type") == "kubernetes.io/service-account-token"]
+    # the tenant boundary's policies, bound and kept to this release's namespace
+    for name in ("placements", "priority"):
+        binding = get(sandbox, "validatingadmissionpolicybinding", f"{RELEASE}-{NS}-{name}")
+        assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": NS
+        }
     tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
     hook = get(sandbox, "mutatingwebhookconfiguration", f"{RELEASE}-{NS}")["webhooks"][0]
     assert hook["clientConfig"]["caBundle"] == tls["ca.crt"]
@@ -230,13 +248,18 @@ def test_a_release_of_an_earlier_chart_upgrades_in_place_with_its_values_reused(
     subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
     earlier = tmp_path / "charts" / "vgpu"
     helm(
-        sandbox, "install", RELEASE, str(earlier), "-n", namespace, *ISOLATION,
+        sandbox, "install", RELEASE, str(earlier), "-n", namespace, *EARLIER_ISOLATION,
         "--set", "devicePlugin.deviceSplitCount=7", "--wait",
     )  # fmt: skip
     try:
         assert "client.crt" not in get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
         for how in ("--reuse-values", "--reset-then-reuse-values"):
-            helm(sandbox, "upgrade", RELEASE, str(CHART), "-n", namespace, how, "--wait")
+            # the node ports it had set keep their NodePort type; the new rules kept to the namespace
+            helm(
+                sandbox, "upgrade", RELEASE, str(CHART), "-n", namespace, how, *ISOLATION,
+                "--set", "devicePlugin.monitor.service.type=NodePort",
+                "--set", "scheduler.metrics.service.type=NodePort", "--wait",
+            )  # fmt: skip
             assert _node_config(sandbox)["split"] == 7, how  # the user's value kept
             # what the new chart adds by default holds, though the old values never named it
             tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
@@ -349,8 +372,12 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}),
     )
     try:
-        # the device plugin, with a token of its account (the pod's projected token is the same)
-        token = sandbox.kubectl("create", "token", f"{RELEASE}-device-plugin", "-n", NS).stdout.strip()
+        # the device plugin, with a token of its account bound to its node, as the pod's projected
+        # token is (it names the node: the tenant boundary's node-agent rules read it)
+        token = sandbox.kubectl(
+            "create", "token", f"{RELEASE}-device-plugin", "-n", NS, "--bound-object-kind=Node",
+            f"--bound-object-name={node}",
+        ).stdout.strip()  # fmt: skip
         plugin_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "plugin.kubeconfig")
         root = short_dir / "root"  # the plugin's unix socket lives under it: 107 bytes at most
         (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
@@ -378,6 +405,8 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
             "--config": str(node_config),
             "--monitor-listen": f"127.0.0.1:{free_port()}",
             "--hook-library": str(library),
+            # the chart's default driverInject: plugin finds the driver's files under it
+            "--driver-root": str(fake_driver(tmp_path / "driver")),
         }
         flags = [
             f"{k}={local.get(k, v.replace('$(NODE_NAME)', node))}"
@@ -391,11 +420,10 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
             f"--fake-nvml={gpus}",
         ]
 
-        # the extender, with the token its container mounts, on the chart's command line
-        secret = get(sandbox, "secret", f"{RELEASE}-extender-token", "-n", NS)["data"]["token"]
-        extender_kubeconfig = _kubeconfig_as(
-            sandbox, base64.b64decode(secret).decode(), tmp_path / "ext.kubeconfig"
-        )
+        # the extender, with a token of the scheduler pod's account (its projected token), on the
+        # chart's command line
+        token = sandbox.kubectl("create", "token", f"{RELEASE}-scheduler", "-n", NS).stdout.strip()
+        extender_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "ext.kubeconfig")
         tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
         for name in ("tls.crt", "tls.key", "ca.crt", "client.crt", "client.key"):
             (tmp_path / name).write_bytes(base64.b64decode(tls[name]))
@@ -425,7 +453,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
                 return 0, None
 
         with _running(plugin, "the device plugin as vgpu-device-plugin", reported):
-            with _running(extender, "the extender as vgpu-extender", lambda: call("/readyz")[0] == 200):
+            with _running(extender, "the extender as vgpu-scheduler", lambda: call("/readyz")[0] == 200):
                 assert get(sandbox, "lease", "vgpu-scheduler-extender", "-n", NS)["spec"]["holderIdentity"]
                 pod = support.pod(
                     "vgpu-chart-test-pod",
@@ -474,15 +502,15 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         who = f"--as=system:serviceaccount:{NS}:{RELEASE}-{account}"
         return sandbox.kubectl("auth", "can-i", *what, who, check=False).stdout.strip() == "yes"
 
-    assert not can("extender", "get", "secrets", "-n", NS)
-    assert not can("extender", "patch", "nodes")
-    assert not can("extender", "update", f"leases/kube-scheduler-{SCHEDULER}", "-n", NS)
+    assert not can("scheduler", "get", "secrets", "-n", NS)
+    assert not can("scheduler", "patch", "nodes")
     assert not can("device-plugin", "create", "bindings", "-n", "default")
     assert not can("device-plugin", "delete", "pods")
     assert not can("device-plugin", "get", "secrets", "-n", NS)
+    # kube-scheduler and the extender share the pod's account: each Lease of theirs, none other
     assert can("scheduler", "update", f"leases/kube-scheduler-{SCHEDULER}", "-n", NS)
-    assert not can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
-    assert not can("scheduler", "get", "secrets", "-n", NS)
+    assert can("scheduler", "update", "leases/vgpu-scheduler-extender", "-n", NS)
+    assert not can("scheduler", "update", "leases/vgpu-other", "-n", NS)
 
 
 SERVICE_MONITOR_CRD = {

@@ -214,7 +214,20 @@ def test_kube_scheduler_hands_the_driver_the_classs_configuration_then_the_claim
     _apply(sandbox, klass, _node(node))
     try:
         _apply(sandbox, _slice(node, "NVIDIA A100", 10000))
-        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-8000mi-50-first"), template)
+        # the example as written asks for priority 0, which the sandbox allows in default alone
+        # (tenantBoundary.highPriorityNamespaces, inventory/sandbox.yml): valid there, refused here
+        as_written = _example("ResourceClaimTemplate", "vgpu-8000mi-50-first")
+        as_written["metadata"]["namespace"] = "default"
+        assert (
+            sandbox.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=json.dumps(as_written), check=False
+            ).returncode
+            == 0
+        )
+        as_written["metadata"]["namespace"] = NS
+        refused = sandbox.kubectl("create", "-f", "-", input=json.dumps(as_written), check=False)
+        assert "VgpuConfig priority: 0" in refused.stderr, refused.stderr
+        _apply(sandbox, template)
         _apply(sandbox, _pod("first", "first-capped", node))
         wait_for(lambda: _claim_of(sandbox, "first") is not None, "the claim allocated", 120, every=0.5)
         claim = _claim_of(sandbox, "first")

@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 import yaml
+from vgpu_sandbox import product
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION, Kubelet
 
 from tests.support import bound_pod, poll, short_dir
+from tests.support.tenant import AS_SCHEDULER
 from vgpu.core.annotations import (
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -84,7 +86,8 @@ class Agent:
             namespace=TEST_NS,
             tolerations=[{"key": "vgpu-test", "operator": "Exists"}],
         )
-        self.sandbox.kubectl("create", "-f", "-", input=json.dumps(pod))
+        # placed as the scheduler places pods: its account alone may write placements
+        self.sandbox.kubectl(*AS_SCHEDULER, "create", "-f", "-", input=json.dumps(pod))
 
     def pod(self, name: str) -> dict[str, Any]:
         return json.loads(self.sandbox.kubectl("get", "pod", "-n", TEST_NS, name, "-o", "json").stdout)
@@ -142,7 +145,11 @@ def agent(sandbox: Sandbox, namespace: str, tmp_path: Path) -> Iterator[Agent]:
     sandbox.kubectl("create", "-f", "-", input=json.dumps(node))
     gpus = tmp_path / "gpus.yaml"
     gpus.write_text(gpus_yaml(name))
-    client = NodeAgentClient(str(sandbox.kubeconfig))
+    client = NodeAgentClient(str(sandbox.kubeconfig))  # the kubelet stand-in's: the cluster's admin
+    # the plugin as a node's plugin runs: the plugin's account, with its node in the token
+    plugin_client = NodeAgentClient(
+        str(product.account_kubeconfig(sandbox, name, product.PLUGIN_ACCOUNT, name))
+    )
     kubelet = Kubelet(name, tmp_path, client)
     kubelet.start()
     daemon = Daemon(
@@ -151,7 +158,7 @@ def agent(sandbox: Sandbox, namespace: str, tmp_path: Path) -> Iterator[Agent]:
         HostPaths(tmp_path),
         NodeConfig(split=SPLIT),
         FakeDiscovery(gpus, poll_s=0.05),
-        client,
+        plugin_client,
         None,
     )
     daemon.server.watch_interval_s = 0.1
@@ -176,6 +183,7 @@ def agent(sandbox: Sandbox, namespace: str, tmp_path: Path) -> Iterator[Agent]:
         sandbox.kubectl("delete", "node", name, "--wait=false", check=False)
         sandbox.kubectl("delete", "lease", "-n", NAMESPACE, lease_name(name), check=False)
         client.close()
+        plugin_client.close()
 
 
 def test_the_node_gets_its_inventory_lease_and_device_count(agent: Agent) -> None:

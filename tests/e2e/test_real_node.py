@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import procs, realnode
+from vgpu_sandbox import procs, realnode, realruntime
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from playbooks import play, play_recap
@@ -132,8 +132,8 @@ def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node
     recap = play_recap(first)
     assert recap[NODE]["failed"] == 0 and recap[NODE]["changed"] >= 2, recap
     config = node.lay.containerd_config.read_text()
-    # nvidia-ctk (NVIDIA's, built from Go modules) merged its runtime and kept ours.
-    assert "runtimes.nvidia]" in config and 'BinaryName = "/usr/bin/nvidia-container-runtime"' in config
+    # nvidia-ctk (NVIDIA's, built from Go modules) merged its runtime, built beside it, and kept ours.
+    assert "runtimes.nvidia]" in config and f'BinaryName = "{realruntime.runtime_binary()}"' in config
     assert f'Root = "{node.lay.runc_root}"' in config and "restrict_oom_score_adj = true" in config
     handler = "GPU node | Restart containerd with gpu_node_containerd_restart_command"
     assert f"RUNNING HANDLER [gpu_node : {handler}]" in first.stdout

@@ -116,6 +116,22 @@ def _within_grant(fields: dict[str, str]) -> None:
     )
 
 
+def _sweep_state(real: Node) -> str:
+    """What the sweep decides from: the served folders, the records, the versions, the mounts,
+    and the plugin's last lines."""
+    lines = []
+    for folder in (HOST.containers_dir, HOST.grants_dir, HOST.lib_dir):
+        entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        lines.append(f"{folder}: {entries}")
+    with open("/proc/self/mountinfo") as mounts:
+        lines += [m.strip() for m in mounts if str(HOST.containers_dir) in m]
+    pod = _plugin_running(real)
+    if pod:
+        logs = real.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], "--tail=30", check=False)
+        lines.append(logs.stdout + logs.stderr)
+    return "\n".join(lines)
+
+
 def test_a_running_container_keeps_its_hook_across_a_helm_upgrade_and_the_old_library_goes_after_it(
     prepared: Node,  # noqa: F811  (the fixture imported above)
 ) -> None:
@@ -237,12 +253,15 @@ def test_a_running_container_keeps_its_hook_across_a_helm_upgrade_and_the_old_li
 
         real.kubectl("delete", "pod", "-n", "default", "hook-old", "--wait=true", timeout=120)
         deleted = time.monotonic()
-        wait_for(
-            lambda: not old_library.parent.exists(),
-            f"{old_library.parent} to go once hook-old left the node",
-            90,
-            every=1.0,
-        )
+        try:
+            wait_for(
+                lambda: not old_library.parent.exists(),
+                f"{old_library.parent} to go once hook-old left the node",
+                90,
+                every=1.0,
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{_sweep_state(real)}") from None
         _log(f"{old_library.parent} removed {time.monotonic() - deleted:.1f}s after hook-old was deleted")
         assert (HOST.lib_dir / new_version / "libvgpu.so").is_file()
         fields = wait_for(

@@ -45,7 +45,8 @@ def test_without_containerd_2_built_the_reason_names_the_piece_to_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     (tmp_path / "current").mkdir()
-    for name in ("kubelet", "crictl"):  # a cache built before containerd was one of its pieces
+    # a cache built before containerd was one of its pieces (with nvidia-ctk's runtime)
+    for name in ("kubelet", "crictl", "nvidia-container-runtime"):
         (tmp_path / "current" / name).touch(mode=0o755)
     monkeypatch.setenv("VGPU_BIN_DIR", str(tmp_path))
     monkeypatch.setattr(realnode.os, "geteuid", lambda: 0)
@@ -98,7 +99,9 @@ def test_the_inventory_adds_the_real_node_and_merges_its_chart_values(tmp_path: 
     chart = children["kube_control"]["vars"]["vgpu_scheduler_values"]
     assert chart["webhook"]["enabled"] is False  # inventory/sandbox.yml's own values are kept
     plugin = chart["devicePlugin"]
-    assert plugin["monitor"]["port"] == 9555 and plugin["monitor"]["service"]["type"] == "ClusterIP"
+    assert plugin["monitor"]["port"] == 9555
+    # inventory/sandbox.yml's tenant boundary is kept: the sandbox lets default ask for priority 0
+    assert chart["tenantBoundary"]["highPriorityNamespaces"] == ["default"]
     assert plugin["deviceSplitCount"] == 4 and plugin["hostNetwork"] is True
     assert {t["key"] for t in plugin["tolerations"]} == {realnode.TAINT["key"], realnode.RESERVED["key"]}
     assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in plugin["extraEnv"]
@@ -127,7 +130,7 @@ def test_with_the_scheduler_in_cluster_the_charts_scheduler_pod_goes_to_the_real
     assert {t["key"] for t in s["tolerations"]} == {realnode.TAINT["key"], realnode.RESERVED["key"]}
     api = {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}
     assert api in s["kubeScheduler"]["extraEnv"] and api in s["extender"]["extraEnv"]
-    assert s["metrics"]["service"]["type"] == "ClusterIP"  # inventory/sandbox.yml's own values are kept
+    assert chart["tenantBoundary"]["highPriorityNamespaces"] == ["default"]  # the inventory's own values kept
     state = sandbox.state()
     assert state is not None
     ports = [s["kubeScheduler"]["port"], s["extender"]["port"], s["metrics"]["port"]]
