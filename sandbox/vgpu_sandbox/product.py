@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from vgpu.core.boundary import NODE_CLAIM
 from vgpu_sandbox import controlplane, nodes
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.errors import SandboxError
@@ -48,7 +49,6 @@ INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
 RELEASE = "vgpu"
 SCHEDULER_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-scheduler"
 PLUGIN_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-device-plugin"
-NODE_CLAIM = "authentication.kubernetes.io/node-name"
 BOUNDARY_TEMPLATE = "templates/tenant-boundary.yaml"
 
 

@@ -17,7 +17,7 @@ message that names the rule and the fix) or None comes out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,26 +103,22 @@ def placement_refusal(
     )
 
 
-def _high(what: str, namespace: str) -> str:
+POD_PRIORITY = "nvidia.com/priority: 0"
+CLAIM_PRIORITY = "VgpuConfig priority: 0"
+
+
+def priority_refusal(
+    boundary: Boundary, namespace: str, priorities: Iterable[int], what: str = POD_PRIORITY
+) -> str | None:
+    """Why an object in ``namespace`` may not ask for priority 0, or None. ``priorities``: a pod's
+    containers' (``what``: :data:`POD_PRIORITY`), as :func:`vgpu.core.requests.parse_pod` read
+    them, or the values a claim's or template's vgpu entries set (:data:`CLAIM_PRIORITY`). A
+    DeviceClass is the admin's: never asked."""
+    if namespace in boundary.high_priority_namespaces or 0 not in priorities:
+        return None
     return (
         f"{what} (high priority: every priority-1 container on the card yields to it) is allowed only in "
         "the namespaces the cluster admin lists in the chart value tenantBoundary.highPriorityNamespaces, "
         f"and {namespace} is not one of them: drop it (priority 1 is the default), or ask the admin to "
         "add the namespace"
     )
-
-
-def priority_refusal(boundary: Boundary, namespace: str, priorities: Iterable[int]) -> str | None:
-    """Why a pod in ``namespace`` may not ask for ``nvidia.com/priority: 0`` (``priorities``: its
-    containers', as :func:`vgpu.core.requests.parse_pod` read them), or None."""
-    if namespace in boundary.high_priority_namespaces or 0 not in priorities:
-        return None
-    return _high("nvidia.com/priority: 0", namespace)
-
-
-def claim_priority_refusal(boundary: Boundary, namespace: str, priorities: Sequence[int]) -> str | None:
-    """Why a claim or template in ``namespace`` may not configure priority 0 (``priorities``: the
-    values its vgpu entries set), or None. A DeviceClass is the admin's: never asked."""
-    if namespace in boundary.high_priority_namespaces or 0 not in priorities:
-        return None
-    return _high("VgpuConfig priority: 0", namespace)

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check(self)
 
-    @property
+    @cached_property
     def boundary(self) -> Boundary:
+        """The tenant boundary's rules (read once: the webhook asks at every review)."""
         return Boundary(
             scheduler=self.scheduler_account,
             node_agent=self.node_agent_account,

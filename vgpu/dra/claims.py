@@ -119,11 +119,10 @@ def _expected(asked: Mapping[str, Any], total: int) -> tuple[int, int]:
     return want_memory, want_cores
 
 
-def _check_asked(
-    share: Share, claim: Mapping[str, Any], card: Card, scaling: float, at: str, source: str
-) -> None:
-    """The share is what the claim's spec asks of its request and fits the card; ClaimError else."""
-    found = _asked(_mapping(_mapping(claim.get("spec")).get("devices")).get("requests"), share.request)
+def _check_asked(share: Share, spec: Any, card: Card, scaling: float, at: str, source: str) -> None:
+    """The share is what the claim's spec (``spec``: its :data:`SPEC`) asks of its request and fits
+    the card; ClaimError else."""
+    found = _asked(spec, share.request)
     if found is None:
         raise ClaimError(
             source, f"{at}.request", f"{share.request!r} is not a request of the claim's spec ({SPEC})"
@@ -151,13 +150,13 @@ def _check_asked(
             )
 
 
-def _check_counts(shares: Sequence[Share], claim: Mapping[str, Any], source: str) -> None:
+def _check_counts(shares: Sequence[Share], spec: Any, source: str) -> None:
     """As many results per request as its spec's ``count`` (ExactCount, the default)."""
     per: dict[str, int] = {}
     for s in shares:
         per[s.request] = per.get(s.request, 0) + 1
     for request, n in per.items():
-        found = _asked(_mapping(_mapping(claim.get("spec")).get("devices")).get("requests"), request)
+        found = _asked(spec, request)
         if found is None:
             continue  # named by _check_asked
         where, asked = found
@@ -257,9 +256,10 @@ def plan(
     shares = tuple(_share(r, i, cards, node, source) for i, r in ours)
     if not shares:
         raise ClaimError(source, RESULTS, f"has no device of driver {DRIVER}")
+    spec = _mapping(_mapping(claim.get("spec")).get("devices")).get("requests")
     for (i, _), share in zip(ours, shares, strict=True):
-        _check_asked(share, claim, cards[share.device], memory_scaling, f"{RESULTS}[{i}]", source)
-    _check_counts(shares, claim, source)
+        _check_asked(share, spec, cards[share.device], memory_scaling, f"{RESULTS}[{i}]", source)
+    _check_counts(shares, spec, source)
     try:
         configs = tuple(check_entries(_mapping(allocation.get("devices")).get("config"), CONFIG, source))
     except ConfigEntryError as err:

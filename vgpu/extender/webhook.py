@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vgpu.core import annotations as ann
-from vgpu.core.boundary import Boundary, claim_priority_refusal, placement_refusal, priority_refusal
+from vgpu.core.boundary import CLAIM_PRIORITY, Boundary, placement_refusal, priority_refusal
 from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_capacity, check_entries
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
@@ -238,7 +238,7 @@ def validate_config(review: Any, boundary: Boundary = NO_BOUNDARY) -> Obj:
         return _response(review, req, False, f"{DRIVER} configuration: {err}")
     if kind != "DeviceClass":  # the admin's, cluster-wide
         priorities = [e.config.priority for e in entries if e.config.priority is not None]
-        refusal = claim_priority_refusal(boundary, _namespace(req, obj), priorities)
+        refusal = priority_refusal(boundary, _namespace(req, obj), priorities, CLAIM_PRIORITY)
         if refusal:
             return _response(review, req, False, refusal)
     warnings: list[str] = []

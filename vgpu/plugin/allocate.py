@@ -47,7 +47,7 @@ from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall
 from vgpu.plugin.paths import HostPaths
-from vgpu.plugin.waiting import Waiting, find_waiting, meta_of
+from vgpu.plugin.waiting import Waiting, find_waiting, meta_of, pod_ref
 
 log = logging.getLogger(__name__)
 
@@ -147,16 +147,12 @@ class Allocator:
             self._refuse_placement(pod, problems)
         # a pod refused a moment ago (at GetPreferredAllocation, say) is failed now, and so no
         # longer bound: Allocate's error still names it and why, for kubelet to show on the pod
-        told = {r.partition(" ")[0] for r in found.malformed}
+        just = {str(meta_of(p).get("uid", "")) for p, _ in found.refused}
+        uids = [str(meta_of(p).get("uid", "")) for p in pods]
         with self._lock:
-            for pod in pods:
-                why = self._refused.get(str(meta_of(pod).get("uid", "")))
-                if why is not None and why.partition(" ")[0] not in told:
-                    found.malformed.append(why)
-        listed = {str(meta_of(p).get("uid", "")) for p in pods}
-        with self._lock:
-            for uid in [u for u in self._refused if u not in listed]:
+            for uid in set(self._refused).difference(uids):
                 del self._refused[uid]
+            found.malformed += [self._refused[u] for u in uids if u in self._refused and u not in just]
         return found.waiting, found.malformed
 
     def _refuse_placement(self, pod: Mapping[str, Any], problems: list[str]) -> None:
@@ -168,7 +164,7 @@ class Allocator:
         with self._lock:
             if uid in self._refused:
                 return
-            self._refused[uid] = f"{namespace}/{name} ({'; '.join(problems)})"
+            self._refused[uid] = f"{pod_ref(pod)} ({'; '.join(problems)})"
         reason = (
             f"the node refuses this pod's vGPU placement: it is not what the pod asks for "
             f"({'; '.join(problems)}). Placements are written by the vgpu scheduler alone; delete the "

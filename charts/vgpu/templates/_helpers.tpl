@@ -240,7 +240,7 @@ driver root and open the cards' device nodes themselves (driver.inject plugin or
 each container's tmpfs folder on the host (devicePlugin.containerFolder tmpfs, the default).
 */}}
 {{- define "vgpu.nodePrivileged" -}}
-{{- if or (ne .Values.driver.inject "runtime") (eq (dig "containerFolder" "tmpfs" .Values.devicePlugin) "tmpfs") -}}true{{- end -}}
+{{- if or (include "vgpu.driverRoot" .) (eq (dig "containerFolder" "tmpfs" .Values.devicePlugin) "tmpfs") -}}true{{- end -}}
 {{- end -}}
 
 {{/* vgpu.driverRoot: "true" where the node's plugins mount driver.root (driver.inject plugin or cdi). */}}
