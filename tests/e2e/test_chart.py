@@ -28,6 +28,7 @@ from vgpu_sandbox.procs import free_port
 
 from tests import support
 from tests.support.driver import fake_driver
+from tests.support.tenant import token_kubeconfig
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, DEVICES_ANNOTATION, lease_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,26 +275,6 @@ def test_a_release_of_an_earlier_chart_upgrades_in_place_with_its_values_reused(
         helm(sandbox, "uninstall", RELEASE, "-n", namespace, "--wait", check=False)
 
 
-def _kubeconfig_as(sandbox: Sandbox, token: str, path: Path) -> Path:
-    """The sandbox's cluster and CA, with a ServiceAccount token as the user."""
-    kc = yaml.safe_load(sandbox.kubeconfig.read_text())
-    ctx = next(c for c in kc["contexts"] if c["name"] == kc["current-context"])["context"]
-    cluster = next(c for c in kc["clusters"] if c["name"] == ctx["cluster"])
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [cluster],
-                "users": [{"name": "sa", "user": {"token": token}}],
-                "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": "sa"}}],
-                "current-context": "sa",
-            }
-        )
-    )
-    return path
-
-
 def _build_hook(work: Path) -> Path:
     """libvgpu.so built here with the Makefile target the device plugin image uses."""
     shutil.copytree(ROOT_HOOK, work, ignore=shutil.ignore_patterns("build"))
@@ -378,7 +359,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
             "create", "token", f"{RELEASE}-device-plugin", "-n", NS, "--bound-object-kind=Node",
             f"--bound-object-name={node}",
         ).stdout.strip()  # fmt: skip
-        plugin_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "plugin.kubeconfig")
+        plugin_kubeconfig = token_kubeconfig(sandbox, token, tmp_path / "plugin.kubeconfig")
         root = short_dir / "root"  # the plugin's unix socket lives under it: 107 bytes at most
         (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
         gpus = tmp_path / "gpus.yaml"
@@ -423,7 +404,7 @@ def test_each_components_service_account_is_enough_for_the_real_component_and_no
         # the extender, with a token of the scheduler pod's account (its projected token), on the
         # chart's command line
         token = sandbox.kubectl("create", "token", f"{RELEASE}-scheduler", "-n", NS).stdout.strip()
-        extender_kubeconfig = _kubeconfig_as(sandbox, token, tmp_path / "ext.kubeconfig")
+        extender_kubeconfig = token_kubeconfig(sandbox, token, tmp_path / "ext.kubeconfig")
         tls = get(sandbox, "secret", f"{RELEASE}-extender-tls", "-n", NS)["data"]
         for name in ("tls.crt", "tls.key", "ca.crt", "client.crt", "client.key"):
             (tmp_path / name).write_bytes(base64.b64decode(tls[name]))

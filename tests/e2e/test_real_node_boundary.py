@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from vgpu_sandbox import realnode, realruntime
 from vgpu_sandbox.cluster import Sandbox, Spec
 
-from playbooks import play
+from tests.e2e import test_real_node as real_node
+from tests.e2e.test_real_node import _plugin_running
 from tests.support import container, pod, wait_for
 from tests.support.groups import REAL_NODE
-from tests.support.tenant import AS_SCHEDULER, Tenant, as_kubeconfig, refused_by
+from tests.support.tenant import AS_SCHEDULER, Tenant, as_kubeconfig, refused_by, token_kubeconfig
 from vgpu.core import annotations as ann
 
 NODE = realnode.NAME
@@ -48,19 +48,8 @@ def _log(message: str) -> None:
     print(f"[real-node-boundary {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-class Node:
-    def __init__(self, sandbox: Sandbox) -> None:
-        self.sandbox = sandbox
-        self.lay = realnode.layout_of(sandbox)
-
-    def get(self, *args: str) -> Any:
-        return json.loads(self.sandbox.kubectl("get", *args, "-o", "json").stdout)
-
-    def plugin_pod(self) -> dict[str, Any] | None:
-        listed = self.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=device-plugin")
-        pod = next((p for p in listed["items"] if p["spec"].get("nodeName") == NODE), None)
-        statuses = (pod or {}).get("status", {}).get("containerStatuses") or []
-        return pod if statuses and all(s.get("ready") for s in statuses) else None
+class Node(real_node.Node):
+    """test_real_node's node, with what a tenant's pods are checked by."""
 
     def cards(self) -> list[str]:
         raw = self.get("node", NODE)["metadata"]["annotations"][ann.DEVICES_ANNOTATION]
@@ -119,10 +108,16 @@ def node() -> Iterator[Node]:
     try:
         spec = Spec(nodes=1, gpus_per_node=2, gpu_memory_mib=CARD_MIB, split=4, real_node=True)
         _log(f"vgpu sandbox up --real-node: {sandbox.up(spec, progress=_log):.1f}s")
-        result = play(sandbox, "site.yml", inventory=realnode.inventory_file(sandbox), timeout=600)
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
         n = Node(sandbox)
-        wait_for(n.plugin_pod, "the chart's device plugin on the real node", 180, every=1.0, ignore=_FLAKY)
+        result = n.play()
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+        wait_for(
+            lambda: _plugin_running(n),
+            "the chart's device plugin on the real node",
+            180,
+            every=1.0,
+            ignore=_FLAKY,
+        )
         yield n
     finally:
         sandbox.down()
@@ -234,12 +229,7 @@ def test_the_real_plugins_own_token_writes_its_own_node_alone(node: Node, tmp_pa
         "create", "token", "vgpu-device-plugin", "-n", NAMESPACE, "--bound-object-kind=Pod",
         f"--bound-object-name={plugin['metadata']['name']}",
     ).stdout.strip()  # fmt: skip
-    kc = yaml.safe_load(node.sandbox.kubeconfig.read_text())
-    kc["users"] = [{"name": "plugin", "user": {"token": token}}]
-    for ctx in kc["contexts"]:
-        ctx["context"]["user"] = "plugin"
-    kubeconfig = tmp_path / "plugin.kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(kc))
+    kubeconfig = token_kubeconfig(node.sandbox, token, tmp_path / "plugin.kubeconfig")
     # a pod on a KWOK node, placed by the scheduler
     elsewhere_pod = pod("elsewhere", container(gpu=1, gpumem=1000))
     node.sandbox.kubectl("apply", "-f", "-", input=json.dumps(elsewhere_pod))

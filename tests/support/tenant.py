@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
 from vgpu_sandbox import product
 from vgpu_sandbox.cluster import Sandbox
 
@@ -55,6 +56,26 @@ class Tenant:
 
     def apply(self, obj: dict[str, Any], verb: str = "create") -> subprocess.CompletedProcess[str]:
         return self.kubectl(verb, "-f", "-", input=json.dumps(obj))
+
+
+def token_kubeconfig(sandbox: Sandbox, token: str, path: Path) -> Path:
+    """The sandbox's cluster and CA, with a ServiceAccount token as the user."""
+    kc = yaml.safe_load(sandbox.kubeconfig.read_text())
+    ctx = next(c for c in kc["contexts"] if c["name"] == kc["current-context"])["context"]
+    cluster = next(c for c in kc["clusters"] if c["name"] == ctx["cluster"])
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": "sa"}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
 
 
 def as_kubeconfig(
