@@ -64,6 +64,8 @@ FUZZ_SECONDS ?= 20
 fuzz: venv ## every fuzz harness for FUZZ_SECONDS each (docs/fuzzing.md); fails on any crash
 	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_PYTHON=$(BIN)/python bash fuzz/run.sh
 
+# A GPU test that cannot run (no GPU, PyTorch, pynvml or real node) fails, naming the missing part;
+# VGPU_GPU_REQUIRED=0 lets it skip instead (tests/support/skips.py).
 gpu-test: venv native ## on a machine with an NVIDIA GPU
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 

@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests are skipped, with the reason, where no GPU is present; every test
+"""Shared test set-up: GPU tests are skipped, with the reason, where no GPU is present (a failure
+where ``VGPU_GPU_REQUIRED`` is on, as it is by default: tests/support/skips.py); every test
 is put in an ``xdist_group`` so that ``pytest -n 2 --dist loadgroup`` (``make test``) never runs at
 once two tests that share something (tests/README.md, "Parallel runs"); a run that is sent SIGTERM
 tears its fixtures down before it ends.
@@ -20,6 +21,9 @@ except ImportError:  # pytest before 9.2: pytest-xdist's own renaming of the tes
     NodeId = None  # type: ignore[assignment,misc]
 
 from tests.support.groups import REAL_NODE, SANDBOX, starts_real_node
+
+# A skip where the run says every test must run fails, naming why (the one list of allowed skips)
+pytest_plugins = ["tests.support.skips"]
 
 # Where a worker starts: the longest groups first, so that none is left to run alone at the end.
 _FIRST = (REAL_NODE, SANDBOX)
