@@ -4,7 +4,9 @@ KIND is one of
   matmul  bf16 8192x8192 matrix products (about 1.5 ms each on an H200): compute-bound;
   small   in-place adds over 16 Mi floats (tens of microseconds each): many short kernels that
           still keep the card's queue full;
-  tiny    in-place adds over one float: launch-bound, for the hook's per-launch cost.
+  tiny    in-place adds over one float: launch-bound, for the hook's per-launch cost;
+  mixed   one bf16 2048x2048 matrix product then 16 one-float adds: long and launch-bound kernels
+          in one stream, as a model's step mixes them.
 
 The loop runs for --seconds and prints, every --window seconds, one JSON line with the window's
 CLOCK_MONOTONIC end time (the same clock the hook and the monitor use) and its iterations per
@@ -21,7 +23,7 @@ import time
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["matmul", "small", "tiny"])
+    parser.add_argument("kind", choices=["matmul", "small", "tiny", "mixed"])
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--window", type=float, default=0.5)
     parser.add_argument("--wait-stdin", action="store_true", help="start the loop after a line on stdin")
@@ -39,6 +41,17 @@ def main() -> int:
             torch.matmul(a, b, out=c)
 
         per_sync = 8
+    elif args.kind == "mixed":
+        a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(2048, 2048, device=dev, dtype=torch.bfloat16)
+        x = torch.zeros(1, device=dev, dtype=torch.float32)
+
+        def step() -> None:
+            torch.matmul(a, a, out=c)
+            for _ in range(16):
+                x.add_(1.0)
+
+        per_sync = 32
     else:
         x = torch.zeros(16 << 20 if args.kind == "small" else 1, device=dev, dtype=torch.float32)
 

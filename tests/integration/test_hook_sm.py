@@ -316,3 +316,35 @@ def test_short_kernels_of_a_forked_child_are_held_too(built: Built, tmp_path: Pa
     r = run(built, "t_sm", "link", "fork", environ=environ)
     assert r.returncode == 0 and r.int("child_status") == 0, r.stderr
     assert 0.2 <= share(r, "child_share") <= 0.38, r.values
+
+
+def test_a_launch_bound_loop_is_never_charged_more_than_the_wall_time_it_took(
+    built: Built, tmp_path: Path
+) -> None:
+    # A driver's launch and event record take the host µs (here 2.4 and 1), and on an idle stream a
+    # sample's start event runs at once while its kernel (0.3 µs) only comes when the host has
+    # submitted it: the sample measured the host's calls, about 1.5 times the wall time of a launch
+    # back to back, and standing for 32 launches it made a 99 % cap hold a loop that keeps the
+    # device 11 % busy (an empty kernel on an H100: 4.89 µs a launch under the cap, 2.60 bare).
+    # b_launch: 3 x (1000 + 100000) launches back to back, nothing else in its loop.
+    environ = limited(
+        built,
+        tmp_path / "region",
+        CUDA_DEVICE_SM_LIMIT="99",
+        STUB_CUDA_KERNEL_US="0.3",
+        STUB_CUDA_LAUNCH_US="2.4",
+        STUB_CUDA_RECORD_US="1",
+    )
+    proc = subprocess.run(
+        [str(built.lib.parent / "b_launch"), "100000", "3"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    values = dict(line.split("=", 1) for line in proc.stdout.split())
+    launches, per_launch = 3 * 101000, float(values["launch_ns"])
+    wall = launches * per_launch
+    assert int(values["busy_ns"]) <= 1.05 * wall, values
+    assert int(values["throttled_ns"]) <= 0.02 * wall, values

@@ -55,16 +55,28 @@ GRANT_SUFFIX = ".limits"
 # VGPU_CONTEXT_RESERVE default; measured on an H200 with CUDA 13, see docs/hook.md).
 DEFAULT_CONTEXT_RESERVE = 640 << 20
 GRANT_SIZE = GRANT_LAYOUT.size
-# Grant layout 1 (before the node's compute gate): the same words without hold_until_ns at the
-# end. A container started by an older plugin keeps its layout-1 grant (and the hook that reads
-# it) for its life: read and changed in place as such, never given a gate.
-_SIZES = {GRANT_VERSION: GRANT_SIZE, 1: GRANT_LAYOUT.offsets["hold_until_ns"]}
+# Grant layouts 1 (before the node's compute gate) and 2 (before one measure of a share): the same
+# words without hold_until_ns, or share_scale, at the end. A container started by an older plugin
+# keeps its grant's layout (and the hook that reads it) for its life: read and changed in place as
+# such, never given a gate (1) or a scale (1, 2).
+_SIZES = {
+    GRANT_VERSION: GRANT_SIZE,
+    2: GRANT_LAYOUT.offsets["share_scale"],
+    1: GRANT_LAYOUT.offsets["hold_until_ns"],
+}
 _G = GRANT_LAYOUT.offsets
 _TYPES = {f.name: f.ctype for f in GRANT}
 _FRAME = ("magic", "version", "size", "seq", "checksum")  # not payload: written by _change itself
 
 
-_PLURAL = {"limit": "limits", "sm_limit": "sm_limits", "budget": "budgets", "hold_until_ns": "hold_until"}
+_PLURAL = {
+    "limit": "limits",
+    "sm_limit": "sm_limits",
+    "budget": "budgets",
+    "hold_until_ns": "hold_until",
+    "share_scale": "share_scales",
+}
+_PER_DEVICE = tuple(_PLURAL)
 
 
 class GrantError(RegionError):
@@ -87,13 +99,16 @@ class Grant:
     # the node's compute gate per device: no launch before this CLOCK_MONOTONIC ns (0 = open);
     # written only by the node monitor (vgpu.plugin.monitor.compute), never at Allocate
     hold_until: tuple[int, ...] = ()
+    # the driver's measure of the container's GPU time over the hook's, x SHARE_SCALE_ONE (0 = 1.0);
+    # written only by the node monitor (vgpu.plugin.monitor.sharescale), never at Allocate
+    share_scales: tuple[int, ...] = ()
     seq: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.uuids)
         if not 1 <= n <= MAX_DEVICES:
             raise GrantError(f"a grant holds 1..{MAX_DEVICES} devices, not {n}")
-        for name in ("limits", "sm_limits", "budgets", "hold_until"):
+        for name in _PLURAL.values():
             values = getattr(self, name)
             if len(values) > n:
                 raise GrantError(f"{name} has {len(values)} entries for {n} devices")
@@ -102,6 +117,8 @@ class Grant:
             raise GrantError(f"sm_limits {self.sm_limits} must be percents 0..100")
         if any(v < 0 for v in (*self.limits, *self.budgets, *self.hold_until, self.context_reserve)):
             raise GrantError("limits and budgets must be bytes >= 0")
+        if any(not 0 <= v < 1 << 32 for v in self.share_scales):
+            raise GrantError(f"share_scales {self.share_scales} must be 32-bit words")
         if self.priority not in (0, 1) or self.sm_policy not in (0, 1):
             raise GrantError(f"priority {self.priority} / sm_policy {self.sm_policy} must be 0 or 1")
         if not all(t.isascii() and t.isprintable() for t in (*self.uuids, self.region_path)):
@@ -112,7 +129,8 @@ class Grant:
             raise GrantError(f"region_path is {PATH_BYTES} bytes or longer")
 
     def value(self, name: str, index: int) -> int:
-        """Device ``index``'s ``limit``, ``sm_limit``, ``budget`` or ``hold_until_ns`` word."""
+        """Device ``index``'s word ``name``: ``limit``, ``sm_limit``, ``budget``, ``hold_until_ns``
+        or ``share_scale``."""
         values: tuple[int, ...] = getattr(self, _PLURAL[name])
         return values[index]
 
@@ -139,12 +157,15 @@ def _put_str(buf: bytearray, name: str, text: str, index: int = 0, width: int = 
 
 
 def encode(grant: Grant, seq: int = 0, version: int = GRANT_VERSION) -> bytes:
-    """The file's bytes, checksum included (``version`` 1: an older container's layout, no gate)."""
+    """The file's bytes, checksum included (``version`` 1 or 2: an older container's layout, with
+    no gate or no scale)."""
     size = _SIZES[version]
-    if size < GRANT_SIZE and any(grant.hold_until):
+    if size <= _G["hold_until_ns"] and any(grant.hold_until):
         raise GrantError(
             f"grant layout {version} has no compute gate (hold_until_ns); the container predates it"
         )
+    if size <= _G["share_scale"] and any(grant.share_scales):
+        raise GrantError(f"grant layout {version} has no share_scale; the container predates it")
     buf = bytearray(GRANT_SIZE)
     _pack(buf, "magic", GRANT_MAGIC)
     _pack(buf, "version", version)
@@ -157,7 +178,7 @@ def encode(grant: Grant, seq: int = 0, version: int = GRANT_VERSION) -> bytes:
     _pack(buf, "context_reserve", grant.context_reserve)
     for i, uuid in enumerate(grant.uuids):
         _put_str(buf, "uuid", uuid, i, UUID_BYTES)
-        for name in ("limit", "sm_limit", "budget", "hold_until_ns"):
+        for name in _PER_DEVICE:
             _pack(buf, name, grant.value(name, i), i)
     _put_str(buf, "region_path", grant.region_path)
     del buf[size:]
@@ -191,7 +212,8 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
     if _word(data, "size") != size or len(data) < size:
         raise GrantError(
             f"{path} is grant layout {version} of {_word(data, 'size')} bytes, this vgpu reads "
-            f"{GRANT_VERSION} of {GRANT_SIZE} (and 1 of {small}); upgrade the device plugin and the hook "
+            f"{GRANT_VERSION} of {GRANT_SIZE} (and 2 of {_SIZES[2]}, 1 of {small}); upgrade the device "
+            "plugin and the hook "
             "together"
         )
     want = _word(data, "checksum")
@@ -204,6 +226,10 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
     n = _word(data, "num_devices")
     if not 1 <= n <= MAX_DEVICES:
         raise GrantError(f"{path} grants {n} devices; 1..{MAX_DEVICES} expected")
+
+    def words(name: str) -> tuple[int, ...]:  # () where the layout predates the word
+        return tuple(_word(data, name, i) for i in range(n)) if size > _G[name] else ()
+
     try:
         return Grant(
             uuids=tuple(_cstr(data, _G["uuid"] + i * UUID_BYTES, UUID_BYTES) for i in range(n)),
@@ -215,7 +241,8 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
             oversubscribe=_word(data, "oversubscribe") != 0,
             region_path=_cstr(data, _G["region_path"], PATH_BYTES),
             context_reserve=_word(data, "context_reserve"),
-            hold_until=tuple(_word(data, "hold_until_ns", i) for i in range(n)) if size == GRANT_SIZE else (),
+            hold_until=words("hold_until_ns"),
+            share_scales=words("share_scale"),
             seq=_word(data, "seq"),
         )
     except GrantError as err:
@@ -271,9 +298,10 @@ def update_grant(
     sm_limit: int | None = None,
     budget: int | None = None,
     hold_until: int | None = None,
+    share_scale: int | None = None,
 ) -> Grant:
-    """Live resize of one device's words (or the node's compute gate, ``hold_until``) in place;
-    returns the grant as written."""
+    """Live resize of one device's words (or the node's compute gate, ``hold_until``, and its
+    measure's scale, ``share_scale``) in place; returns the grant as written."""
 
     def changed(old: Grant) -> Grant:
         if not 0 <= device < len(old.uuids):
@@ -289,6 +317,7 @@ def update_grant(
             sm_limits=put(old.sm_limits, sm_limit),
             budgets=put(old.budgets, budget),
             hold_until=put(old.hold_until, hold_until),
+            share_scales=put(old.share_scales, share_scale),
         )
 
     return _change(Path(path), changed)

@@ -82,11 +82,12 @@ SLOT: tuple[Field, ...] = (
     Field("spilled", "uint64_t", MAX_DEVICES, doc="of those, bytes served from mapped host memory"),
 )
 
-# The grant (layout 2): what the device plugin granted one container, written on the host and
+# The grant (layout 3): what the device plugin granted one container, written on the host and
 # mounted read-only into the container at GRANT_PATH_IN_CONTAINER, so no process there can raise
 # its own limits. The region's limit words are only a mirror of it (see vgpu/hookabi/grant.py).
 GRANT_MAGIC = int.from_bytes(b"VGPUGRNT", "little")
-GRANT_VERSION = 2  # 2: hold_until_ns, the node's compute gate
+GRANT_VERSION = 3  # 2: hold_until_ns, the node's compute gate; 3: share_scale, one measure of a share
+SHARE_SCALE_ONE = 1 << 16  # share_scale's 1.0
 PATH_BYTES = 256
 GRANT_PATH_IN_CONTAINER = "/etc/vgpu/limits"
 GRANT: tuple[Field, ...] = (
@@ -111,6 +112,14 @@ GRANT: tuple[Field, ...] = (
         "uint64_t",
         MAX_DEVICES,
         doc="the node's gate: no launch on the device before this CLOCK_MONOTONIC ns; 0 = open",
+    ),
+    # grant layout 3: one measure of a compute share (vgpu/plugin/monitor/sharescale.py)
+    Field(
+        "share_scale",
+        "uint32_t",
+        MAX_DEVICES,
+        doc="the driver's measure of the container's GPU time over the hook's, x 65536: the hook "
+        "charges its measure times this; 0 = 65536 (1.0)",
     ),
 )
 

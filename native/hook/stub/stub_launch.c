@@ -6,7 +6,9 @@
  * (start = max(now, the stream's previous end)); streams run side by side. An event records the
  * time at which its stream reaches it; cuEventQuery says CUDA_ERROR_NOT_READY until the wall clock
  * (CLOCK_MONOTONIC) passes it, and cuEventElapsedTime gives the difference in ms. Synchronize
- * calls sleep until the timeline is done. The legacy stream (NULL, CU_STREAM_LEGACY) is one per
+ * calls sleep until the timeline is done; cuStreamQuery says whether a stream's timeline is done.
+ * STUB_CUDA_LAUNCH_US: host time each launch spends before it queues its kernel (a real driver's
+ * launch call takes a few µs; default 0); STUB_CUDA_RECORD_US the same for an event's record. The legacy stream (NULL, CU_STREAM_LEGACY) is one per
  * process; the per-thread stream (CU_STREAM_PER_THREAD, or NULL through a _ptsz entry point) one
  * per thread. Stream capture is switched on by the tests (stubStreamSetCapturing, global mode):
  * launches into a capturing stream are recorded, not run, and a cuEventQuery from a thread not in
@@ -59,7 +61,7 @@ static struct CUstream_st legacy;
 static struct CUstream_st *streams = &legacy; /* every stream ever made, for busy time and syncs */
 static __thread struct CUstream_st *per_thread;
 static __thread CUstreamCaptureMode capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
-static uint64_t kernel_ns = 2000;
+static uint64_t kernel_ns = 2000, launch_ns = 0, record_ns = 0;
 static int global_captures, fail_events;
 static unsigned long long launches, captured_launches, events_on_capturing, capture_violations, events_live;
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
@@ -70,12 +72,22 @@ static pthread_mutex_t sm_file = PTHREAD_MUTEX_INITIALIZER;
 static void read_env(void) {
     const char *us = getenv("STUB_CUDA_KERNEL_US");
     if (us && *us) kernel_ns = (uint64_t)(strtod(us, NULL) * 1000.0);
+    const char *call = getenv("STUB_CUDA_LAUNCH_US");
+    if (call && *call) launch_ns = (uint64_t)(strtod(call, NULL) * 1000.0);
+    const char *rec = getenv("STUB_CUDA_RECORD_US");
+    if (rec && *rec) record_ns = (uint64_t)(strtod(rec, NULL) * 1000.0);
 }
+
 
 static uint64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+static void host_part(uint64_t ns) {
+    uint64_t until = now_ns() + ns;
+    while (now_ns() < until) {}
 }
 
 static void sleep_until(uint64_t t) {
@@ -129,6 +141,7 @@ static CUresult launch(CUstream h, int ptds, int ok) {
     CUresult rc = stub_current_ctx(&ctx);
     if (rc != CUDA_SUCCESS) return rc;
     if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    if (launch_ns) host_part(launch_ns); /* the host's part of a launch, as a driver's; the kernel is queued at its end */
     pthread_mutex_lock(&tl);
     struct CUstream_st *s = resolve_locked(h, ptds);
     if (!s) {
@@ -238,6 +251,15 @@ CUresult impl_cuStreamSynchronize(CUstream h) {
     return CUDA_SUCCESS;
 }
 
+CUresult impl_cuStreamQuery(CUstream h) {
+    pthread_mutex_lock(&tl);
+    struct CUstream_st *s = resolve_locked(h, 0);
+    uint64_t end = s ? s->end : 0;
+    pthread_mutex_unlock(&tl);
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    return now_ns() >= end ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
 CUresult impl_cuCtxSynchronize(void) {
     CUcontext ctx;
     CUresult rc = stub_current_ctx(&ctx);
@@ -300,6 +322,8 @@ CUresult impl_cuEventDestroy_v2(CUevent e) {
 
 static CUresult record(CUevent e, CUstream h, int ptds) {
     if (!event_ok(e)) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_once(&env_once, read_env);
+    if (record_ns) host_part(record_ns);
     if (__atomic_load_n(&fail_events, __ATOMIC_RELAXED)) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
     pthread_mutex_lock(&tl);
     struct CUstream_st *s = resolve_locked(h, ptds);

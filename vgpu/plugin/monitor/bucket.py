@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from vgpu.hookabi.region import Region
 from vgpu.plugin.monitor.freezer import Freezer
 from vgpu.plugin.monitor.hostview import Owner
+from vgpu.plugin.monitor.sharescale import ShareScale
 
 MARGIN = 2  # points past the grant's SM limit the node tolerates (the samples' rounding)
 DEPTH_NS = 100_000_000  # the host bucket: 100 ms of GPU time (a 10 s run: 1 point) ...
@@ -61,6 +63,9 @@ class Account:
     frozen: bool = False
     no_gate: bool = False  # its grant cannot take the gate (layout 1: a container from an older plugin)
     seen: int = 0
+    scale: ShareScale = field(default_factory=ShareScale)  # the driver's measure over the hook's
+    region: Region | None = None  # the container's region, open for its busy_ns
+    no_scale: bool = False  # its grant cannot take a scale (layout 1 or 2), or its region is unreadable
 
     def __post_init__(self) -> None:
         self.rate_now = self.rate(False)

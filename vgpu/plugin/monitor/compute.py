@@ -52,11 +52,13 @@ from collections.abc import Callable
 
 from vgpu.core.service import Service
 from vgpu.hookabi.grant import GrantError, update_grant
+from vgpu.hookabi.region import Region, RegionError
 from vgpu.plugin.discovery import SmSample, SmSource
 from vgpu.plugin.monitor.bucket import ESCAPE_S, HOLD_MAX_NS, LAG_NS, MARGIN, SHARED_S, WINDOW_S, Account
 from vgpu.plugin.monitor.enforce import PodActions
 from vgpu.plugin.monitor.freezer import FreezerError, freezer_of
 from vgpu.plugin.monitor.hostview import HostView, Owner
+from vgpu.plugin.paths import REGION_FILE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class ComputeEnforcer:
         self.accounts: dict[tuple[str, str], Account] = {}
         self.counts: dict[tuple[str, str, str, str], int] = {}  # (action, namespace, pod, container)
         self.gate_writes = 0
+        self.scale_writes = 0
         self.passes = 0
         self._card_busy: dict[str, dict[str, int]] = {}  # card -> folder ("" = no container) -> last busy ns
         self.unsampled: set[str] = set()  # cards whose driver gives no per-process samples now
@@ -140,12 +143,14 @@ class ComputeEnforcer:
                 acct.rate_now = acct.rate(alone=self._see_card(acct, now))  # of this pass's samples
             for acct, s, busy in charges:
                 acct.samples.append((s.end_ns, s.pid, busy))
+                acct.scale.add_sample(s.end_ns, busy)
                 if acct.behind_gate(s.end_ns, s.period_ns):
                     acct.held.append((s.end_ns, s.period_ns, busy))
                 acct.charge(s.end_ns, s.period_ns, busy)
         for key, acct in list(self.accounts.items()):
             if now - acct.seen > FORGET_S * 1e9:
                 self._release(acct, "its processes left the card")
+                self._unscale(acct)
                 del self.accounts[key]
                 continue
             while acct.samples and acct.samples[0][0] <= now - int(WINDOW_S * 1e9) - LAG_NS:
@@ -155,6 +160,7 @@ class ComputeEnforcer:
             while acct.closures and acct.closures[0][1] <= now - int(ESCAPE_S * 1e9):
                 acct.closures.popleft()
             self._settle(acct, now, alone=self._see_card(acct, now))
+            self._calibrate(acct, now)
         for busy_on in self._card_busy.values():
             for folder in [f for f, at in busy_on.items() if at <= now - int(max(FORGET_S, SHARED_S) * 1e9)]:
                 del busy_on[folder]
@@ -212,6 +218,55 @@ class ComputeEnforcer:
                 self._escape(acct, now, share)
         if acct.freezer is not None:
             self._duty(acct, freeze=acct.escaping and credit < 0)
+
+    def _calibrate(self, acct: Account, now: int) -> None:
+        """One measure of a share (vgpu.plugin.monitor.sharescale): the hook's count of the
+        container's GPU time read from its region every pass, and the driver's over the hook's
+        written into the grant when it moves."""
+        if acct.no_scale or not 0 < acct.limit < 100:
+            return
+        try:
+            if acct.region is None:
+                path = self.view.paths.containers_dir / acct.owner.folder / REGION_FILE_NAME
+                acct.region = Region(path, mapped=False)
+            header = acct.region.read_header()
+            index = [header.uuid(i) for i in range(header.num_devices)].index(acct.uuid)
+            acct.scale.read_hook(self.clock(), header.word("busy_ns", index))
+        except (RegionError, OSError, ValueError, IndexError) as err:
+            log.info(
+                "compute gate: no share scale for %s (%s): the hook keeps its own measure",
+                acct.owner.folder,
+                err,
+            )
+            acct.no_scale = True
+            return
+        word = acct.scale.step(now)
+        if word is None:
+            return
+        try:
+            update_grant(acct.grant, acct.index, share_scale=word)
+        except GrantError as err:
+            log.info(
+                "compute gate: cannot give %s a share scale (%s): the hook keeps its own measure",
+                acct.owner.folder,
+                err,
+            )
+            acct.no_scale = True
+            return
+        with self._lock:
+            self.scale_writes += 1
+
+    def _unscale(self, acct: Account) -> None:
+        """The hook back on its own measure (a scale is the node's word only while it watches)."""
+        if acct.region is not None:
+            acct.region.close()
+            acct.region = None
+        if acct.no_scale or not acct.scale.calibrated:
+            return
+        try:
+            update_grant(acct.grant, acct.index, share_scale=0)
+        except GrantError as err:
+            log.info("compute gate: cannot reset the share scale of %s (%s)", acct.owner.folder, err)
 
     def _gate(self, acct: Account, hold: int, now: int) -> None:
         last = acct.closures[-1] if acct.closures else None
@@ -357,6 +412,7 @@ class ComputeEnforcer:
 
     def stop(self) -> None:
         self._service.stop()
-        for acct in self.accounts.values():  # never leave a container frozen or held
+        for acct in self.accounts.values():  # never leave a container frozen or held, or scaled
             self._duty(acct, freeze=False)
             self._gate(acct, 0, self.clock())
+            self._unscale(acct)
