@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real node's parts for a GPU machine that reaches no network (tests/gpu/test_pod_on_gpu.py,
-# tests/gpu/test_dra_gpu.py): the control plane's and the kubelet's binaries (Kubernetes 1.36),
+# tests/gpu/test_dra_gpu.py): the control plane's and the kubelet's binaries (Kubernetes 1.36), helm,
 # containerd 2 (with CDI, for DRA), runc and the CNI plugins, the
 # Python packages the product needs beyond what that machine's Python has, and the pause image.
 # Made here, in two parts of under 64 MiB each (what one call to such a machine may carry), and
@@ -37,7 +37,8 @@ WHEELS=(flask==3.1.3 itsdangerous==2.2.0 blinker==1.9.0 gunicorn==27.0.1 kuberne
   typing-extensions==4.16.0 urllib3==2.8.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
   grpcio==1.85.3 protobuf==7.36.2)
 # 2: containerd 2 from \$VGPU_BIN_DIR (containerd.tar.xz), runtime.tar.xz only runc and the CNI
-LAYOUT=2
+# 3: helm in part b (the sandbox installs the chart with helm)
+LAYOUT=3
 # containerd 2's binaries, staged beside the kubelet (vgpu_sandbox.realnode.CONTAINERD_BINARIES)
 CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
@@ -63,7 +64,7 @@ made() {
 make_bundle() {
   local a=$repo/.cache/gpu-a b=$repo/.cache/gpu-b
   mkdir -p "$a" "$b" "$work"
-  for name in kube kubelet etcd "${CONTAINERD[@]}"; do
+  for name in kube kubelet etcd helm "${CONTAINERD[@]}"; do
     [ -x "$bins/$name" ] || die "$bins/$name is missing: tools/build.sh (or point VGPU_BIN_DIR at the 1.36 cache)"
   done
   local versions
@@ -80,6 +81,7 @@ make_bundle() {
   made "$a/kube.xz" xz -7 -T2 -c "$bins/kube"
   made "$a/kubelet.xz" xz -7 -T2 -c "$bins/kubelet"
   made "$b/etcd.xz" xz -7 -T2 -c "$bins/etcd"
+  made "$b/helm.xz" xz -7 -T2 -c "$bins/helm"
   made "$b/containerd.tar.xz" bash -c "tar -C '$bins' -chf - ${CONTAINERD[*]} | xz -7 -T2"
   if [ ! -s "$a/site.tar.xz" ]; then
     mkdir -p "$work/wheels"
@@ -141,7 +143,8 @@ stage_part() {
       "$stage/images/pause.tar" >"$stage/images/images.json"
   else
     xz -dc "$src/etcd.xz" >"$stage/bin/current/etcd"
-    chmod +x "$stage/bin/current/etcd"
+    xz -dc "$src/helm.xz" >"$stage/bin/current/helm"
+    chmod +x "$stage/bin/current/etcd" "$stage/bin/current/helm"
     tar -xJf "$src/containerd.tar.xz" -C "$stage/bin/current"
     tar -xJf "$src/runtime.tar.xz" -C "$stage/root"
     tar -xJf "$src/iproute.tar.xz" -C "$stage"

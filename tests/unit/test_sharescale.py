@@ -27,7 +27,7 @@ def _run(
         hook += 100 * MS * share * over * scale.scale
         scale.read_hook(t, int(hook))
         while next_sample + lag <= t:
-            scale.add_sample(next_sample, int(PERIOD * share))
+            scale.add_sample(next_sample, PERIOD, int(PERIOD * share))
             next_sample += PERIOD
         word = scale.step(t)
         if word is not None:

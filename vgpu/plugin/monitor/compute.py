@@ -143,7 +143,7 @@ class ComputeEnforcer:
                 acct.rate_now = acct.rate(alone=self._see_card(acct, now))  # of this pass's samples
             for acct, s, busy in charges:
                 acct.samples.append((s.end_ns, s.pid, busy))
-                acct.scale.add_sample(s.end_ns, busy)
+                acct.scale.add_sample(s.end_ns, s.period_ns, busy)
                 if acct.behind_gate(s.end_ns, s.period_ns):
                     acct.held.append((s.end_ns, s.period_ns, busy))
                 acct.charge(s.end_ns, s.period_ns, busy)

@@ -19,7 +19,8 @@ So the node closes the loop. Per container and card, over the last ``WINDOW_NS``
 span (the region's ``busy_ns``, read every pass and interpolated at the samples' ends) and writes
 the ratio into the grant's ``share_scale`` (x ``SHARE_SCALE_ONE``); the hook charges its measure
 times that, into its bucket and into ``busy_ns``. A multiplicative step (the hook's count already
-carries the scale in force), whole where the ratio is over 25 % off, else half (in log terms), within
+carries the scale in force): the first whole, then a scale up by over 25 % whole and any other
+half (in log terms, so that a step down never overshoots into the gate), within
 ``SCALE_MIN``..``SCALE_MAX``. An honest container then holds to its grant by the driver's samples,
 so the gate (grant + 2 points by the same samples) stays open on it; one that rewrites its bucket
 is held by the gate to the same share: no more than an honest one gets. The region is the
@@ -40,7 +41,7 @@ MIN_SPAN_NS = 1_500_000_000  # ... and at least this (a card shared in slices gi
 MIN_HOOK_NS = 50_000_000  # the hook's count over the span: below this the container is idle
 SCALE_MIN, SCALE_MAX = 1 / 8, 4.0
 REWRITE = 0.02  # a scale is written when it moves by more than this fraction
-FAR = 1.25  # a ratio further than this from 1 is taken whole; a nearer one half
+FAR = 1.25  # a scale up by more than this is taken whole; any other step half
 HISTORY_NS = WINDOW_NS + 2_000_000_000  # hook readings kept (the samples come up to 1 s late)
 
 
@@ -56,7 +57,7 @@ class ShareScale:
     since: int = 0  # monotonic ns of the last change: spans start after it
     calibrated: bool = False  # the first step was taken (whole); later ones are halved
     hook: deque[tuple[int, int]] = field(default_factory=deque)  # (monotonic ns, busy_ns) per pass
-    samples: deque[tuple[int, int]] = field(default_factory=deque)  # (end ns, busy ns)
+    samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, period ns, busy ns)
 
     def read_hook(self, now: int, busy_ns: int) -> None:
         if self.hook and busy_ns < self.hook[-1][1]:
@@ -65,8 +66,8 @@ class ShareScale:
         while self.hook and self.hook[0][0] < now - HISTORY_NS:
             self.hook.popleft()
 
-    def add_sample(self, end_ns: int, busy_ns: int) -> None:
-        self.samples.append((end_ns, busy_ns))
+    def add_sample(self, end_ns: int, period_ns: int, busy_ns: int) -> None:
+        self.samples.append((end_ns, period_ns, busy_ns))
         while self.samples and self.samples[0][0] < end_ns - HISTORY_NS:
             self.samples.popleft()
 
@@ -81,24 +82,23 @@ class ShareScale:
         return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
 
     def ratio(self) -> float | None:
-        """The driver's GPU time over the hook's over the newest span of samples, or None where
-        the span is too short or idle."""
+        """The driver's GPU time over the hook's over the newest span of samples (those wholly
+        after the last change, the hook read after them), or None where the span is too short or
+        idle."""
         if not self.hook:
             return None
-        ends = [t for t, _ in self.samples if t <= self.hook[-1][0]]  # the hook read after them
-        if not ends:
+        last = self.samples[-1][0] if self.samples else 0
+        first = max(self.since, last - WINDOW_NS, self.hook[0][0])
+        counted = [(t, p, b) for t, p, b in self.samples if t - p >= first and t <= self.hook[-1][0]]
+        if not counted:
             return None
-        end = ends[-1]
-        # the span starts at a sample's end, so that each sample counted lies within it
-        first = max(self.since, end - WINDOW_NS, self.hook[0][0])
-        start = next((t for t in ends if t >= first), end)
+        start, end = counted[0][0] - counted[0][1], counted[-1][0]
         if end - start < MIN_SPAN_NS:
             return None
         h0, h1 = self._hook_at(start), self._hook_at(end)
         if h0 is None or h1 is None or h1 - h0 < MIN_HOOK_NS:
             return None
-        driver = sum(busy for t, busy in self.samples if start < t <= end)
-        return driver / (h1 - h0)
+        return sum(b for _, _, b in counted) / (h1 - h0)
 
     def step(self, now: int) -> int | None:
         """The new scale's grant word where it moved by more than REWRITE, else None."""
@@ -106,9 +106,11 @@ class ShareScale:
         if r is None:
             return None
         target = min(SCALE_MAX, max(SCALE_MIN, self.scale * max(r, 1e-6)))
-        # far off (the first time, or the work changed): the whole step; near: half, against noise
-        far = not self.calibrated or abs(math.log(target / self.scale)) > math.log(FAR)
-        new = target if far else math.sqrt(self.scale * target)
+        # The first step whole; then a scale up (the hook charges more: the container gets less)
+        # whole where it is far off, and every scale down half (in log terms): a step down too far
+        # would let an honest container past its grant, and the gate would hold it.
+        up_far = target > self.scale * FAR
+        new = target if not self.calibrated or up_far else math.sqrt(self.scale * target)
         self.calibrated = True
         if abs(new / self.scale - 1) <= REWRITE:
             return None
