@@ -97,7 +97,8 @@ struct ev {
     uint32_t weight;   /* launches its measure stands for: the sampled path's since the thread's last sample, and it */
     int64_t predicted; /* ns charged for them in advance */
     uint64_t first_ns; /* when it was first recorded */
-    uint64_t span_ns;  /* a sample that found its stream idle: wall time from the first launch it stands for to its start */
+    CUevent from;      /* a sample's: the end of this thread's previous sample on the stream (out of the pool) */
+    uint64_t by;       /* a sample's end: the thread that recorded it */
 };
 
 struct stream {
@@ -142,7 +143,6 @@ static __thread struct pending {
     int dev;            /* their device */
     uint32_t count;
     int64_t charged;
-    uint64_t first_ns; /* when the first of them was launched */
     CUstream stream;   /* their stream, while they all went to one (mixed = 0) */
     int mixed;
 } P __attribute__((tls_model("initial-exec"))); /* as vgpu_in_hook: no __tls_get_addr per launch */
@@ -307,6 +307,7 @@ static void stream_drop(struct stream *s, struct vgpu_region_header *hd, int bro
     for (int k = 0; k < s->n; k++) {
         if (s->q[k].predicted) __atomic_add_fetch(&hd->tokens[s->idx], s->q[k].predicted, __ATOMIC_RELAXED);
         if (!broken) event_put(s->ctx, s->q[k].e);
+        if (!broken && s->q[k].from) event_put(s->ctx, s->q[k].from);
     }
     if (ctx_gone) forget_context(s->ctx);
     s->n = 0;
@@ -361,18 +362,19 @@ static int capped(int idx) {
 
 #define VGPU_SHARE_SCALE_ONE 65536u /* vgpu.hookabi.layout.SHARE_SCALE_ONE */
 
-static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, const struct ev *b) {
+static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, int64_t span, const struct ev *b) {
     /* a sampled launch's measure stands for the unmeasured launches before it too (weight) */
     int64_t per = b->launches ? busy / (int64_t)b->launches : 0;
     int64_t total = b->weight > b->launches && b->launches ? per * (int64_t)b->weight : busy;
-    /* A sample that found its stream idle: every launch it stands for had finished before it
-     * began, so together they kept the stream busy no longer than the wall time since the first
-     * of them. Its own measure may be mostly the host's: on an idle stream the start event runs
-     * at once and the kernel only when the host has submitted it, so an empty kernel measures the
-     * launch call (about 4.8 us on an H100 against 2.6 us of wall time per launch back to back),
-     * and that measure, standing for 32 launches, charged more than the wall time. */
-    if (b->span_ns && b->weight > b->launches && total > (int64_t)b->span_ns + busy) {
-        total = (int64_t)b->span_ns + busy;
+    /* A sample's own measure may be mostly the host's: where its start event runs before the
+     * kernel is submitted (an idle stream, or one that drains while the host launches), the
+     * interval holds the launch call, so an empty kernel measured about 4.8 us on an H100 against
+     * 2.6 us of wall time per launch back to back, and standing for 32 launches it charged more
+     * than the stream could have been busy. The launches it stands for all ran on this stream
+     * after this thread's previous sample ended there: together they kept it busy no longer than
+     * the GPU time from that end to this one (span). */
+    if (span > 0 && b->weight > b->launches && total > span) {
+        total = span;
         per = total / (int64_t)b->weight;
     }
     /* One measure of a share: the node, which reads the driver's samples of this container's
@@ -405,8 +407,14 @@ static int harvest(struct stream *s, struct vgpu_region_header *hd) {
             rc = elapsed(&ms, a->e, b->e);
             if (rc == CUDA_ERROR_NOT_READY) break;
             if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 0;
-            int64_t busy = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
-            settle(hd, s->idx, busy, b);
+            int64_t busy = ms > 0 ? (int64_t)((double)ms * 1e6) : 0, span = 0;
+            if (b->from) {
+                float whole = 0;
+                if (elapsed(&whole, b->from, b->e) == CUDA_SUCCESS && whole > 0) span = (int64_t)((double)whole * 1e6);
+                event_put(s->ctx, b->from);
+                b->from = NULL;
+            }
+            settle(hd, s->idx, busy, span, b);
             s->inflight = s->inflight > b->launches ? s->inflight - b->launches : 0;
         }
         event_put(s->ctx, a->e);
@@ -495,7 +503,7 @@ struct launch {
     int64_t predicted;
     int bracket; /* a sampled launch: measured alone, between a start and an end event of its own */
     int started; /* its start event was recorded */
-    int idle;    /* a sampled launch whose stream had finished all its work (the thread's unmeasured launches) */
+    CUevent from; /* a sampled launch's: the end of this thread's previous sample on the stream */
     uint64_t start_ns;
 };
 
@@ -558,6 +566,7 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
     l->predicted = 0;
     l->bracket = bracket;
     l->started = 0;
+    l->from = NULL;
     gate(hd, idx, now);
 
     pthread_mutex_lock(&L.mu);
@@ -583,17 +592,21 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
     if (!bracket && __atomic_load_n(&unmeasured[idx], __ATOMIC_RELAXED) &&
         __atomic_exchange_n(&unmeasured[idx], 0, __ATOMIC_RELAXED))
         seal_streams(idx);
+    /* a sample standing for unmeasured launches, all on this stream since this thread's previous
+     * sample ended there: that end is kept, to bound what they took (settle) */
+    if (bracket && s && s->used && s->n == 1 && s->q[0].end && s->q[0].sealed && s->q[0].done &&
+        s->q[0].by == thread_id() && P.count && P.dev == idx && !P.mixed && P.stream == h) {
+        l->from = s->q[0].e;
+        s->n = 0;
+        s->inflight = 0;
+    }
     /* a start event where the stream is idle; for a sampled launch, or after a sealed end, always
      * (what ran before it was charged already, so the interval up to it is not counted) */
     int start = s && s->used && idle(s, hd);
     if (s && s->used && !start && s->n > 0)
         start = bracket ? s->n <= QUEUE_MAX - 2 : s->q[s->n - 1].sealed && s->n < QUEUE_MAX;
-    l->idle = 0;
     if (s && s->used && start) {
         CUevent e = event_get(l->ctx);
-        /* a sample standing for unmeasured launches, all on this stream: were they done? */
-        if (e && bracket && P.count && P.dev == idx && !P.mixed && P.stream == h && real_cuStreamQuery)
-            l->idle = real_cuStreamQuery(h) == CUDA_SUCCESS;
         if (e) {
             rc = real_cuEventRecord(e, h);
             if (rc == CUDA_SUCCESS) {
@@ -644,11 +657,13 @@ static void slow_leave(struct launch *l, CUresult launched) {
                 if (l->bracket && now - l->start_ns <= SAMPLE_HOST_MAX_NS && P.count && P.dev == l->idx) {
                     end.weight += P.count;
                     end.predicted += P.charged;
-                    if (l->idle && l->start_ns > P.first_ns) end.span_ns = l->start_ns - P.first_ns;
+                    end.from = l->from;
+                    l->from = NULL;
                     P.count = 0;
                     P.charged = 0;
                 }
                 end.sealed = (uint8_t)l->bracket;
+                if (l->bracket) end.by = thread_id();
                 s->q[s->n++] = end;
                 s->inflight++;
             } else if (e) {
@@ -664,6 +679,8 @@ static void slow_leave(struct launch *l, CUresult launched) {
     } else if (l->predicted) {
         __atomic_add_fetch(&hd->tokens[l->idx], l->predicted, __ATOMIC_RELAXED); /* not launched: refund */
     }
+    if (l->from) event_put(l->ctx, l->from); /* not used: the sample stood for itself, or failed */
+    l->from = NULL;
     pthread_mutex_unlock(&L.mu);
     relaxed_leave(l->relaxed, l->saved);
 }
@@ -720,7 +737,6 @@ static int fast(struct launch *l, struct vgpu_region_header *hd, int idx, uint32
     l->idx = idx;
     l->predicted = avg;
     if (!P.count) {
-        P.first_ns = now_ns(); /* once per sample (1 launch in 32): the fine clock */
         P.stream = h;
         P.mixed = 0;
     } else if (h != P.stream) {

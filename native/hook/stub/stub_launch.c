@@ -6,7 +6,7 @@
  * (start = max(now, the stream's previous end)); streams run side by side. An event records the
  * time at which its stream reaches it; cuEventQuery says CUDA_ERROR_NOT_READY until the wall clock
  * (CLOCK_MONOTONIC) passes it, and cuEventElapsedTime gives the difference in ms. Synchronize
- * calls sleep until the timeline is done; cuStreamQuery says whether a stream's timeline is done.
+ * calls sleep until the timeline is done.
  * STUB_CUDA_LAUNCH_US: host time each launch spends before it queues its kernel (a real driver's
  * launch call takes a few µs; default 0); STUB_CUDA_RECORD_US the same for an event's record. The legacy stream (NULL, CU_STREAM_LEGACY) is one per
  * process; the per-thread stream (CU_STREAM_PER_THREAD, or NULL through a _ptsz entry point) one
@@ -249,15 +249,6 @@ CUresult impl_cuStreamSynchronize(CUstream h) {
     pthread_mutex_unlock(&tl);
     sleep_until(end);
     return CUDA_SUCCESS;
-}
-
-CUresult impl_cuStreamQuery(CUstream h) {
-    pthread_mutex_lock(&tl);
-    struct CUstream_st *s = resolve_locked(h, 0);
-    uint64_t end = s ? s->end : 0;
-    pthread_mutex_unlock(&tl);
-    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
-    return now_ns() >= end ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult impl_cuCtxSynchronize(void) {
