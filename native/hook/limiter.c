@@ -362,6 +362,17 @@ static int capped(int idx) {
 
 #define VGPU_SHARE_SCALE_ONE 65536u /* vgpu.hookabi.layout.SHARE_SCALE_ONE */
 
+/* One measure of a share: the node, which reads the driver's samples of this container's GPU
+ * time, writes their ratio to this measure into the grant, and the hook charges its measure (and
+ * predicts its launches) times that; 1.0 until the node says (vgpu/plugin/monitor/sharescale.py). */
+static inline int64_t scaled(int idx, int64_t ns) {
+    const struct vgpu_grant *g = __atomic_load_n(&vgpu_grant_mapped, __ATOMIC_RELAXED);
+    uint32_t scale = g ? __atomic_load_n(&g->share_scale[idx], __ATOMIC_RELAXED) : 0;
+    if (!scale || scale == VGPU_SHARE_SCALE_ONE || ns <= 0) return ns;
+    int64_t out = (int64_t)(((unsigned __int128)(uint64_t)ns * scale) >> 16);
+    return out > 0 ? out : 1;
+}
+
 static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, int64_t span, const struct ev *b) {
     /* a sampled launch's measure stands for the unmeasured launches before it too (weight) */
     int64_t per = b->launches ? busy / (int64_t)b->launches : 0;
@@ -377,13 +388,7 @@ static void settle(struct vgpu_region_header *hd, int idx, int64_t busy, int64_t
         total = span;
         per = total / (int64_t)b->weight;
     }
-    /* One measure of a share: the node, which reads the driver's samples of this container's
-     * GPU time, writes their ratio to this measure into the grant, and the hook charges its
-     * measure times that (1.0 until the node says; vgpu/plugin/monitor/sharescale.py). */
-    const struct vgpu_grant *g = __atomic_load_n(&vgpu_grant_mapped, __ATOMIC_RELAXED);
-    uint32_t scale = g ? __atomic_load_n(&g->share_scale[idx], __ATOMIC_RELAXED) : 0;
-    if (scale && scale != VGPU_SHARE_SCALE_ONE)
-        total = (int64_t)(((unsigned __int128)(uint64_t)total * scale) >> 16);
+    total = scaled(idx, total);
     /* the bucket only runs under a cap: work done without one leaves no debt behind */
     __atomic_add_fetch(&hd->tokens[idx], capped(idx) ? b->predicted - total : b->predicted, __ATOMIC_RELAXED);
     __atomic_add_fetch(&hd->busy_ns[idx], (uint64_t)total, __ATOMIC_RELAXED);
@@ -619,7 +624,7 @@ static int slow_enter(struct launch *l, struct vgpu_region_header *hd, int idx, 
         }
     }
     if (s && s->used) {
-        l->predicted = capped(idx) ? L.avg[idx] : 0;
+        l->predicted = capped(idx) ? scaled(idx, L.avg[idx]) : 0;
         if (l->predicted) __atomic_sub_fetch(&hd->tokens[idx], l->predicted, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&L.mu);
@@ -796,7 +801,7 @@ static __attribute__((noinline)) int enter_limited(struct launch *l, struct vgpu
             if (P.count && P.dev != idx) P.count = 0, P.charged = 0; /* another device's: their prediction stands */
             if (__atomic_load_n(&A[idx].charged, __ATOMIC_RELAXED) - __atomic_load_n(&A[idx].mark, __ATOMIC_RELAXED) <
                 FAST_AHEAD * avg) {
-                if (!sample_now()) return fast(l, hd, idx, limit, avg, normal(h, ptds));
+                if (!sample_now()) return fast(l, hd, idx, limit, scaled(idx, avg), normal(h, ptds));
                 bracket = 1;
             }
         }

@@ -19,8 +19,9 @@ So the node closes the loop. Per container and card, over the last ``WINDOW_NS``
 span (the region's ``busy_ns``, read every pass and interpolated at the samples' ends) and writes
 the ratio into the grant's ``share_scale`` (x ``SHARE_SCALE_ONE``); the hook charges its measure
 times that, into its bucket and into ``busy_ns``. A multiplicative step (the hook's count already
-carries the scale in force): the first whole, then a scale up by over 25 % whole and any other
-half (in log terms, so that a step down never overshoots into the gate), within
+carries the scale in force), up whole the first time or where over 25 % off and else half, down
+always half way (in log terms) to 2 % short, so that a step down never takes an honest container
+past its grant into the gate; within
 ``SCALE_MIN``..``SCALE_MAX``. An honest container then holds to its grant by the driver's samples,
 so the gate (grant + 2 points by the same samples) stays open on it; one that rewrites its bucket
 is held by the gate to the same share: no more than an honest one gets. The region is the
@@ -42,6 +43,7 @@ MIN_HOOK_NS = 50_000_000  # the hook's count over the span: below this the conta
 SCALE_MIN, SCALE_MAX = 1 / 8, 4.0
 REWRITE = 0.02  # a scale is written when it moves by more than this fraction
 FAR = 1.25  # a scale up by more than this is taken whole; any other step half
+DOWN_MARGIN = 1.02  # later steps down aim this far short (at 75 %, 1.5 points under)
 HISTORY_NS = WINDOW_NS + 2_000_000_000  # hook readings kept (the samples come up to 1 s late)
 
 
@@ -106,11 +108,19 @@ class ShareScale:
         if r is None:
             return None
         target = min(SCALE_MAX, max(SCALE_MIN, self.scale * max(r, 1e-6)))
-        # The first step whole; then a scale up (the hook charges more: the container gets less)
-        # whole where it is far off, and every scale down half (in log terms): a step down too far
-        # would let an honest container past its grant, and the gate would hold it.
-        up_far = target > self.scale * FAR
-        new = target if not self.calibrated or up_far else math.sqrt(self.scale * target)
+        if target < self.scale:
+            # Down (the hook charges less: the container gets more), half way in log terms to
+            # DOWN_MARGIN short: the hook's measure per launch falls as the loop it holds speeds
+            # up, so a ratio measured before a step down is low for after it (on the stub, 0.16
+            # where 0.35 held), and a whole step would take an honest container past its grant
+            # into the gate.
+            new = math.sqrt(self.scale * min(self.scale, target * DOWN_MARGIN))
+        else:
+            # up (it charges more: the container gets less): whole the first time or where far
+            # off, else half
+            new = (
+                target if not self.calibrated or target > self.scale * FAR else math.sqrt(self.scale * target)
+            )
         self.calibrated = True
         if abs(new / self.scale - 1) <= REWRITE:
             return None
