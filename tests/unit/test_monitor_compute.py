@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.gatesim import CARD, OTHER, PAIR, PASS_NS, Sim, Slices, pair, rewriter, run
 from vgpu.core.errors import ConfigError
-from vgpu.hookabi.grant import encode, read_grant, update_grant
+from vgpu.hookabi.grant import Grant, GrantError, encode, read_grant, update_grant, write_grant
 from vgpu.plugin.config import parse_node_config
 from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
 from vgpu.plugin.monitor.compute_metrics import ComputeCollector
@@ -230,3 +230,23 @@ def test_a_bucket_rewriter_beside_a_neighbour_gets_the_shared_buckets_burst_once
         assert sim.share(101, 30) <= 30 + MARGIN + 100 * 1.0 / 30 + 1.5, sim.share(101, 30)
         neighbour = next(a for a in e.accounts.values() if a.owner.pod == "pod102")
         assert not neighbour.closures and neighbour.hold_until == 0 and not e.counts
+
+
+def test_a_layout_2_grant_of_an_older_container_is_gated_but_never_scaled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Grant layout 3 added share_scale: a container an older plugin served keeps its layout-2
+    grant, which takes the gate's word but no scale (its hook reads no such word)."""
+    v2 = bytes(encode(Grant(("GPU-a",), (1 << 30,), sm_limits=(30,), hold_until=(5,)), version=2))
+    path = tmp_path / "old.limits"
+    path.write_bytes(v2)
+    assert read_grant(path).hold_until == (5,) and read_grant(path).share_scales == (0,)
+    assert len(v2) < len(encode(read_grant(path)))  # the words past its end are not there
+    update_grant(path, 0, hold_until=7)  # the gate still works
+    assert read_grant(path).hold_until == (7,) and len(path.read_bytes()) == len(v2)
+    with pytest.raises(GrantError, match="no share_scale; the container predates it"):
+        update_grant(path, 0, share_scale=1 << 15)
+    current = tmp_path / "new.limits"
+    write_grant(current, Grant(("GPU-a",), (1 << 30,), sm_limits=(30,)))
+    update_grant(current, 0, share_scale=1 << 15)
+    assert read_grant(current).share_scales == (1 << 15,)

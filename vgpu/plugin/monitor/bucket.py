@@ -65,7 +65,8 @@ class Account:
     seen: int = 0
     scale: ShareScale = field(default_factory=ShareScale)  # the driver's measure over the hook's
     region: Region | None = None  # the container's region, open for its busy_ns
-    no_scale: bool = False  # its grant cannot take a scale (layout 1 or 2), or its region is unreadable
+    no_scale: bool = False  # its grant cannot take a scale (layout 1 or 2: a container from an older plugin)
+    region_told: bool = False  # its region could not be read once (said in the log)
 
     def __post_init__(self) -> None:
         self.rate_now = self.rate(False)

@@ -233,12 +233,18 @@ class ComputeEnforcer:
             index = [header.uuid(i) for i in range(header.num_devices)].index(acct.uuid)
             acct.scale.read_hook(self.clock(), header.word("busy_ns", index))
         except (RegionError, OSError, ValueError, IndexError) as err:
-            log.info(
-                "compute gate: no share scale for %s (%s): the hook keeps its own measure",
-                acct.owner.folder,
-                err,
-            )
-            acct.no_scale = True
+            # not there yet, or being made: tried again next pass, told once
+            if acct.region is not None:
+                acct.region.close()
+                acct.region = None
+            if not acct.region_told:
+                acct.region_told = True
+                log.info(
+                    "compute gate: cannot read the region of %s (%s): its hook keeps its own measure "
+                    "until it can",
+                    acct.owner.folder,
+                    err,
+                )
             return
         word = acct.scale.step(now)
         if word is None:
