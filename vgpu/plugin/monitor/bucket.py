@@ -66,6 +66,7 @@ class Account:
     scale: ShareScale = field(default_factory=ShareScale)  # the driver's measure over the hook's
     region: Region | None = None  # the container's region, open for its busy_ns
     no_scale: bool = False  # its grant cannot take a scale (layout 1 or 2: a container from an older plugin)
+    region_index: int = 0  # the card's index in its region
     region_told: bool = False  # its region could not be read once (said in the log)
 
     def __post_init__(self) -> None:

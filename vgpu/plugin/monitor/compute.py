@@ -229,9 +229,9 @@ class ComputeEnforcer:
             if acct.region is None:
                 path = self.view.paths.containers_dir / acct.owner.folder / REGION_FILE_NAME
                 acct.region = Region(path, mapped=False)
-            header = acct.region.read_header()
-            index = [header.uuid(i) for i in range(header.num_devices)].index(acct.uuid)
-            acct.scale.read_hook(self.clock(), header.word("busy_ns", index))
+                header = acct.region.read_header()
+                acct.region_index = [header.uuid(i) for i in range(header.num_devices)].index(acct.uuid)
+            acct.scale.read_hook(self.clock(), acct.region.word("busy_ns", acct.region_index))
         except (RegionError, OSError, ValueError, IndexError) as err:
             # not there yet, or being made: tried again next pass, told once
             if acct.region is not None:
@@ -249,14 +249,12 @@ class ComputeEnforcer:
         word = acct.scale.step(now)
         if word is None:
             return
-        try:
-            update_grant(acct.grant, acct.index, share_scale=word)
-        except GrantError as err:
-            log.info(
-                "compute gate: cannot give %s a share scale (%s): the hook keeps its own measure",
-                acct.owner.folder,
-                err,
-            )
+        if not self._update(
+            acct,
+            logging.INFO,
+            "cannot give it a share scale: the hook keeps its own measure",
+            share_scale=word,
+        ):
             acct.no_scale = True
             return
         with self._lock:
@@ -267,12 +265,19 @@ class ComputeEnforcer:
         if acct.region is not None:
             acct.region.close()
             acct.region = None
-        if acct.no_scale or not acct.scale.calibrated:
-            return
+        if not acct.no_scale and acct.scale.calibrated:
+            self._update(acct, logging.INFO, "cannot reset its share scale", share_scale=0)
+
+    @staticmethod
+    def _update(acct: Account, level: int, failure: str, **words: int) -> bool:
+        """One of the node's words into the container's grant, in place; False (logged) where the
+        grant cannot take it."""
         try:
-            update_grant(acct.grant, acct.index, share_scale=0)
+            update_grant(acct.grant, acct.index, **words)
         except GrantError as err:
-            log.info("compute gate: cannot reset the share scale of %s (%s)", acct.owner.folder, err)
+            log.log(level, "compute gate: %s: %s (%s: %s)", acct.owner.folder, failure, acct.grant, err)
+            return False
+        return True
 
     def _gate(self, acct: Account, hold: int, now: int) -> None:
         last = acct.closures[-1] if acct.closures else None
@@ -287,15 +292,9 @@ class ComputeEnforcer:
             (hold == 0) == (acct.hold_until == 0) and abs(hold - acct.hold_until) <= REWRITE_NS
         ):
             return
-        try:
-            update_grant(acct.grant, acct.index, hold_until=hold)
-        except GrantError as err:
-            log.warning(
-                "compute gate: cannot hold %s through %s (%s); only the second line holds it",
-                acct.owner.folder,
-                acct.grant,
-                err,
-            )
+        if not self._update(
+            acct, logging.WARNING, "cannot hold it; only the second line holds it", hold_until=hold
+        ):
             acct.no_gate = True
             return
         acct.hold_until = hold
