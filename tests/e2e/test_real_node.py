@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +29,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 from playbooks import play, play_recap
 from tests.support import wait_for
 from tests.support.groups import REAL_NODE
+from tests.support.sandboxes import real_node_sandbox
 
 VGPU = Path(sys.executable).with_name("vgpu")
 NODE = realnode.NAME
@@ -90,12 +89,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    reason = realnode.why_not()
-    if reason:
-        pytest.skip(f"no real node on this machine: {reason}")
-    state_dir = Path(tempfile.mkdtemp(prefix="vgpu-rn-", dir="/tmp"))
-    sandbox = Sandbox(state_dir)
-    try:
+    with real_node_sandbox("vgpu-rn-") as sandbox:
         started = time.monotonic()
         seconds = sandbox.up(
             Spec(nodes=1, gpus_per_node=1, gpu_memory_mib=CARD_MIB, split=SPLIT, real_node=True),
@@ -103,9 +97,6 @@ def node() -> Iterator[Node]:
         )
         _log(f"vgpu sandbox up --real-node: {seconds:.1f}s (fixture {time.monotonic() - started:.1f}s)")
         yield Node(sandbox)
-    finally:
-        sandbox.down()
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ Needs what test_real_node.py needs; skipped with the reason otherwise.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +25,13 @@ from typing import Any
 
 import pytest
 from vgpu_sandbox import realnode, realruntime
-from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.cluster import Spec
 
 from tests.e2e import test_real_node as real_node
 from tests.e2e.test_real_node import _plugin_running
 from tests.support import container, pod, wait_for
 from tests.support.groups import REAL_NODE
+from tests.support.sandboxes import real_node_sandbox
 from tests.support.tenant import AS_SCHEDULER, Tenant, as_kubeconfig, refused_by, token_kubeconfig
 from vgpu.core import annotations as ann
 
@@ -100,12 +99,7 @@ def _listed(logs: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    reason = realnode.why_not()
-    if reason:
-        pytest.skip(f"no real node on this machine: {reason}")
-    state_dir = Path(tempfile.mkdtemp(prefix="vgpu-rb-", dir="/tmp"))
-    sandbox = Sandbox(state_dir)
-    try:
+    with real_node_sandbox("vgpu-rb-") as sandbox:
         spec = Spec(nodes=1, gpus_per_node=2, gpu_memory_mib=CARD_MIB, split=4, real_node=True)
         _log(f"vgpu sandbox up --real-node: {sandbox.up(spec, progress=_log):.1f}s")
         n = Node(sandbox)
@@ -119,9 +113,6 @@ def node() -> Iterator[Node]:
             ignore=_FLAKY,
         )
         yield n
-    finally:
-        sandbox.down()
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def test_the_role_makes_nvidias_runtime_the_default_and_refuses_a_containers_own_variable(node: Node) -> None:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +32,7 @@ from vgpu_sandbox import nodes, realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
 
 from tests.support import wait_for
+from tests.support.sandboxes import real_node_sandbox
 from vgpu.core import annotations as ann
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,12 +90,7 @@ def _helm(sandbox: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    reason = realnode.why_not()
-    if reason:
-        pytest.skip(f"no real node on this machine: {reason}")
-    state_dir = Path(tempfile.mkdtemp(prefix="vgpu-sp-", dir="/tmp"))
-    sandbox = Sandbox(state_dir)
-    try:
+    with real_node_sandbox("vgpu-sp-") as sandbox:
         started = time.monotonic()
         spec = Spec(
             nodes=KWOK_NODES,
@@ -112,7 +106,7 @@ def cluster() -> Iterator[Cluster]:
         # here; the role's own steps on the node are test_real_node's.
         inventory = yaml.safe_load(realnode.inventory_file(sandbox).read_text())
         values = inventory["all"]["children"]["kube_control"]["vars"]["vgpu_scheduler_values"]
-        values_file = state_dir / "values.yaml"
+        values_file = sandbox.state_dir / "values.yaml"
         values_file.write_text(yaml.safe_dump(values))
         # The real node is a GPU node too (the role labels it so): the chart's device plugin runs there.
         sandbox.kubectl("label", "node", NODE, "gpu=on")
@@ -127,9 +121,6 @@ def cluster() -> Iterator[Cluster]:
         _wait_ready(cluster)
         _log(f"the scheduler pod ready: {time.monotonic() - t0:.1f}s after helm install")
         yield cluster
-    finally:
-        sandbox.down()
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def _wait_ready(cluster: Cluster) -> None:
