@@ -239,10 +239,14 @@ static void relaxed_leave(int entered, CUstreamCaptureMode saved) {
     if (entered) real_cuThreadExchangeStreamCaptureMode(&saved);
 }
 
-static CUresult elapsed(float *ms, CUevent a, CUevent b) {
-    if (real_cuEventElapsedTime_v2) return real_cuEventElapsedTime_v2(ms, a, b);
-    if (real_cuEventElapsedTime) return real_cuEventElapsedTime(ms, a, b);
-    return CUDA_ERROR_NOT_FOUND;
+/* ns from event a to event b (0 where the driver says b came first) */
+static CUresult elapsed_ns(int64_t *ns, CUevent a, CUevent b) {
+    float ms = 0;
+    CUresult rc = real_cuEventElapsedTime_v2 ? real_cuEventElapsedTime_v2(&ms, a, b)
+                  : real_cuEventElapsedTime  ? real_cuEventElapsedTime(&ms, a, b)
+                                             : CUDA_ERROR_NOT_FOUND;
+    *ns = rc == CUDA_SUCCESS && ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
+    return rc;
 }
 
 static int have_event_api(void) {
@@ -408,14 +412,12 @@ static int harvest(struct stream *s, struct vgpu_region_header *hd) {
         if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 0;
         b->done = 1;
         if (b->end) {
-            float ms = 0;
-            rc = elapsed(&ms, a->e, b->e);
+            int64_t busy = 0, span = 0;
+            rc = elapsed_ns(&busy, a->e, b->e);
             if (rc == CUDA_ERROR_NOT_READY) break;
             if (rc != CUDA_SUCCESS) return broken(s, hd, rc), 0;
-            int64_t busy = ms > 0 ? (int64_t)((double)ms * 1e6) : 0, span = 0;
             if (b->from) {
-                float whole = 0;
-                if (elapsed(&whole, b->from, b->e) == CUDA_SUCCESS && whole > 0) span = (int64_t)((double)whole * 1e6);
+                elapsed_ns(&span, b->from, b->e); /* 0 where it fails: no bound */
                 event_put(s->ctx, b->from);
                 b->from = NULL;
             }

@@ -57,7 +57,7 @@ class ShareScale:
 
     scale: float = 1.0  # in force in the hook (as written; 1.0 until the first write)
     since: int = 0  # monotonic ns of the last change: spans start after it
-    calibrated: bool = False  # the first step was taken (whole); later ones are halved
+    calibrated: bool = False  # a step was taken (the first one up is whole)
     hook: deque[tuple[int, int]] = field(default_factory=deque)  # (monotonic ns, busy_ns) per pass
     samples: deque[tuple[int, int, int]] = field(default_factory=deque)  # (end ns, period ns, busy ns)
 
