@@ -5,10 +5,17 @@ kernels, launch-bound ones, matrix products and a mix, at a 30 % grant, side by 
 - the hook alone: its own measure and the driver's (they differ: events count what the samples do
   not);
 - the hook with the node (the gate and the scale it writes): the two measures agree within 2
-  points over the run's second half, at the grant within 2, and the gate never closes;
+  points over the run's last 5 s, at the grant within 2, and the gate never closes. This run is
+  longer (``SETTLE`` more seconds): the scale steps down by halves, each on at least 1.5 s of
+  samples, and a launch-bound loop, whose hook counts about 2.6 times what the driver samples,
+  needs several steps (on an H100, over the second half of a 10 s run the two measures were
+  still 2.1 points apart, twice);
 - the same loop rewriting its region's bucket every millisecond, with the node: held by the
-  driver's samples, so over its run it gets no more than the honest one (throughput against
-  bare, + 5 points).
+  driver's samples, so over its run it gets no more than grant + 5 points by throughput against
+  bare. Where the loop bare keeps the card busy less than all the time (the launch-bound and
+  mixed loops, 31 and 40 % by the driver on an H100), a share of the card's time buys more than
+  that share of bare's throughput, so the bound is the honest container's rate times
+  (grant + 5) / grant: the rate of an honest container granted 5 points more.
 
 Each kind prints one JSON line (``compute-share``). Run as root on the GPU machine:
 ``python3 -m pytest -m gpu tests/gpu/test_compute_share_gpu.py -s`` (about 4 minutes).
@@ -34,6 +41,7 @@ pytestmark = pytest.mark.gpu
 
 GRANT = 30
 SECONDS = 10.0
+SETTLE = 6.0  # the honest run with the node is longer by this, measured over its last SECONDS / 2
 
 
 class HookReader:
@@ -71,17 +79,18 @@ class HookReader:
         return 100.0 * (b1 - b0) / (t1 - t0)
 
 
-def _measured(c: Container | None, kind: str, lib_path: Path) -> dict[str, Any]:
-    """One run of ``kind`` (bare where ``c`` is None, else in that container): its rate over the
-    second half, the driver's share over it, and the hook's where it runs under the hook."""
-    child = loop(kind, plain_env(), SECONDS, wait=True) if c is None else c.loop(lib_path, kind, SECONDS)
+def _measured(c: Container | None, kind: str, lib_path: Path, seconds: float = SECONDS) -> dict[str, Any]:
+    """One run of ``kind`` for ``seconds`` (bare where ``c`` is None, else in that container): its
+    rate over the last SECONDS / 2, the driver's share over it, and the hook's where it runs under
+    the hook."""
+    child = loop(kind, plain_env(), seconds, wait=True) if c is None else c.loop(lib_path, kind, seconds)
     with Meter() as meter, HookReader(c.region) if c else nullcontext() as hook:
         t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         child.send()
         windows = child.windows()
         assert child.finish() == 0
     end = int(windows[-1]["t"])
-    half = (t0 + (end - t0) // 2, end)
+    half = (max(t0, end - int(SECONDS / 2 * 1e9)), end)
     out = {
         "rate": round(rate_between(windows, *half), 1),
         "driver_pct": round(meter.share(child.proc.pid, half), 1),
@@ -103,7 +112,7 @@ def test_the_hook_and_the_node_hold_one_measure(lib: Path, node: Node, kind: str
     made = node.enforcer()
     made.start()
     try:
-        honest = _measured(Container(node, GRANT), kind, lib)
+        honest = _measured(Container(node, GRANT), kind, lib, SECONDS + SETTLE)
     finally:
         made.stop()
     honest_writes = made.gate_writes
@@ -146,6 +155,7 @@ def test_the_hook_and_the_node_hold_one_measure(lib: Path, node: Node, kind: str
     # (at the grant, unless the loop bare keeps the card busy less than that)
     assert abs(honest["driver_pct"] - GRANT) <= 2 or bare["driver_pct"] < GRANT + 2, (honest, bare)
     assert honest_writes == 0, "the gate closed on an honest container"
-    # the cheat gets no more than the honest container, over its run (the gate's integral)
+    # the cheat gets no more than grant + 5, over its run (the gate's integral): by the samples,
+    # and by throughput against an honest container's (module docstring)
     assert tampered["driver_pct_run"] <= GRANT + 5, tampered
-    assert tampered["of_bare_run"] <= honest["of_bare"] + 5, (tampered, honest)
+    assert tampered["rate_run"] <= honest["rate"] * (GRANT + 5) / GRANT, (tampered, honest)
