@@ -191,8 +191,11 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
                 f"4000 MiB at once: with the preload alloc={held.get('alloc')}, without {bare.get('alloc')}"
             )
             assert held.get("alloc") == "2" and bare.get("alloc") == "0", (held, bare)
-            # What the container's processes see of the card: the grant, not the card.
-            assert int(held["cu_total"]) == 3000 << 20 and int(bare["cu_total"]) > 100_000 << 20, (held, bare)
+            # What the container's processes see of the card: the grant, not the card (whose
+            # total by CUDA is a little under NVML's: 81079 of 81559 MiB on an H100).
+            card_bytes = card.memory_mib << 20
+            assert int(held["cu_total"]) == 3000 << 20, (held, bare)
+            assert card_bytes * 9 // 10 < int(bare["cu_total"]) <= card_bytes, (held, bare, card)
         finally:
             if containerd is not None:
                 containerd.terminate()
