@@ -18,7 +18,7 @@ kernels, launch-bound ones, matrix products and a mix, at a 30 % grant, side by 
   (grant + 5) / grant: the rate of an honest container granted 5 points more.
 
 Each kind prints one JSON line (``compute-share``). Run as root on the GPU machine:
-``python3 -m pytest -m gpu tests/gpu/test_compute_share_gpu.py -s`` (about 4 minutes).
+``python3 -m pytest -m gpu tests/gpu/test_compute_share_gpu.py -s`` (about 5 minutes).
 """
 
 from __future__ import annotations
