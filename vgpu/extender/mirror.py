@@ -16,18 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from vgpu.core import annotations as ann
+from vgpu.core.booking import book, finished
 from vgpu.core.config import SchedulerConfig
-from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.errors import AnnotationError
 from vgpu.core.gpumode import device_plugin_refusal
-from vgpu.core.ledger import Usage, footprint
+from vgpu.core.ledger import Usage
 from vgpu.core.placement import FilterResult, Placement, Shape, shape
-from vgpu.core.placementcheck import at_least_requested, placement_problems
-from vgpu.core.requests import PodRequest, parse_pod
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-TERMINAL = ("Succeeded", "Failed")
 
 # A pod filter refused for lack of room is retried by kube-scheduler on cluster events, among
 # them the deletion of the pod that frees the room. That event can reach kube-scheduler, and the
@@ -50,16 +48,17 @@ class NodeEntry:
     # why the device-plugin path must leave the node alone (its gpu-mode label: DRA), or None
     mode_refusal: str | None = None
 
+    @property
+    def cards(self) -> dict[str, ann.Device] | None:
+        """The inventory's cards by UUID; None without a usable inventory."""
+        return None if self.inventory is None else {d.uuid: d for d in self.inventory.devices}
+
 
 def _rv(obj: Mapping[str, Any]) -> int:
     try:
         return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
     except (TypeError, ValueError):
         return 0
-
-
-def _phases(request: PodRequest) -> list[list[str]]:
-    return [[c.name for c in phase] for phase in request.phases()]
 
 
 class Mirror:
@@ -203,7 +202,7 @@ class Mirror:
             if rv and rv < self.pod_rv.get(uid, 0):
                 return  # older than what the ledger already reflects (e.g. our own bind's patch)
             self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
-            if (pod.get("status") or {}).get("phase") in TERMINAL:
+            if finished(pod):
                 self._pod_raw.pop(uid, None)
                 self.assumed.pop(uid, None)
                 self.refused.pop(uid, None)
@@ -236,37 +235,24 @@ class Mirror:
                     "pod %s/%s: %s; its capacity is not counted", meta.get("namespace"), meta.get("name"), err
                 )
                 return
-            try:
-                request: PodRequest | None = parse_pod(pod, self.config)
-            except RequestError:
-                request = None
-            if request is not None:
-                allocation = self._trusted(pod, request, allocation)
-            phases = _phases(request) if request is not None else None  # None: every container at once
+            entry = self.nodes.get(allocation.node)
+            cards = entry.cards if entry is not None else None
+            booking = book(pod, allocation, self.config, cards)
+            if booking.problems:
+                # one the extender did not book itself (found at a restart, or from a replica
+                # before it): the node refuses it, and until the pod fails it counts at no less
+                # than the pod asks for (vgpu/core/booking.py)
+                log.warning(
+                    "pod %s/%s: its placement is not what it asks for (%s); "
+                    "booking at least what it asks for",
+                    meta.get("namespace"),
+                    meta.get("name"),
+                    "; ".join(booking.problems),
+                )
+                self._count_untrusted("mismatch")
             self.assumed.pop(uid, None)
-            self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
+            self.ledger.commit(uid, allocation.node, booking.footprint)
             self._pod_raw[uid] = raw
-
-    def _trusted(self, pod: Obj, request: PodRequest, allocation: ann.Allocation) -> ann.Allocation:
-        """A placement this extender did not book itself (found at a restart, or from a replica
-        before it): the node refuses one that is not what the pod asks for (vgpu/core/placementcheck.py),
-        so until the pod fails it is booked at no less than what the pod asks for. Caller holds the lock."""
-        entry = self.nodes.get(allocation.node)
-        if entry is None or entry.inventory is None:
-            return allocation
-        cards = {d.uuid: d for d in entry.inventory.devices}
-        problems = placement_problems(request, allocation, cards)
-        if not problems:
-            return allocation
-        meta = pod.get("metadata") or {}
-        log.warning(
-            "pod %s/%s: its placement is not what it asks for (%s); booking at least what it asks for",
-            meta.get("namespace"),
-            meta.get("name"),
-            "; ".join(problems),
-        )
-        self._count_untrusted("mismatch")
-        return at_least_requested(request, allocation, cards)
 
     @staticmethod
     def _count_untrusted(kind: str) -> None:
