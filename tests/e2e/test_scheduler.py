@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import requests
-from vgpu_sandbox import controlplane
+from vgpu_sandbox import controlplane, product
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.pki import CertificateAuthority
 from vgpu_sandbox.procs import free_port
@@ -59,9 +59,12 @@ class OwnScheduler:
         pair = ca.issue("extender", ["127.0.0.1"])
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
+        # as the scheduler's account, as the sandbox's own extender runs: the tenant boundary's
+        # policy lets it alone write placements (docs/security.md)
+        kubeconfig = product.account_kubeconfig(sandbox, "vgpu-e2e-extender", product.SCHEDULER_ACCOUNT)
         self.argv = [
             sys.executable, "-m", "vgpu.commands.cli", "extender",
-            f"--kubeconfig={sandbox.kubeconfig}", f"--listen=127.0.0.1:{self.port}",
+            f"--kubeconfig={kubeconfig}", f"--listen=127.0.0.1:{self.port}",
             f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}",
             "--namespace=kube-system", f"--scheduler-name={SCHEDULER}", "--identity=e2e",
