@@ -20,7 +20,7 @@ from vgpu.core.booking import book, finished
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError
 from vgpu.core.gpumode import device_plugin_refusal
-from vgpu.core.ledger import Usage
+from vgpu.core.ledger import Footprint, Usage
 from vgpu.core.placement import FilterResult, Placement, Shape, shape
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,10 @@ class Mirror:
         self.assumed: dict[str, float] = {}
         self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
         self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
+        # pods bound to a node the mirror has no Node for (deleted, or not listed yet at start):
+        # node -> {uid: footprint}, out of the ledger, booked there again if the Node comes back
+        self.parked: dict[str, dict[str, Footprint]] = {}
+        self._parked_on: dict[str, str] = {}  # uid -> its node in ``parked``
         self.inventory_errors = 0
         # pods filter refused for lack of room: uid -> (when, namespace, name), oldest first; and
         # when the ledger last freed room (see NUDGE_WINDOW_S), with an event the Syncer waits on
@@ -101,6 +105,8 @@ class Mirror:
             old = self.nodes.get(name)
             if old is not None and old.raw == raw and old.mode_refusal == refusal:
                 return
+            if old is None:
+                self._unpark_node(name)
             self.placement.node_changed(name)
             self.usable.pop(name, None)
             if refusal is not None:
@@ -124,10 +130,14 @@ class Mirror:
                 metrics.INVENTORY_ERRORS.labels(name).inc()
 
     def forget_node(self, name: str) -> None:
+        """The Node was deleted: forget it, and take its pods out of the ledger (parked until
+        they are deleted, or booked again if the Node comes back)."""
         with self.lock:
             self.nodes.pop(name, None)
             self.usable.pop(name, None)
             self.placement.node_changed(name, gone=True)
+            for uid, fp in self.ledger.release_node(name).items():
+                self._park(uid, name, fp)
 
     def replace_nodes(self, nodes: Iterable[Obj]) -> None:
         names = set()
@@ -137,9 +147,35 @@ class Mirror:
         with self.lock:
             for name in list(self.nodes):
                 if name not in names:
-                    del self.nodes[name]
-                    self.usable.pop(name, None)
-                    self.placement.node_changed(name, gone=True)
+                    self.forget_node(name)
+
+    def _book(self, uid: str, node: str, fp: Footprint) -> None:
+        """Commit what pod ``uid`` holds on ``node``, or park it while there is no such Node.
+        Caller holds the lock."""
+        self._unpark(uid)
+        if node in self.nodes:
+            self.ledger.commit(uid, node, fp)
+        else:
+            self.ledger.release(uid)
+            self._park(uid, node, fp)
+
+    def _park(self, uid: str, node: str, fp: Footprint) -> None:
+        self.parked.setdefault(node, {})[uid] = fp
+        self._parked_on[uid] = node
+
+    def _unpark(self, uid: str) -> None:
+        node = self._parked_on.pop(uid, None)
+        if node is not None:
+            pods = self.parked[node]
+            del pods[uid]
+            if not pods:
+                del self.parked[node]
+
+    def _unpark_node(self, name: str) -> None:
+        """A Node the mirror did not know: book the pods bound to it. Caller holds the lock."""
+        for uid, fp in self.parked.pop(name, {}).items():
+            del self._parked_on[uid]
+            self.ledger.commit(uid, name, fp)
 
     # -- device plugin Leases ------------------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
@@ -214,7 +250,7 @@ class Mirror:
                 # late: either way nothing to change. Only deletion or finishing frees capacity.
                 return
             booked = self._pod_raw.get(uid)
-            if booked is not None and self.ledger.node_of(uid) is not None:
+            if booked is not None and (self.ledger.node_of(uid) is not None or uid in self._parked_on):
                 if booked != raw:
                     # Placements are the extender's alone (docs/security.md): one changed after the
                     # booking (by anyone: the admission policy should have refused it) is not a new
@@ -251,7 +287,7 @@ class Mirror:
                 )
                 self._count_untrusted("mismatch")
             self.assumed.pop(uid, None)
-            self.ledger.commit(uid, allocation.node, booking.footprint)
+            self._book(uid, allocation.node, booking.footprint)
             self._pod_raw[uid] = raw
 
     @staticmethod
@@ -265,7 +301,7 @@ class Mirror:
         pods = list(pods)
         seen = {(p.get("metadata") or {}).get("uid") for p in pods}
         with self.lock:
-            for uid in list(self.ledger.pods()):
+            for uid in [*self.ledger.pods(), *self._parked_on]:
                 if uid not in seen and uid not in self.binding:
                     self.assumed.pop(uid, None)
                     self._release(uid)
@@ -282,6 +318,7 @@ class Mirror:
     def _release(self, uid: str) -> None:
         """A pod left for good (deleted, finished, gone from a fresh list): free its room and
         note it for the nudge (see NUDGE_WINDOW_S). Caller holds the lock."""
+        self._unpark(uid)
         if self.ledger.node_of(uid) is None:
             return
         self.ledger.release(uid)
@@ -334,11 +371,11 @@ class Mirror:
             return [d for e in self.nodes.values() if e.inventory is not None for d in e.inventory.devices]
 
     def snapshot(
-        self, changed_since: Mapping[str, tuple[int, int]] | None = None
+        self, changed_since: Mapping[str, tuple[int, int, Any]] | None = None
     ) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]]:
         """(node, inventory, usage per card, ledger node version) for nodes with an inventory.
 
-        With ``changed_since`` (node -> (version, inventory id)), only nodes that changed since.
+        With ``changed_since`` (node -> (version, inventory id, ...)), only nodes that changed since.
         """
         out: list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]] = []
         with self.lock:
@@ -346,10 +383,16 @@ class Mirror:
                 if e.inventory is None:
                     continue
                 version = self.ledger.node_version(name)
-                if changed_since is not None and changed_since.get(name) == (version, id(e.inventory)):
+                seen = changed_since.get(name) if changed_since is not None else None
+                if seen is not None and seen[0] == version and seen[1] == id(e.inventory):
                     continue
                 out.append((name, e.inventory, dict(self.ledger.usage(name)), version))
         return out
+
+    def inventoried(self) -> set[str]:
+        """The nodes with a usable inventory now: those :meth:`snapshot` gives."""
+        with self.lock:
+            return set(self.usable)
 
     def skipped(self) -> dict[str, int]:
         now = self.clock()
