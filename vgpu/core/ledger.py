@@ -138,7 +138,7 @@ class Ledger:
 
     def release_node(self, node: str) -> dict[str, Footprint]:
         """Forget every pod on ``node`` (its Node was deleted); what each held, by pod UID."""
-        held = {uid: fp for uid, (where, fp) in self._pods.items() if where == node}
+        held: dict[str, Footprint] = {uid: fp for uid, (where, fp) in self._pods.items() if where == node}
         for uid in held:
             self.release(uid)
         return held
