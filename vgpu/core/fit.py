@@ -76,9 +76,7 @@ class _Search:
     steps: int = 0
     failure: str | None = None  # the search gave up (budget)
     failure_depth: int = -1
-    # at the deepest step: the container, how many cards fit, why each other did not, and the
-    # most memory free on one card of those short of memory (MiB; -1: none)
-    shortfall: tuple[ContainerRequest, int, Counter[str], int] | None = None
+    shortfall: tuple[ContainerRequest, int, Counter[str]] | None = None  # at the deepest step
     chosen: dict[int, tuple[Device, ...]] = field(default_factory=dict)
 
     # -- one card -------------------------------------------------------------------------------
@@ -154,7 +152,7 @@ class _Search:
     ) -> list[tuple[Device, ...]]:
         eligible: list[tuple[float, Device]] = []
         reasons: Counter[str] = Counter()
-        most_free = -1
+        most_free = -1  # MiB, on one of the cards short of memory (other pods' bookings taken off)
         for card in self.cards:
             add = vgpu_usage(c.memory_on(card.memory_mib), c.cores)
             cfp, ccur = fp.get(card.uuid, ZERO), cur.get(card.uuid, ZERO)
@@ -168,7 +166,11 @@ class _Search:
                     most_free = max(most_free, card.memory_mib - self.usage.get(card.uuid, ZERO).memory_mib)
         if len(eligible) < c.count and depth >= self.failure_depth:
             self.failure_depth = depth
-            self.shortfall = (c, len(eligible), reasons, most_free)
+            if most_free >= 0:  # how far off the request is: "insufficient memory (the most free: N MiB)"
+                reasons[f"{INSUFFICIENT_MEMORY} (the most free: {most_free} MiB)"] = reasons.pop(
+                    INSUFFICIENT_MEMORY
+                )
+            self.shortfall = (c, len(eligible), reasons)
         eligible.sort(key=lambda x: (-x[0] if self.binpack else x[0], x[1].index))
         if c.count == 1:
             return [(card,) for _, card in eligible]
@@ -234,22 +236,10 @@ def _wanted(c: ContainerRequest) -> str:
 _UUIDS_SHOWN = 8
 
 
-def _cards_by_reason(reasons: Counter[str], cards: Sequence[Device], most_free: int = -1) -> str:
-    """``4 card(s) insufficient memory (the most free: 21920 MiB), 1 card(s) unhealthy``, most
-    first; ``most_free`` is the most memory free on one of the cards short of it (other pods'
-    commitments taken off; -1: unknown). Where the selection by UUID ruled cards out, the node's
-    UUIDs after it (its models are in the reasons already)."""
-
-    def said(why: str) -> str:
-        return (
-            f"{why} (the most free: {most_free} MiB)"
-            if why == INSUFFICIENT_MEMORY and most_free >= 0
-            else why
-        )
-
-    text = ", ".join(
-        f"{n} card(s) {said(why)}" for why, n in sorted(reasons.items(), key=lambda x: (-x[1], x[0]))
-    )
+def _cards_by_reason(reasons: Counter[str], cards: Sequence[Device]) -> str:
+    """``4 card(s) insufficient memory (the most free: 21920 MiB), 1 card(s) unhealthy``, most first;
+    where the selection by UUID ruled cards out, the node's UUIDs after it (the models are in the reasons)."""
+    text = ", ".join(f"{n} card(s) {why}" for why, n in sorted(reasons.items(), key=lambda x: (-x[1], x[0])))
     if any("gpuuuid" in why for why in reasons):
         shown = ", ".join(card.uuid for card in cards[:_UUIDS_SHOWN])
         more = f" and {len(cards) - _UUIDS_SHOWN} more" if len(cards) > _UUIDS_SHOWN else ""
@@ -299,8 +289,8 @@ def _search_shortfall(search: _Search, unresolvable: bool) -> str:
     """The reason the search failed: at its deepest step, the container short of cards."""
     if search.shortfall is None:  # the search ran out of budget before any step fell short
         return search.failure or "had no card that fits"
-    c, eligible, reasons, most_free = search.shortfall
-    cards = f"{eligible} card(s) fit; {_cards_by_reason(reasons, search.cards, most_free)}"
+    c, eligible, reasons = search.shortfall
+    cards = f"{eligible} card(s) fit; {_cards_by_reason(reasons, search.cards)}"
     if unresolvable:
         return f"could never hold {_wanted(c)} together with the pod's other vGPUs: {cards}"
     return f"had no room now for {_wanted(c)}: {cards}"
