@@ -85,7 +85,10 @@ def test_an_old_lease_shows_expired_and_a_missing_one_missing() -> None:
 def test_a_share_on_a_card_the_node_lacks_is_shown_apart() -> None:
     [status] = build_status([node("n1")], [pod("x", [("GPU-gone", 10, 0)], "bound")], [], NOW)
     assert [s.pod for s in status.unplaced] == ["x"]
-    assert "on a card the node does not list" in render_text([status])
+    assert (
+        "  on cards the node does not list:\n    ml/x main  10 MiB  cores uncapped  bound  on GPU-gone\n"
+        in render_text([status])
+    )
 
 
 def test_no_vgpu_nodes_says_what_to_check() -> None:
@@ -197,7 +200,7 @@ def test_pods_bound_to_a_node_that_no_longer_exists_are_shown_under_it_holding_n
     assert text.startswith(
         "node gone-1  GONE: no such Node, yet 1 pod(s) are still bound to it; they hold nothing in the "
         "scheduler (the pod garbage collector deletes them; kubectl delete pod does it now)\n"
-        "    default/orphan main  2000 MiB  cores uncapped  bound\n"
+        "    default/orphan main  2000 MiB  cores uncapped  bound  on GPU-z\n"
     )
 
 

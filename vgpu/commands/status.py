@@ -56,6 +56,7 @@ class Share:
     claim: str = ""  # DRA: the claim and request (<claim>/<request>) in place of a container
     init: bool = False  # an init container: runs before the app containers, which reuse its room
     finished: bool = False  # the pod finished (Succeeded or Failed): it holds nothing any more
+    card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
 
 
 @dataclass
@@ -181,6 +182,8 @@ def build_status(
                 used = per_card.get(d.uuid) if isinstance(per_card, dict) else None
                 share.used_bytes = used if isinstance(used, int) and used >= 0 else None
                 card = cards.get(d.uuid)
+                if card is None:
+                    share.card = d.uuid
                 (card.shares if card else node_status.unplaced).append(share)
     for name, node_status in out.items():
         held = ledger.usage(name)
@@ -280,9 +283,9 @@ def render_text(nodes: list[NodeStatus]) -> str:
             )
             for s in c.shares:
                 lines.append(_share_line(s))
-        for s in n.unplaced:
-            lines.append("  on a card the node does not list:")
-            lines.append(_share_line(s))
+        if n.unplaced:
+            lines.append("  on cards the node does not list:")
+            lines += [_share_line(s) for s in n.unplaced]
     return "\n".join(lines) + "\n"
 
 
@@ -294,7 +297,7 @@ def _share_line(s: Share) -> str:
         who += " (init)"
     cores = f"cores {s.cores}%" if s.cores else "cores uncapped"  # 0: no cap, the whole card's compute
     phase = (s.phase or "-") + (", holds nothing" if s.finished else "")
-    text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}"
+    text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}" + (f"  on {s.card}" if s.card else "")
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     if s.reason:
