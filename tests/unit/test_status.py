@@ -187,6 +187,13 @@ def test_an_uncapped_share_reads_uncapped_and_a_capped_one_its_percent() -> None
     assert " 0% " not in text
 
 
+def test_a_pod_spec_of_the_wrong_shape_is_counted_as_every_container_at_once_and_never_raises() -> None:
+    odd = bound_pod("odd", "n1", {"main": [("GPU-a", 1000, 0)]}, uid="u-odd")
+    odd["spec"]["initContainers"] = 5
+    [status] = build_status([node("n1")], [odd], [], NOW)
+    assert status.cards[0].memory_used_mib == 1000 and status.cards[0].shares[0].pod == "odd"
+
+
 # -- a node deleted while pods are still bound to it -------------------------------------------------
 
 

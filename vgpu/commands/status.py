@@ -212,7 +212,10 @@ def _phase(pod: dict[str, Any]) -> tuple[str, str]:
 
 def _init_containers(pod: dict[str, Any]) -> set[str]:
     """The names of the pod's init containers that run before the app containers (not sidecars)."""
-    items = (pod.get("spec") or {}).get("initContainers") or []
+    spec = pod.get("spec")
+    items = spec.get("initContainers") if isinstance(spec, dict) else None
+    if not isinstance(items, list):
+        return set()
     return {str(c.get("name")) for c in items if isinstance(c, dict) and c.get("restartPolicy") != "Always"}
 
 
