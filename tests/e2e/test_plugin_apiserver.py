@@ -10,8 +10,10 @@ container would start with.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,3 +376,35 @@ def test_labelled_dra_the_node_gets_no_vgpu_from_the_plugin_until_labelled_back(
     agent.sandbox.kubectl("label", "node", agent.name, "--overwrite", "openaios.io/gpu-mode=device-plugin")
     assert agent.kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
     assert poll(lambda: inventory() == 4, timeout=20, every=0.1)
+
+
+def test_a_plugin_whose_node_is_deleted_says_so_once_backs_off_and_publishes_when_it_returns(
+    agent: Agent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It logged a WARNING every second for as long as the Node was gone: now one line with the
+    fix, retries after 1, 2, 4 .. 30 s, and the inventory is back once the Node is."""
+    reporter = agent.daemon.reporter
+    node = agent.node()
+    with caplog.at_level(logging.INFO, logger="vgpu.plugin.report"):
+        agent.sandbox.kubectl("delete", "node", agent.name)
+        assert poll(lambda: reporter.failures >= 1, timeout=20, every=0.1)
+        time.sleep(10)
+        failures = reporter.failures
+        warnings = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "vgpu.plugin.report" and r.levelno == logging.WARNING
+        ]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"node {agent.name} does not exist (deleted?)")
+        assert "restart its kubelet" in warnings[0] and "up to every 30 s" in warnings[0]
+        assert 2 <= failures <= 5, failures  # 1, 2, 4 s apart (plus the loop's 1 s), not every second
+        for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            node["metadata"].pop(key, None)
+        node["metadata"]["annotations"].pop(DEVICES_ANNOTATION, None)
+        node.pop("status", None)
+        agent.sandbox.kubectl("create", "-f", "-", input=json.dumps(node))  # the Node registers again
+        assert poll(
+            lambda: DEVICES_ANNOTATION in (agent.node()["metadata"].get("annotations") or {}), 40, 0.2
+        )
+    assert f"reporting node {agent.name} works again" in caplog.text

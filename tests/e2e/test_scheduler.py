@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import requests
-from vgpu_sandbox import controlplane
+from vgpu_sandbox import controlplane, product
 from vgpu_sandbox.cluster import Sandbox
 from vgpu_sandbox.pki import CertificateAuthority
 from vgpu_sandbox.procs import free_port
@@ -59,9 +59,12 @@ class OwnScheduler:
         pair = ca.issue("extender", ["127.0.0.1"])
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
+        # as the scheduler's account, as the sandbox's own extender runs: the tenant boundary's
+        # policy lets it alone write placements (docs/security.md)
+        kubeconfig = product.account_kubeconfig(sandbox, "vgpu-e2e-extender", product.SCHEDULER_ACCOUNT)
         self.argv = [
             sys.executable, "-m", "vgpu.commands.cli", "extender",
-            f"--kubeconfig={sandbox.kubeconfig}", f"--listen=127.0.0.1:{self.port}",
+            f"--kubeconfig={kubeconfig}", f"--listen=127.0.0.1:{self.port}",
             f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}",
             "--namespace=kube-system", f"--scheduler-name={SCHEDULER}", "--identity=e2e",
@@ -525,6 +528,25 @@ def test_nodes_with_an_expired_plugin_lease_or_a_malformed_inventory_get_nothing
     assert not bound(pods(sandbox, group)["s2"])
     metrics = requests.get(f"http://127.0.0.1:{own.metrics_port}/metrics", timeout=10).text
     assert f'vgpu_scheduler_inventory_errors_total{{node="{broken}"}} 1.0' in metrics
+
+
+def test_a_deleted_node_leaves_no_card_or_node_series_behind(
+    sandbox: Sandbox, own: OwnScheduler, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    """The extender served a deleted node's series at their last values for as long as it ran
+    (prometheus_client's multiprocess files keep them): they go within a gauge refresh (5 s)."""
+    group, _ = make_nodes(2, lambda n: [card(n, 0)])
+    apply_list(sandbox, [pod_manifest("held", group, {"gpumem": 9000})])
+    node = allocation(wait_bound(sandbox, group, "held")).node
+
+    def series() -> list[str]:
+        text = requests.get(f"http://127.0.0.1:{own.metrics_port}/metrics", timeout=10).text
+        return [line for line in text.splitlines() if f'node="{node}"' in line and line.startswith("vgpu_")]
+
+    booked = f'vgpu_node_memory_allocated_bytes{{node="{node}"}} {9000 * 2**20:.6e}'
+    wait_for(lambda: booked in series(), f"{booked} served", 30, every=0.5)
+    sandbox.kubectl("delete", "node", node)
+    wait_for(lambda: series() == [], f"no series of the deleted node {node}", 30, every=0.5)
 
 
 def test_a_dra_node_gets_no_device_plugin_pod_and_the_event_says_why_and_how_to_fix(

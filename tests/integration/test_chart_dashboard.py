@@ -27,6 +27,9 @@ from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.fake_nvml import FakeDiscovery
 from vgpu.plugin.monitor.arbiter import Arbiter
 from vgpu.plugin.monitor.collector import NodeCollector, make_registry
+from vgpu.plugin.monitor.compute_metrics import ComputeCollector
+from vgpu.plugin.monitor.enforce import HostCollector
+from vgpu.plugin.monitor.service import NodeMonitor
 from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 
 NAME = "vgpu-grafana-dashboard"
@@ -120,9 +123,14 @@ def _series_names(name: str, kind: str) -> set[str]:
 
 def monitor_series(tmp: Path) -> set[str]:
     """Every series the node monitor serves, from its real collector and arbiter over a real
-    region file and the fake NVML backend."""
+    region file and the fake NVML backend, with its memory enforcer and compute gate (the fake
+    backend lists processes where the file names a processDir)."""
     gpus = tmp / "gpus.yaml"
-    gpus.write_text("gpus:\n  - {uuid: GPU-a, memoryMiB: 1000, memoryUsedMiB: 100, utilization: 30}\n")
+    (tmp / "procs").mkdir()
+    gpus.write_text(
+        f"processDir: {tmp / 'procs'}\n"
+        "gpus:\n  - {uuid: GPU-a, memoryMiB: 1000, memoryUsedMiB: 100, utilization: 30}\n"
+    )
     discovery = FakeDiscovery(gpus)
     paths = HostPaths(tmp / "root")
     folder = paths.container_dir("uid-1", "train")
@@ -132,10 +140,14 @@ def monitor_series(tmp: Path) -> set[str]:
     arbiter = Arbiter(paths.containers_dir, clock=lambda: next(clock))
     arbiter.rescan()
     arbiter.run_pass()
-    collector = NodeCollector(
-        "n1", DeviceState(discovery.cards(), NodeConfig()), discovery, paths, arbiter=arbiter
-    )
+    state = DeviceState(discovery.cards(), NodeConfig())
+    collector = NodeCollector("n1", state, discovery, paths, arbiter=arbiter)
     registry = make_registry(collector)
+    # the enforcer's and the gate's families, as NodeMonitor serves them beside the collector's
+    monitor = NodeMonitor("n1", state, discovery, paths, arbiter=None)
+    assert monitor.enforcer is not None and monitor.compute is not None
+    registry.register(HostCollector(monitor.enforcer))
+    registry.register(ComputeCollector(monitor.compute))
     families = list(registry.collect())
     names = {n for f in families for n in _series_names(f.name, f.type)}
     # the rule above agrees with the real exposition: every sample served is one of those names
@@ -298,7 +310,39 @@ def test_every_metric_a_panel_queries_is_exported_by_the_monitor_or_the_extender
         "vgpu_card_memory_allocated_bytes",
         "vgpu_card_memory_capacity_bytes",
         "vgpu_card_memory_used_bytes",
+        # the node's enforcement: kills and evictions, throttles, gate holds
+        "vgpu_memory_enforcement_actions_total",
+        "vgpu_compute_enforcement_actions_total",
+        "vgpu_container_compute_held",
+        "vgpu_container_compute_throttled",
     } <= used
+
+
+def test_the_dashboard_uses_no_deprecated_metric() -> None:
+    """The node monitor keeps its old card names for one release (docs/monitoring.md); the
+    dashboard already reads the one set of names."""
+    _, dashboard = rendered_dashboard()
+    used = {n for _, expr in queries(dashboard) for n in promql_metric_names(expr)}
+    assert used & {"vgpu_card_memory_total_bytes", "vgpu_card_split"} == set()
+
+
+def test_the_enforcement_row_and_the_error_panels_read_0_before_the_first_event() -> None:
+    """A counter has no series before its first increment, so a panel of it read "No data"
+    until the first error or action: each reads 0 (``or vector(0)``, or Grafana's noValue)."""
+    _, dashboard = rendered_dashboard()
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    row = [p["title"] for p in panels(dashboard) if p["type"] == "row"]
+    assert row.index("Enforcement (node monitor)") == row.index("Scheduler decisions") - 1
+    for title in (
+        "Kills and evictions",
+        "Compute throttles",
+        "Containers held by the gate now",
+        "Cards the gate cannot see",
+        "Bad requests and inventory errors",
+    ):
+        p = by_title[title]
+        assert p["fieldConfig"]["defaults"].get("noValue") == "0", title
+        assert all("or vector(0)" in t["expr"] for t in p["targets"]), title
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,8 +48,13 @@ def alloc_pod(uid: str, rv: int, node: str = "a", mem: int = 3000, phase: str = 
     }
 
 
-def state() -> SchedulerState:
-    return SchedulerState(CFG, clock=lambda: NOW)
+def state(*nodes: str) -> SchedulerState:
+    """A state that knows the Nodes named (``alloc_pod``'s "a" by default, no inventory): the
+    ledger books pods only on Nodes that exist."""
+    st = SchedulerState(CFG, clock=lambda: NOW)
+    for name in nodes or ("a",):
+        st.apply_node({"metadata": {"name": name}})
+    return st
 
 
 def test_the_ledger_is_rebuilt_from_the_pods_allocation_annotations() -> None:
@@ -196,7 +205,7 @@ def test_card_gauges_show_capacity_and_what_is_committed_and_skip_unchanged_node
     inv = ann.encode_devices(ann.NodeInventory((ann.Device("GPU-g", 0, "m", 1000, 100, 4),)))
     st.apply_node({"metadata": {"name": "gauged", "annotations": {ann.DEVICES_ANNOTATION: inv}}})
     st.ledger.commit("u1", "gauged", {"GPU-g": Usage(300, 20, 1, 0)})
-    seen: dict[str, tuple[int, int]] = {}
+    seen: dict[str, tuple[int, int, tuple[str, ...]]] = {}
     refresh_gauges(st, metrics, seen)
     mib = 1024 * 1024
     assert metrics.CARD_MEMORY_CAPACITY.labels("gauged", "GPU-g")._value.get() == 1000 * mib
@@ -207,6 +216,97 @@ def test_card_gauges_show_capacity_and_what_is_committed_and_skip_unchanged_node
     st.ledger.release("u1")
     refresh_gauges(st, metrics, seen)
     assert metrics.CARD_MEMORY_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 0
+
+
+# -- a deleted Node: out of the ledger and the gauges ---------------------------------------------
+
+
+def _inventoried(name: str, *uuids: str) -> dict[str, Any]:
+    inv = ann.NodeInventory(tuple(ann.Device(u, i, "m", 80000, 100, 4) for i, u in enumerate(uuids)))
+    return {"metadata": {"name": name, "annotations": {ann.DEVICES_ANNOTATION: ann.encode_devices(inv)}}}
+
+
+def test_a_deleted_node_leaves_the_ledger_and_its_pods_are_booked_again_if_it_comes_back() -> None:
+    st = state("a", "b")
+    st.apply_pod(alloc_pod("u1", 5))
+    st.apply_pod(alloc_pod("u2", 6, node="b"))
+    st.forget_node("a")  # kubectl delete node a; pod GC has not deleted u1 yet
+    assert st.ledger.pods() == {"u2": "b"} and st.ledger.usage("a") == {} and "a" not in st.ledger.nodes()
+    assert st.parked == {"a": {"u1": {"GPU-0": Usage(3000, 10, 1, 0)}}}
+    st.apply_pod(alloc_pod("u1", 7))  # a status update of the pod: still nothing booked on a
+    assert st.ledger.node_of("u1") is None
+    st.apply_node({"metadata": {"name": "a"}})  # the Node registered again, its pod still there
+    assert st.ledger.usage("a") == {"GPU-0": Usage(3000, 10, 1, 0)} and st.parked == {}
+    st.replace_nodes([{"metadata": {"name": "b"}}])  # a relist without a: the same as its deletion
+    assert st.ledger.pods() == {"u2": "b"}
+    st.apply_pod(alloc_pod("u1", 8), deleted=True)  # pod GC deletes it
+    assert st.parked == {}
+    st.apply_node({"metadata": {"name": "a"}})
+    assert st.ledger.usage("a") == {}
+
+
+def test_pods_listed_before_their_node_are_booked_when_the_node_is_listed() -> None:
+    st = state("b")
+    st.replace_pods([alloc_pod("u1", 5, node="c"), alloc_pod("u2", 6, node="b")])
+    assert st.ledger.pods() == {"u2": "b"}
+    st.replace_nodes([{"metadata": {"name": "b"}}, {"metadata": {"name": "c"}}])
+    assert st.ledger.pods() == {"u1": "c", "u2": "b"}
+    st.replace_pods([alloc_pod("u2", 6, node="b")])  # a relist without u1 forgets it, parked or not
+    st.forget_node("c")
+    st.apply_node({"metadata": {"name": "c"}})
+    assert st.ledger.pods() == {"u2": "b"}
+
+
+def _series(gauge: Any) -> set[tuple[str, ...]]:
+    return {tuple(s.labels.values()) for m in gauge.collect() for s in m.samples}
+
+
+def test_a_deleted_nodes_card_and_node_series_are_removed_and_a_dropped_cards_too() -> None:
+    from vgpu.extender import metrics
+    from vgpu.extender.sync import refresh_gauges
+
+    st = state()
+    st.apply_node(_inventoried("doomed", "GPU-d0", "GPU-d1"))
+    st.apply_node(_inventoried("kept", "GPU-k0"))
+    st.ledger.commit("u1", "doomed", {"GPU-d0": Usage(30000, 0, 1, 0)})
+    seen: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+    refresh_gauges(st, metrics, seen)
+    assert ("doomed", "GPU-d0") in _series(metrics.CARD_MEMORY_ALLOCATED)
+    st.apply_node(_inventoried("kept", "GPU-k1"))  # a card replaced: the old one's series go
+    st.forget_node("doomed")
+    refresh_gauges(st, metrics, seen)
+    for gauge in metrics._CARD_GAUGES:
+        assert {labels for labels in _series(gauge) if labels[0] in ("doomed", "kept")} == {
+            ("kept", "GPU-k1")
+        }
+    for gauge in (metrics.NODE_MEMORY_CAPACITY, metrics.NODE_MEMORY_ALLOCATED):
+        assert ("doomed",) not in _series(gauge) and ("kept",) in _series(gauge)
+    assert set(seen) & {"doomed", "kept"} == {"kept"}
+
+
+def test_in_multiprocess_mode_a_removed_series_is_left_out_of_what_the_master_serves(tmp_path: Path) -> None:
+    """gunicorn's worker writes the metrics to files, and prometheus_client cannot remove a
+    series there: the worker marks it (metrics.GONE) and the master's collector leaves it out."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vgpu.extender.server import LiveGauges
+
+    worker = (
+        "from vgpu.extender import metrics as m\n"
+        "for node, uuid in (('gone', 'GPU-x'), ('kept', 'GPU-y')):\n"
+        "    m.CARD_MEMORY_ALLOCATED.labels(node, uuid).set(31457280000)\n"
+        "    m.NODE_MEMORY_ALLOCATED.labels(node).set(31457280000)\n"
+        "m.forget_card('gone', 'GPU-x')\n"
+        "m.forget_node('gone')\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=60)
+    registry = CollectorRegistry()
+    registry.register(LiveGauges(str(tmp_path)))
+    served = generate_latest(registry).decode()
+    assert 'vgpu_card_memory_allocated_bytes{node="kept",uuid="GPU-y"} 3.145728e+10' in served
+    assert 'vgpu_node_memory_allocated_bytes{node="kept"} 3.145728e+10' in served
+    assert "gone" not in served and "NaN" not in served
 
 
 # -- filter keeps only the best few feasible nodes -------------------------------------------------

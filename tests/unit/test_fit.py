@@ -154,6 +154,22 @@ def test_a_rejection_names_the_shortage() -> None:
     assert "insufficient memory" in r.reason and "3000 MiB" in r.reason
 
 
+def test_a_memory_shortage_says_the_most_memory_free_on_one_card() -> None:
+    """'4 card(s) insufficient memory' alone did not say how far off the request is."""
+    inv = node(card(0), card(1), card(2), card(3))
+    busy = {"GPU-0": Usage(9000, 0, 1, 0), "GPU-1": Usage(4000, 0, 1, 0), "GPU-2": Usage(7500, 0, 1, 0)}
+    busy["GPU-3"] = Usage(1000, 100, 1, 1)  # held exclusively: another reason, its free memory not counted
+    r = fit_node("n", inv, busy, pod(ctr(gpumem=6500)))
+    assert isinstance(r, Rejection)
+    assert r.reason.endswith(
+        ": 0 card(s) fit; 3 card(s) insufficient memory (the most free: 6000 MiB), 1 card(s) held exclusively"
+    )
+    # a container of two vGPUs: the same figure, over the cards short of memory
+    r = fit_node("n", inv, busy, pod(ctr(gpu=2, gpumem=5000)))
+    assert isinstance(r, Rejection)
+    assert "1 card(s) fit; 2 card(s) insufficient memory (the most free: 2500 MiB)" in r.reason
+
+
 def test_more_memory_than_the_card_has_is_unresolvable() -> None:
     r = fit_node("n", node(card(0)), {}, pod(ctr(gpumem=20000)))
     assert isinstance(r, Rejection) and r.unresolvable
@@ -238,7 +254,8 @@ def test_cards_that_can_never_take_a_vgpu_outrank_cards_that_are_full_now() -> N
     assert isinstance(r, Rejection) and not r.unresolvable
     assert r.reason.startswith("had no room now for container 'main'")
     assert (
-        "1 card(s) fit; 1 card(s) insufficient memory, 1 card(s) smaller than asked (10000 MiB)" in r.reason
+        "1 card(s) fit; 1 card(s) insufficient memory (the most free: 1000 MiB), "
+        "1 card(s) smaller than asked (10000 MiB)" in r.reason
     )
 
 

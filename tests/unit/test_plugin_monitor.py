@@ -77,10 +77,12 @@ def write_region(path: Path, devices: list[tuple[str, int, int]], procs: list[tu
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(tmp_path: Path, pods: list[dict[str, Any]] | None = None) -> Samples:
+def scrape(
+    tmp_path: Path, pods: list[dict[str, Any]] | None = None, config: NodeConfig | None = None
+) -> Samples:
     paths = HostPaths(tmp_path)
     discovery = Cards()
-    state = DeviceState(discovery.cards(), NodeConfig(split=4))
+    state = DeviceState(discovery.cards(), config or NodeConfig(split=4))
     state.set_health("GPU-b", False)
     collector = NodeCollector("n1", state, discovery, paths, list_pods=(lambda node: pods) if pods else None)
     text = generate_latest(make_registry(collector)).decode()
@@ -104,8 +106,58 @@ def test_per_card_totals_and_health_are_reported(tmp_path: Path) -> None:
     assert got[key("vgpu_card_utilization_ratio", **a)] == 0.4
     assert got[key("vgpu_card_healthy", **a)] == 1.0
     assert got[key("vgpu_card_healthy", **b)] == 0.0
-    assert got[key("vgpu_card_split", **b)] == 4.0
+    assert got[key("vgpu_card_vgpus_capacity", **b)] == 4.0
+    assert got[key("vgpu_card_memory_capacity_bytes", **b)] == 1000 * MIB  # from the node config, not NVML
     assert key("vgpu_card_memory_total_bytes", **b) not in got  # NVML could not read it: no made-up value
+
+
+def test_the_card_capacity_series_have_the_schedulers_names_and_values_and_the_old_names_stay_deprecated(
+    tmp_path: Path,
+) -> None:
+    """The node and the scheduler named the same things differently (memory_total against
+    memory_capacity, split against vgpus_capacity): one name now, one value for one card."""
+    from vgpu.core.annotations import DEVICES_ANNOTATION, encode_devices
+    from vgpu.core.config import SchedulerConfig
+    from vgpu.extender import metrics
+    from vgpu.extender.state import SchedulerState
+    from vgpu.extender.sync import refresh_gauges
+
+    config = NodeConfig(split=3, device_memory_scaling=1.5, oversubscribe=True)
+    got = scrape(tmp_path, config=config)
+    inventory = DeviceState(Cards().cards(), config).inventory()  # what the device plugin publishes
+    extender = SchedulerState(SchedulerConfig(), clock=lambda: 0.0)
+    extender.apply_node(
+        {"metadata": {"name": "n1", "annotations": {DEVICES_ANNOTATION: encode_devices(inventory)}}}
+    )
+    refresh_gauges(extender, metrics, {})
+    for uuid, index in (("GPU-a", "0"), ("GPU-b", "1")):
+        card = {"index": index, "model": "H200", "node": "n1", "uuid": uuid}
+        assert got[key("vgpu_card_memory_capacity_bytes", **card)] == 1500 * MIB
+        assert (
+            got[key("vgpu_card_memory_capacity_bytes", **card)]
+            == metrics.CARD_MEMORY_CAPACITY.labels("n1", uuid)._value.get()
+        )
+        assert got[key("vgpu_card_vgpus_capacity", **card)] == 3
+        assert (
+            got[key("vgpu_card_vgpus_capacity", **card)]
+            == metrics.CARD_VGPUS_CAPACITY.labels("n1", uuid)._value.get()
+        )
+    a = {"index": "0", "model": "H200", "node": "n1", "uuid": "GPU-a"}
+    assert got[key("vgpu_card_memory_total_bytes", **a)] == 1000 * MIB  # the old name: the driver's figure
+    assert got[key("vgpu_card_split", **a)] == 3
+    paths = HostPaths(tmp_path)
+    discovery = Cards()
+    collector = NodeCollector("n1", DeviceState(discovery.cards(), config), discovery, paths)
+    helps = {
+        f.name: f.documentation
+        for f in text_string_to_metric_families(generate_latest(make_registry(collector)).decode())
+    }
+    for old, new in (
+        ("vgpu_card_memory_total_bytes", "vgpu_card_memory_capacity_bytes"),
+        ("vgpu_card_split", "vgpu_card_vgpus_capacity"),
+    ):
+        assert helps[old].startswith(f"DEPRECATED, removed in the next release: use {new}.")
+        assert "DEPRECATED" not in helps[new]
 
 
 def test_container_usage_and_limits_come_from_the_region_files(tmp_path: Path) -> None:

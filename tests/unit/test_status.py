@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import bound_pod
 from vgpu.commands.cli import main
 from vgpu.commands.status import RECORD_ANNOTATION, build_status, render_text
 from vgpu.core.annotations import (
@@ -23,6 +24,9 @@ from vgpu.core.annotations import (
     encode_allocation,
     encode_devices,
 )
+from vgpu.core.config import SchedulerConfig
+from vgpu.core.ledger import ZERO
+from vgpu.extender.state import SchedulerState
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -81,7 +85,10 @@ def test_an_old_lease_shows_expired_and_a_missing_one_missing() -> None:
 def test_a_share_on_a_card_the_node_lacks_is_shown_apart() -> None:
     [status] = build_status([node("n1")], [pod("x", [("GPU-gone", 10, 0)], "bound")], [], NOW)
     assert [s.pod for s in status.unplaced] == ["x"]
-    assert "on a card the node does not list" in render_text([status])
+    assert (
+        "  on cards the node does not list:\n    ml/x main  10 MiB  cores uncapped  bound  on GPU-gone\n"
+        in render_text([status])
+    )
 
 
 def test_no_vgpu_nodes_says_what_to_check() -> None:
@@ -99,7 +106,10 @@ def test_a_pod_kubelet_rejected_shows_rejected_with_kubelets_reason() -> None:
     [share] = status.cards[0].shares
     assert share.phase == "rejected"
     assert share.reason.startswith("UnexpectedAdmissionError: Allocate failed: cannot tell which")
-    assert "ml/r main  1000 MiB  0%  rejected (UnexpectedAdmissionError: " in render_text([status])
+    assert (
+        "ml/r main  1000 MiB  cores uncapped  rejected, holds nothing (UnexpectedAdmissionError: "
+        in render_text([status])
+    )
 
 
 def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignored() -> None:
@@ -116,7 +126,7 @@ def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignor
     card_a, card_b = status.cards
     assert [(s.pod, s.used_bytes) for s in card_a.shares] == [("a", 1744830464), ("b", None)]
     assert [(s.pod, s.used_bytes) for s in card_b.shares] == [("b", 5)]
-    assert "ml/a main  3000 MiB  30%  allocated  using 1664 MiB" in render_text([status])
+    assert "ml/a main  3000 MiB  cores 30%  allocated  using 1664 MiB" in render_text([status])
 
     for bad in ("{not json", "[1, 2]", '"text"', '{"uid-a_main": [1]}', '{"uid-a_main": {"GPU-a": "5"}}'):
         with_usage["metadata"]["annotations"] = {USAGE_ANNOTATION: bad}
@@ -124,10 +134,105 @@ def test_usage_from_the_nodes_lease_is_shown_per_share_and_a_bad_report_is_ignor
         assert status.cards[0].shares[0].used_bytes is None
 
 
+# -- the scheduler's own accounting: what a card holds is what the extender's ledger holds ----------
+
+
+def test_each_cards_totals_are_the_extenders_ledger_for_the_same_pods() -> None:
+    """An init container of 10000 MiB before an app container of 5000 MiB holds 10000 MiB on the
+    card (the larger phase, as the scheduler books it), not 15000 MiB and 2 vGPUs; a finished
+    pod holds nothing, whether it succeeded or kubelet refused it."""
+    inventory = node("n1")
+    with_init = bound_pod(
+        "with-init",
+        "n1",
+        {"prep": [("GPU-a", 10000, 0)], "main": [("GPU-a", 5000, 0)]},
+        init=["prep"],
+        uid="u1",
+    )
+    running = bound_pod("running", "n1", {"main": [("GPU-a", 3000, 30)]}, uid="u2")
+    done = bound_pod("done", "n1", {"main": [("GPU-a", 7000, 0)]}, uid="u3")
+    done["status"] = {"phase": "Succeeded"}
+    refused = bound_pod("refused", "n1", {"main": [("GPU-b", 7000, 0)]}, uid="u4")
+    refused["status"] = {"phase": "Failed", "reason": "UnexpectedAdmissionError"}
+    pods = [with_init, running, done, refused]
+
+    [status] = build_status([inventory], pods, [], NOW)
+
+    extender = SchedulerState(SchedulerConfig(), clock=lambda: 0.0)
+    extender.apply_node(inventory)
+    for p in pods:
+        extender.apply_pod(p)
+    booked = extender.ledger.usage("n1")
+    assert booked  # the ledger holds something to compare with
+    for card in status.cards:
+        u = booked.get(card.uuid, ZERO)
+        assert (card.memory_used_mib, card.cores_used, card.vgpus_used) == (u.memory_mib, u.cores, u.count)
+    text = render_text([status])
+    assert "gpu 0 GPU-a A100  mem 13000/80000 MiB  cores 30/100  vgpus 2/10" in text
+    assert "gpu 1 GPU-b A100  mem 0/80000 MiB  cores 0/100  vgpus 0/10" in text
+    assert "default/with-init prep (init)  10000 MiB  cores uncapped  bound" in text
+    assert "default/with-init main  5000 MiB  cores uncapped  bound" in text
+    assert "default/done main  7000 MiB  cores uncapped  succeeded, holds nothing" in text
+    assert (
+        "default/refused main  7000 MiB  cores uncapped  rejected, holds nothing (UnexpectedAdmissionError)"
+        in text
+    )
+
+
+def test_an_uncapped_share_reads_uncapped_and_a_capped_one_its_percent() -> None:
+    pods = [pod("free", [("GPU-a", 1000, 0)], "allocated"), pod("capped", [("GPU-a", 1000, 25)], "allocated")]
+    text = render_text(build_status([node("n1")], pods, [], NOW))
+    assert "ml/free main  1000 MiB  cores uncapped  allocated" in text
+    assert "ml/capped main  1000 MiB  cores 25%  allocated" in text
+    assert " 0% " not in text
+
+
+def test_a_pod_spec_of_the_wrong_shape_is_counted_as_every_container_at_once_and_never_raises() -> None:
+    odd = bound_pod("odd", "n1", {"main": [("GPU-a", 1000, 0)]}, uid="u-odd")
+    odd["spec"]["initContainers"] = 5
+    [status] = build_status([node("n1")], [odd], [], NOW)
+    assert status.cards[0].memory_used_mib == 1000 and status.cards[0].shares[0].pod == "odd"
+
+
+# -- a node deleted while pods are still bound to it -------------------------------------------------
+
+
+def test_pods_bound_to_a_node_that_no_longer_exists_are_shown_under_it_holding_nothing() -> None:
+    orphan = bound_pod("orphan", "gone-1", {"main": [("GPU-z", 2000, 0)]}, uid="u-o")
+    on_cpu_node = bound_pod("elsewhere", "cpu-only", {"main": [("GPU-y", 1000, 0)]}, uid="u-c")
+    nodes = [node("n1"), {"metadata": {"name": "cpu-only"}}]
+    shown = build_status(nodes, [orphan, on_cpu_node], [], NOW)
+    assert [(n.name, n.gone) for n in shown] == [("gone-1", True), ("n1", False)]
+    text = render_text(shown)
+    assert text.startswith(
+        "node gone-1  GONE: no such Node, yet 1 pod(s) are still bound to it; they hold nothing in the "
+        "scheduler (the pod garbage collector deletes them; kubectl delete pod does it now)\n"
+        "    default/orphan main  2000 MiB  cores uncapped  bound  on GPU-z\n"
+    )
+
+
+def test_status_of_one_node_leaves_out_the_pods_of_others(
+    fake_kube: type[FakeKube],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    others = bound_pod("other", "cpu-1", {"main": [("GPU-q", 1000, 0)]}, uid="u-q")
+    gone = bound_pod("orphan", "gone-1", {"main": [("GPU-z", 2000, 0)]}, uid="u-o")
+    mine = bound_pod("mine", "n1", {"main": [("GPU-a", 1000, 0)]}, uid="u-m")
+    monkeypatch.setattr(FakeKube, "pods", [others, gone, mine])
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "n1"]) == 0
+    out = capsys.readouterr().out
+    assert "default/mine main" in out and "gone-1" not in out and "other" not in out
+    assert main(["status", f"--kubeconfig={tmp_path / 'kc'}"]) == 0
+    assert "node gone-1  GONE: no such Node" in capsys.readouterr().out
+
+
 class FakeKube:
     """What `vgpu status` reads, from lists given here instead of an API server."""
 
     nodes: list[dict] = []
+    pods: list[dict] = []
 
     def __init__(self, kubeconfig: str | None) -> None:
         self.kubeconfig = kubeconfig
@@ -136,7 +241,7 @@ class FakeKube:
         return self.nodes, "1"
 
     def list_pods(self) -> tuple[list[dict], str]:
-        return [], "1"
+        return self.pods, "1"
 
     def list_leases(self, namespace: str) -> tuple[list[dict], str]:
         return [], "1"
@@ -264,8 +369,8 @@ def test_dra_nodes_show_their_slices_cards_and_each_claims_share() -> None:
     text = render_text([status])
     assert text.startswith("node d1  mode dra (ResourceSlice)\n")
     assert "  gpu 0 GPU-x NVIDIA H200  mem 4024/143360 MiB  cores 50/100  claims 2" in text
-    assert "    ml/notebook claim small/gpu  3000 MiB  30%  reserved" in text
-    assert "    ml/- claim whole/gpu  143360 MiB  100%  allocated" in text
+    assert "    ml/notebook claim small/gpu  3000 MiB  cores 30%  reserved" in text
+    assert "    ml/- claim whole/gpu  143360 MiB  cores 100%  allocated" in text
 
 
 def test_status_reads_the_dra_objects_and_a_dra_node_may_be_named(

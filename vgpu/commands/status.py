@@ -25,12 +25,16 @@ from vgpu.core.annotations import (
     PHASE_ANNOTATION,
     REASON_ANNOTATION,
     USAGE_ANNOTATION,
+    Device,
     decode_allocation,
     decode_devices,
     lease_name,
 )
+from vgpu.core.booking import book, finished
+from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, KubeError
 from vgpu.core.gpumode import DRA, gpu_mode
+from vgpu.core.ledger import ZERO, Ledger
 from vgpu.kube.lease import expires_at
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
@@ -42,7 +46,7 @@ class Share:
     pod: str
     container: str
     memory_mib: int
-    cores: int
+    cores: int  # percent of the card's compute; 0: no cap (the container may use the whole card)
     phase: str
     reason: str = ""
     env: dict[str, str] = field(default_factory=dict)
@@ -50,6 +54,9 @@ class Share:
     # Lease last reported it; None when the node reported nothing for it
     used_bytes: int | None = None
     claim: str = ""  # DRA: the claim and request (<claim>/<request>) in place of a container
+    init: bool = False  # an init container: runs before the app containers, which reuse its room
+    finished: bool = False  # the pod finished (Succeeded or Failed): it holds nothing any more
+    card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
 
 
 @dataclass
@@ -62,14 +69,11 @@ class CardStatus:
     split: int
     healthy: bool
     shares: list[Share] = field(default_factory=list)
-
-    @property
-    def memory_used_mib(self) -> int:
-        return sum(s.memory_mib for s in self.shares)
-
-    @property
-    def cores_used(self) -> int:
-        return sum(s.cores for s in self.shares)
+    # what the card's pods hold as the scheduler counts it (vgpu.core.booking: a pod's footprint,
+    # finished pods nothing); on a DRA node, the claims' shares together
+    memory_used_mib: int = 0
+    cores_used: int = 0
+    vgpus_used: int = 0
 
 
 @dataclass
@@ -80,6 +84,7 @@ class NodeStatus:
     mode: str = "device-plugin"  # or "dra": cards from the node's ResourceSlice
     cards: list[CardStatus] = field(default_factory=list)
     unplaced: list[Share] = field(default_factory=list)  # shares on cards the inventory lacks
+    gone: bool = False  # no such Node: its pods are still bound to it, and hold nothing
 
 
 def _lease_state(lease: dict[str, Any] | None, now: dt.datetime) -> str:
@@ -96,11 +101,19 @@ def build_status(
     now: dt.datetime | None = None,
     slices: list[dict[str, Any]] | None = None,
     claims: list[dict[str, Any]] | None = None,
+    config: SchedulerConfig | None = None,
 ) -> list[NodeStatus]:
-    """Pure: join nodes, pods and leases (and DRA's slices and claims) into per-card shares."""
+    """Pure: join nodes, pods and leases (and DRA's slices and claims) into per-card shares.
+
+    Each card's totals are what the scheduler's ledger holds (vgpu.core.booking, with the
+    scheduler's settings ``config``); ``nodes`` are all of the cluster's, so that a pod bound to
+    a node that is not among them shows under that node as gone."""
     now = now or dt.datetime.now(dt.UTC)
+    config = config or SchedulerConfig()
     by_lease = {lease["metadata"]["name"]: lease for lease in leases}
     usage: dict[str, dict[str, Any]] = {}  # node -> the usage its Lease reports
+    inventories: dict[str, dict[str, Device]] = {}  # node -> its cards by UUID
+    existing = {node["metadata"]["name"] for node in nodes}
     out: dict[str, NodeStatus] = {}
     for node in nodes:
         name = node["metadata"]["name"]
@@ -112,6 +125,7 @@ def build_status(
         usage[name] = _usage(lease)
         try:
             inv = decode_devices(annotations[DEVICES_ANNOTATION])
+            inventories[name] = {d.uuid: d for d in inv.devices}
             status.cards = [
                 CardStatus(d.index, d.uuid, d.model, d.memory_mib, d.cores, d.split, d.healthy)
                 for d in inv.devices
@@ -119,6 +133,7 @@ def build_status(
         except AnnotationError as err:
             status.error = str(err)
         out[name] = status
+    ledger = Ledger()
     for pod in pods:
         meta = pod["metadata"]
         annotations = meta.get("annotations") or {}
@@ -128,21 +143,26 @@ def build_status(
             alloc = decode_allocation(annotations[ALLOCATION_ANNOTATION])
         except AnnotationError:
             continue
+        if alloc.node not in existing:
+            out.setdefault(alloc.node, NodeStatus(alloc.node, "", gone=True))
         node_status = out.get(alloc.node)
         if node_status is None:
-            continue
+            continue  # a DRA node, or one without an inventory: no device-plugin cards to show
+        done = finished(pod)
+        if not done and not node_status.gone:
+            booking = book(pod, alloc, config, inventories.get(alloc.node))
+            ledger.commit(
+                str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"),
+                alloc.node,
+                booking.footprint,
+            )
         try:
             record = json.loads(annotations.get(RECORD_ANNOTATION) or "{}")
         except ValueError:
             record = {}
         cards = {c.uuid: c for c in node_status.cards}
-        phase = str(annotations.get(PHASE_ANNOTATION, ""))
-        reason = str(annotations.get(REASON_ANNOTATION) or "")
-        pod_status = pod.get("status") or {}
-        if pod_status.get("phase") == "Failed" and phase != "failed":
-            # kubelet rejected the pod at admission (a refused Allocate, for one): it never started
-            phase = "rejected"
-            reason = ": ".join(str(x) for x in (pod_status.get("reason"), pod_status.get("message")) if x)
+        phase, reason = _phase(pod)
+        inits = _init_containers(pod)
         for c in alloc.containers:
             env = (record.get(c.name) or {}).get("envs") or {}
             for d in c.devices:
@@ -155,14 +175,48 @@ def build_status(
                     phase=phase,
                     reason=reason,
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
+                    init=c.name in inits,
+                    finished=done,
                 )
                 per_card = usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}")
                 used = per_card.get(d.uuid) if isinstance(per_card, dict) else None
                 share.used_bytes = used if isinstance(used, int) and used >= 0 else None
                 card = cards.get(d.uuid)
+                if card is None:
+                    share.card = d.uuid
                 (card.shares if card else node_status.unplaced).append(share)
+    for name, node_status in out.items():
+        held = ledger.usage(name)
+        for card in node_status.cards:
+            u = held.get(card.uuid, ZERO)
+            card.memory_used_mib, card.cores_used, card.vgpus_used = u.memory_mib, u.cores, u.count
     _add_dra(out, slices or [], claims or [])
     return [out[n] for n in sorted(out)]
+
+
+def _phase(pod: dict[str, Any]) -> tuple[str, str]:
+    """The pod's placement phase (contract 3) and why, or how it finished."""
+    annotations = pod["metadata"].get("annotations") or {}
+    phase = str(annotations.get(PHASE_ANNOTATION, ""))
+    reason = str(annotations.get(REASON_ANNOTATION) or "")
+    pod_status = pod.get("status") or {}
+    if pod_status.get("phase") == "Succeeded":
+        return "succeeded", ""
+    if pod_status.get("phase") == "Failed" and phase != "failed":
+        # kubelet rejected the pod at admission (a refused Allocate, for one): it never started
+        return "rejected", ": ".join(
+            str(x) for x in (pod_status.get("reason"), pod_status.get("message")) if x
+        )
+    return phase, reason
+
+
+def _init_containers(pod: dict[str, Any]) -> set[str]:
+    """The names of the pod's init containers that run before the app containers (not sidecars)."""
+    spec = pod.get("spec")
+    items = spec.get("initContainers") if isinstance(spec, dict) else None
+    if not isinstance(items, list):
+        return set()
+    return {str(c.get("name")) for c in items if isinstance(c, dict) and c.get("restartPolicy") != "Always"}
 
 
 def _add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> None:
@@ -179,19 +233,20 @@ def _add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: l
         card = devices.get(share["node"], {}).get(share["device"])
         if node_status is None or card is None:
             continue
-        by_uuid = {c.uuid: c for c in node_status.cards}
-        memory = share["memory_mib"] if share["memory_mib"] is not None else card["memory_mib"]
-        by_uuid[card["uuid"]].shares.append(
-            Share(
-                namespace=share["namespace"],
-                pod=",".join(share["pods"]),
-                container="",
-                memory_mib=memory,
-                cores=share["cores"] if share["cores"] is not None else card["cores"],
-                phase="reserved" if share["pods"] else "allocated",
-                claim=f"{share['claim']}/{share['request']}",
-            )
+        target = next(c for c in node_status.cards if c.uuid == card["uuid"])
+        held = Share(
+            namespace=share["namespace"],
+            pod=",".join(share["pods"]),
+            container="",
+            memory_mib=share["memory_mib"] if share["memory_mib"] is not None else card["memory_mib"],
+            cores=share["cores"] if share["cores"] is not None else card["cores"],
+            phase="reserved" if share["pods"] else "allocated",
+            claim=f"{share['claim']}/{share['request']}",
         )
+        target.shares.append(held)
+        target.memory_used_mib += held.memory_mib
+        target.cores_used += held.cores
+        target.vgpus_used += 1
 
 
 def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:
@@ -212,19 +267,28 @@ def render_text(nodes: list[NodeStatus]) -> str:
         )
     lines: list[str] = []
     for n in nodes:
+        if n.gone:
+            pods = sorted({f"{s.namespace}/{s.pod}" for s in n.unplaced})
+            lines.append(
+                f"node {n.name}  GONE: no such Node, yet {len(pods)} pod(s) are still bound to it; they "
+                "hold nothing in the scheduler (the pod garbage collector deletes them; kubectl delete pod "
+                "does it now)"
+            )
+            lines += [_share_line(s) for s in n.unplaced]
+            continue
         head = "mode dra (ResourceSlice)" if n.mode == DRA else f"lease {n.lease}"
         lines.append(f"node {n.name}  {head}" + (f"  ERROR {n.error}" if n.error else ""))
         for c in n.cards:
-            slots = f"claims {len(c.shares)}" if n.mode == DRA else f"vgpus {len(c.shares)}/{c.split}"
+            slots = f"claims {len(c.shares)}" if n.mode == DRA else f"vgpus {c.vgpus_used}/{c.split}"
             lines.append(
                 f"  gpu {c.index} {c.uuid} {c.model}  mem {c.memory_used_mib}/{c.memory_mib} MiB  "
                 f"cores {c.cores_used}/{c.cores}  {slots}" + ("" if c.healthy else "  UNHEALTHY")
             )
             for s in c.shares:
                 lines.append(_share_line(s))
-        for s in n.unplaced:
-            lines.append("  on a card the node does not list:")
-            lines.append(_share_line(s))
+        if n.unplaced:
+            lines.append("  on cards the node does not list:")
+            lines += [_share_line(s) for s in n.unplaced]
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +296,11 @@ def _share_line(s: Share) -> str:
     who = (
         f"{s.namespace}/{s.pod or '-'} claim {s.claim}" if s.claim else f"{s.namespace}/{s.pod} {s.container}"
     )
-    text = f"    {who}  {s.memory_mib} MiB  {s.cores}%  {s.phase or '-'}"
+    if s.init:
+        who += " (init)"
+    cores = f"cores {s.cores}%" if s.cores else "cores uncapped"  # 0: no cap, the whole card's compute
+    phase = (s.phase or "-") + (", holds nothing" if s.finished else "")
+    text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}" + (f"  on {s.card}" if s.card else "")
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     if s.reason:
@@ -339,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"vgpu status: {missing}", file=sys.stderr)
             return 1
         nodes = [n for n in nodes if n["metadata"]["name"] in args.node]
+        pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") in args.node]
         slices = [s for s in slices if (s.get("spec") or {}).get("nodeName") in args.node]
     status = build_status(nodes, pods, leases, slices=slices, claims=claims)
     if args.output == "json":

@@ -63,6 +63,7 @@ def for_nodes(predicate: str) -> str:
 
 
 UNHEALTHY = "unhealthy"
+INSUFFICIENT_MEMORY = "insufficient memory"
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _Search:
         if other.count + new_fp.count > card.split:
             return "vGPU limit (split) reached"
         if other.memory_mib + new_fp.memory_mib > card.memory_mib:
-            return "insufficient memory"
+            return INSUFFICIENT_MEMORY
         if other.cores + new_fp.cores > card.cores:
             return "insufficient cores"
         return None
@@ -151,6 +152,7 @@ class _Search:
     ) -> list[tuple[Device, ...]]:
         eligible: list[tuple[float, Device]] = []
         reasons: Counter[str] = Counter()
+        most_free = -1  # MiB, on one of the cards short of memory (other pods' bookings taken off)
         for card in self.cards:
             add = vgpu_usage(c.memory_on(card.memory_mib), c.cores)
             cfp, ccur = fp.get(card.uuid, ZERO), cur.get(card.uuid, ZERO)
@@ -160,8 +162,14 @@ class _Search:
                 eligible.append((self.load(card, after), card))
             else:
                 reasons[why] += 1
+                if why == INSUFFICIENT_MEMORY:
+                    most_free = max(most_free, card.memory_mib - self.usage.get(card.uuid, ZERO).memory_mib)
         if len(eligible) < c.count and depth >= self.failure_depth:
             self.failure_depth = depth
+            if most_free >= 0:  # how far off the request is: "insufficient memory (the most free: N MiB)"
+                reasons[f"{INSUFFICIENT_MEMORY} (the most free: {most_free} MiB)"] = reasons.pop(
+                    INSUFFICIENT_MEMORY
+                )
             self.shortfall = (c, len(eligible), reasons)
         eligible.sort(key=lambda x: (-x[0] if self.binpack else x[0], x[1].index))
         if c.count == 1:
@@ -229,8 +237,8 @@ _UUIDS_SHOWN = 8
 
 
 def _cards_by_reason(reasons: Counter[str], cards: Sequence[Device]) -> str:
-    """``4 card(s) insufficient memory, 1 card(s) unhealthy``, most first; where the selection by
-    UUID ruled cards out, the node's UUIDs after it (its models are in the reasons already)."""
+    """``4 card(s) insufficient memory (the most free: 21920 MiB), 1 card(s) unhealthy``, most first;
+    where the selection by UUID ruled cards out, the node's UUIDs after it (the models are in the reasons)."""
     text = ", ".join(f"{n} card(s) {why}" for why, n in sorted(reasons.items(), key=lambda x: (-x[1], x[0])))
     if any("gpuuuid" in why for why in reasons):
         shown = ", ".join(card.uuid for card in cards[:_UUIDS_SHOWN])

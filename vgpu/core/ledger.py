@@ -136,6 +136,13 @@ class Ledger:
         self._node_versions[node] = self.version
         return True
 
+    def release_node(self, node: str) -> dict[str, Footprint]:
+        """Forget every pod on ``node`` (its Node was deleted); what each held, by pod UID."""
+        held: dict[str, Footprint] = {uid: fp for uid, (where, fp) in self._pods.items() if where == node}
+        for uid in held:
+            self.release(uid)
+        return held
+
     def node_version(self, node: str) -> int:
         """Changes whenever what ``node`` holds changes: a key for caching per-node results."""
         return self._node_versions.get(node, 0)

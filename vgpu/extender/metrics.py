@@ -7,9 +7,16 @@ before this module is first imported, the worker writes, and the master serves t
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, Histogram
 
 MiB = 1024 * 1024
+# prometheus_client cannot remove a series in multiprocess mode (the worker's file keeps every
+# value it wrote): there a removed gauge series is set to GONE, which the master leaves out of
+# /metrics (vgpu.extender.server.LiveGauges). Without multiprocess mode, remove() removes it.
+GONE = float("nan")
+_MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 VERB_SECONDS = Histogram(
@@ -93,3 +100,29 @@ NODE_MEMORY_ALLOCATED = Gauge(
     ["node"],
     multiprocess_mode="livemostrecent",
 )
+_CARD_GAUGES = (
+    CARD_MEMORY_CAPACITY,
+    CARD_MEMORY_ALLOCATED,
+    CARD_CORES_ALLOCATED,
+    CARD_VGPUS_CAPACITY,
+    CARD_VGPUS_ALLOCATED,
+)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    if _MULTIPROCESS:
+        gauge.labels(*labels).set(GONE)
+    else:
+        gauge.remove(*labels)
+
+
+def forget_card(node: str, uuid: str) -> None:
+    """Remove a card's series: its node is gone, or its inventory no longer lists it."""
+    for gauge in _CARD_GAUGES:
+        _remove(gauge, node, uuid)
+
+
+def forget_node(node: str) -> None:
+    """Remove a node's own series (its cards': forget_card): the Node is gone, or has no usable inventory."""
+    for gauge in (NODE_MEMORY_CAPACITY, NODE_MEMORY_ALLOCATED):
+        _remove(gauge, node)

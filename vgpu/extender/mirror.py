@@ -16,18 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from vgpu.core import annotations as ann
+from vgpu.core.booking import book, finished
 from vgpu.core.config import SchedulerConfig
-from vgpu.core.errors import AnnotationError, RequestError
+from vgpu.core.errors import AnnotationError
 from vgpu.core.gpumode import device_plugin_refusal
-from vgpu.core.ledger import Usage, footprint
+from vgpu.core.ledger import Footprint, Usage
 from vgpu.core.placement import FilterResult, Placement, Shape, shape
-from vgpu.core.placementcheck import at_least_requested, placement_problems
-from vgpu.core.requests import PodRequest, parse_pod
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-TERMINAL = ("Succeeded", "Failed")
 
 # A pod filter refused for lack of room is retried by kube-scheduler on cluster events, among
 # them the deletion of the pod that frees the room. That event can reach kube-scheduler, and the
@@ -50,16 +48,17 @@ class NodeEntry:
     # why the device-plugin path must leave the node alone (its gpu-mode label: DRA), or None
     mode_refusal: str | None = None
 
+    @property
+    def cards(self) -> dict[str, ann.Device] | None:
+        """The inventory's cards by UUID; None without a usable inventory."""
+        return None if self.inventory is None else {d.uuid: d for d in self.inventory.devices}
+
 
 def _rv(obj: Mapping[str, Any]) -> int:
     try:
         return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
     except (TypeError, ValueError):
         return 0
-
-
-def _phases(request: PodRequest) -> list[list[str]]:
-    return [[c.name for c in phase] for phase in request.phases()]
 
 
 class Mirror:
@@ -81,6 +80,10 @@ class Mirror:
         self.assumed: dict[str, float] = {}
         self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
         self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
+        # pods bound to a node the mirror has no Node for (deleted, or not listed yet at start):
+        # node -> {uid: footprint}, out of the ledger, booked there again if the Node comes back
+        self.parked: dict[str, dict[str, Footprint]] = {}
+        self._parked_on: dict[str, str] = {}  # uid -> its node in ``parked``
         self.inventory_errors = 0
         # pods filter refused for lack of room: uid -> (when, namespace, name), oldest first; and
         # when the ledger last freed room (see NUDGE_WINDOW_S), with an event the Syncer waits on
@@ -102,6 +105,8 @@ class Mirror:
             old = self.nodes.get(name)
             if old is not None and old.raw == raw and old.mode_refusal == refusal:
                 return
+            if old is None:
+                self._unpark_node(name)
             self.placement.node_changed(name)
             self.usable.pop(name, None)
             if refusal is not None:
@@ -125,10 +130,14 @@ class Mirror:
                 metrics.INVENTORY_ERRORS.labels(name).inc()
 
     def forget_node(self, name: str) -> None:
+        """The Node was deleted: forget it, and take its pods out of the ledger (parked until
+        they are deleted, or booked again if the Node comes back)."""
         with self.lock:
             self.nodes.pop(name, None)
             self.usable.pop(name, None)
             self.placement.node_changed(name, gone=True)
+            for uid, fp in self.ledger.release_node(name).items():
+                self._park(uid, name, fp)
 
     def replace_nodes(self, nodes: Iterable[Obj]) -> None:
         names = set()
@@ -138,9 +147,35 @@ class Mirror:
         with self.lock:
             for name in list(self.nodes):
                 if name not in names:
-                    del self.nodes[name]
-                    self.usable.pop(name, None)
-                    self.placement.node_changed(name, gone=True)
+                    self.forget_node(name)
+
+    def _book(self, uid: str, node: str, fp: Footprint) -> None:
+        """Commit what pod ``uid`` holds on ``node``, or park it while there is no such Node.
+        Caller holds the lock."""
+        self._unpark(uid)
+        if node in self.nodes:
+            self.ledger.commit(uid, node, fp)
+        else:
+            self.ledger.release(uid)
+            self._park(uid, node, fp)
+
+    def _park(self, uid: str, node: str, fp: Footprint) -> None:
+        self.parked.setdefault(node, {})[uid] = fp
+        self._parked_on[uid] = node
+
+    def _unpark(self, uid: str) -> None:
+        node = self._parked_on.pop(uid, None)
+        if node is not None:
+            pods = self.parked[node]
+            del pods[uid]
+            if not pods:
+                del self.parked[node]
+
+    def _unpark_node(self, name: str) -> None:
+        """A Node the mirror did not know: book the pods bound to it. Caller holds the lock."""
+        for uid, fp in self.parked.pop(name, {}).items():
+            del self._parked_on[uid]
+            self.ledger.commit(uid, name, fp)
 
     # -- device plugin Leases ------------------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
@@ -203,7 +238,7 @@ class Mirror:
             if rv and rv < self.pod_rv.get(uid, 0):
                 return  # older than what the ledger already reflects (e.g. our own bind's patch)
             self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
-            if (pod.get("status") or {}).get("phase") in TERMINAL:
+            if finished(pod):
                 self._pod_raw.pop(uid, None)
                 self.assumed.pop(uid, None)
                 self.refused.pop(uid, None)
@@ -215,7 +250,7 @@ class Mirror:
                 # late: either way nothing to change. Only deletion or finishing frees capacity.
                 return
             booked = self._pod_raw.get(uid)
-            if booked is not None and self.ledger.node_of(uid) is not None:
+            if booked is not None and (self.ledger.node_of(uid) is not None or uid in self._parked_on):
                 if booked != raw:
                     # Placements are the extender's alone (docs/security.md): one changed after the
                     # booking (by anyone: the admission policy should have refused it) is not a new
@@ -236,37 +271,24 @@ class Mirror:
                     "pod %s/%s: %s; its capacity is not counted", meta.get("namespace"), meta.get("name"), err
                 )
                 return
-            try:
-                request: PodRequest | None = parse_pod(pod, self.config)
-            except RequestError:
-                request = None
-            if request is not None:
-                allocation = self._trusted(pod, request, allocation)
-            phases = _phases(request) if request is not None else None  # None: every container at once
+            entry = self.nodes.get(allocation.node)
+            cards = entry.cards if entry is not None else None
+            booking = book(pod, allocation, self.config, cards)
+            if booking.problems:
+                # one the extender did not book itself (found at a restart, or from a replica
+                # before it): the node refuses it, and until the pod fails it counts at no less
+                # than the pod asks for (vgpu/core/booking.py)
+                log.warning(
+                    "pod %s/%s: its placement is not what it asks for (%s); "
+                    "booking at least what it asks for",
+                    meta.get("namespace"),
+                    meta.get("name"),
+                    "; ".join(booking.problems),
+                )
+                self._count_untrusted("mismatch")
             self.assumed.pop(uid, None)
-            self.ledger.commit(uid, allocation.node, footprint(allocation, phases))
+            self._book(uid, allocation.node, booking.footprint)
             self._pod_raw[uid] = raw
-
-    def _trusted(self, pod: Obj, request: PodRequest, allocation: ann.Allocation) -> ann.Allocation:
-        """A placement this extender did not book itself (found at a restart, or from a replica
-        before it): the node refuses one that is not what the pod asks for (vgpu/core/placementcheck.py),
-        so until the pod fails it is booked at no less than what the pod asks for. Caller holds the lock."""
-        entry = self.nodes.get(allocation.node)
-        if entry is None or entry.inventory is None:
-            return allocation
-        cards = {d.uuid: d for d in entry.inventory.devices}
-        problems = placement_problems(request, allocation, cards)
-        if not problems:
-            return allocation
-        meta = pod.get("metadata") or {}
-        log.warning(
-            "pod %s/%s: its placement is not what it asks for (%s); booking at least what it asks for",
-            meta.get("namespace"),
-            meta.get("name"),
-            "; ".join(problems),
-        )
-        self._count_untrusted("mismatch")
-        return at_least_requested(request, allocation, cards)
 
     @staticmethod
     def _count_untrusted(kind: str) -> None:
@@ -279,7 +301,7 @@ class Mirror:
         pods = list(pods)
         seen = {(p.get("metadata") or {}).get("uid") for p in pods}
         with self.lock:
-            for uid in list(self.ledger.pods()):
+            for uid in [*self.ledger.pods(), *self._parked_on]:
                 if uid not in seen and uid not in self.binding:
                     self.assumed.pop(uid, None)
                     self._release(uid)
@@ -296,6 +318,7 @@ class Mirror:
     def _release(self, uid: str) -> None:
         """A pod left for good (deleted, finished, gone from a fresh list): free its room and
         note it for the nudge (see NUDGE_WINDOW_S). Caller holds the lock."""
+        self._unpark(uid)
         if self.ledger.node_of(uid) is None:
             return
         self.ledger.release(uid)
@@ -348,11 +371,11 @@ class Mirror:
             return [d for e in self.nodes.values() if e.inventory is not None for d in e.inventory.devices]
 
     def snapshot(
-        self, changed_since: Mapping[str, tuple[int, int]] | None = None
+        self, changed_since: Mapping[str, tuple[int, int, Any]] | None = None
     ) -> list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]]:
         """(node, inventory, usage per card, ledger node version) for nodes with an inventory.
 
-        With ``changed_since`` (node -> (version, inventory id)), only nodes that changed since.
+        With ``changed_since`` (node -> (version, inventory id, ...)), only nodes that changed since.
         """
         out: list[tuple[str, ann.NodeInventory, Mapping[str, Usage], int]] = []
         with self.lock:
@@ -360,10 +383,16 @@ class Mirror:
                 if e.inventory is None:
                     continue
                 version = self.ledger.node_version(name)
-                if changed_since is not None and changed_since.get(name) == (version, id(e.inventory)):
+                seen = changed_since.get(name) if changed_since is not None else None
+                if seen is not None and seen[0] == version and seen[1] == id(e.inventory):
                     continue
                 out.append((name, e.inventory, dict(self.ledger.usage(name)), version))
         return out
+
+    def inventoried(self) -> set[str]:
+        """The nodes with a usable inventory now: those :meth:`snapshot` gives."""
+        with self.lock:
+            return set(self.usable)
 
     def skipped(self) -> dict[str, int]:
         now = self.clock()

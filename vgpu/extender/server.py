@@ -17,6 +17,7 @@ worker restart; ``child_exit`` marks a dead worker's gauges gone.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import ssl
@@ -134,15 +135,34 @@ def _cached_ssl_context(conf: Any, default_factory: Any) -> Any:
 
 def _when_ready(cfg: SchedulerConfig) -> Any:
     def hook(server: Any) -> None:
-        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+        from prometheus_client import CollectorRegistry, start_http_server
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        registry.register(LiveGauges())
         host, port = split_hostport(cfg.metrics_listen, "--metrics-listen")
         start_http_server(port, addr=host, registry=registry)
         server.log.info("metrics on http://%s:%d/metrics", host, port)
 
     return hook
+
+
+class LiveGauges:
+    """The worker's metrics from its multiprocess files, less the gauge series it removed.
+
+    prometheus_client has no removal in multiprocess mode, so the worker sets a removed series
+    to NaN (vgpu.extender.metrics.GONE: a deleted node's card and node gauges); no gauge of the
+    extender is NaN otherwise, so a NaN gauge sample is left out here."""
+
+    def __init__(self, path: str | None = None) -> None:
+        from prometheus_client import multiprocess
+
+        self._files = multiprocess.MultiProcessCollector(None, path)
+
+    def collect(self) -> Any:
+        for family in self._files.collect():
+            if family.type == "gauge":
+                family.samples = [s for s in family.samples if not math.isnan(s.value)]
+            yield family
 
 
 def _child_exit(server: Any, worker: Any) -> None:

@@ -143,25 +143,23 @@ class DeviceState:
                 )
         return out
 
-    def inventory(self) -> NodeInventory:
+    def offered(self, c: Card) -> Device:
+        """The card as it is offered to vGPUs: the node config's scaling and split applied."""
         cfg = self.config
-        return NodeInventory(
-            devices=tuple(
-                Device(
-                    uuid=c.uuid,
-                    index=c.index,
-                    model=c.model,
-                    memory_mib=int(c.memory_mib * cfg.device_memory_scaling),
-                    cores=int(100 * cfg.device_core_scaling),
-                    split=cfg.split,
-                    numa=c.numa,
-                    healthy=c.healthy,
-                    links=dict(c.links),
-                )
-                for c in self.cards()
-                if self.withheld is None
-            )
+        return Device(
+            uuid=c.uuid,
+            index=c.index,
+            model=c.model,
+            memory_mib=int(c.memory_mib * cfg.device_memory_scaling),
+            cores=int(100 * cfg.device_core_scaling),
+            split=cfg.split,
+            numa=c.numa,
+            healthy=c.healthy,
+            links=dict(c.links),
         )
+
+    def inventory(self) -> NodeInventory:
+        return NodeInventory(devices=tuple(self.offered(c) for c in self.cards() if self.withheld is None))
 
 
 def watch_health(discovery: Discovery, state: DeviceState, stop: threading.Event) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from vgpu.core.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
+from vgpu.core.backoff import Backoff
 from vgpu.core.errors import KubeError
 from vgpu.core.gpumode import device_plugin_refusal
 from vgpu.core.service import Service
@@ -58,6 +59,9 @@ class NodeReporter:
         self._stop = self._service.stopping
         self._published: str | None = None
         self.writes = 0  # annotation writes, for tests and logs
+        self.failures = 0  # failed reports, for tests
+        # after a failed report: 1 s, doubling to 30 s (under the Lease's 40 s), reset when one works
+        self._backoff = Backoff(1.0, 30.0)
 
     def check_mode(self) -> None:
         """One mode per node: on a node whose label gives its cards to DRA, offer none (and say
@@ -118,6 +122,7 @@ class NodeReporter:
     def _loop(self) -> None:
         seen = self.state.version
         next_renew = time.monotonic() + self.renew_s
+        said = ""  # the failure last logged: each is said once, not at every retry
         while not self._stop.is_set():
             seen = self.state.wait_change(seen, 1.0)
             if self._stop.is_set():
@@ -131,8 +136,40 @@ class NodeReporter:
                     self.renew()
                     next_renew = time.monotonic() + self.renew_s
             except KubeError as err:
-                log.warning("reporting node %s failed (%s); retrying", self.node, err)
                 self._published = None
+                self.failures += 1
+                why = self.failure(err)
+                if why != said:
+                    log.warning(
+                        "%s; retrying after %.0f s, then less often, up to every %.0f s",
+                        why,
+                        self._backoff.current_s,
+                        self._backoff.max_s,
+                    )
+                    said = why
+                if self._stop.wait(self._backoff.next()):
+                    return
+                continue
+            if said:
+                log.info("reporting node %s works again", self.node)
+                said = ""
+            self._backoff.reset()
+
+    def failure(self, err: KubeError) -> str:
+        """What is wrong, and what to do, in one line."""
+        if err.status == 404 and f"node {self.node}" in str(err):  # read or annotate node <name>
+            return (
+                f"node {self.node} does not exist (deleted?): this device plugin cannot publish its cards, "
+                "and no vGPU pod is placed there. If the machine left the cluster, stop the plugin there "
+                "(or remove the machine); if it stays, restart its kubelet, which registers the Node again, "
+                "and the plugin publishes on its own"
+            )
+        if err.status == 403:
+            return (
+                f"reporting node {self.node} was refused ({err}): the plugin's ServiceAccount needs the "
+                "chart's RBAC (get and patch its Node, its Lease)"
+            )
+        return f"reporting node {self.node} failed ({err})"
 
     def stop(self) -> None:
         self._stop.set()

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_server
 from prometheus_client.registry import Collector
 
+from vgpu.core.annotations import Device
 from vgpu.core.errors import KubeError
 from vgpu.hookabi.grant import GrantError, as_granted, read_grant
 from vgpu.hookabi.layout import FLAG_YIELD
@@ -54,7 +55,7 @@ PodLister = Callable[[str], list[dict[str, Any]]]
 class CardRow(NamedTuple):
     card: Card
     usage: CardUsage | None  # None: discovery cannot tell now
-    split: int
+    offered: Device  # the card as the inventory offers it (scaling and split applied)
 
 
 class ContainerRow(NamedTuple):
@@ -117,16 +118,28 @@ def _spilled(row: ProcessRow) -> float | None:
 # Every family /metrics serves, in the order it serves them (a table: kept out of the formatter).
 # fmt: off
 METRICS: tuple[Metric, ...] = (
-    Metric("vgpu_card_memory_total_bytes", GAUGE, CARD, "Device memory of the card",
-           _usage(lambda u: float(u.memory_total_mib * MIB))),
+    Metric("vgpu_card_memory_capacity_bytes", GAUGE, CARD,
+           "Device memory the card offers to vGPUs (deviceMemoryScaling applied): the scheduler's "
+           "series of the same name",
+           lambda r: float(r.offered.memory_mib * MIB)),
+    Metric("vgpu_card_vgpus_capacity", GAUGE, CARD,
+           "vGPUs the card may carry (split): the scheduler's series of the same name",
+           lambda r: float(r.offered.split)),
     Metric("vgpu_card_memory_used_bytes", GAUGE, CARD, "Device memory in use on the card",
            _usage(lambda u: float(u.memory_used_mib * MIB))),
     Metric("vgpu_card_utilization_ratio", GAUGE, CARD, "Compute utilization of the card",
            _usage(lambda u: u.utilization_percent / 100.0)),
     Metric("vgpu_card_healthy", GAUGE, CARD, "1 when the card is healthy",
            lambda r: 1.0 if r.card.healthy else 0.0),
-    Metric("vgpu_card_split", GAUGE, CARD, "Most vGPUs the card may carry",
-           lambda r: float(r.split)),
+    # the old names, kept for one release (docs/monitoring.md, "Renamed metrics")
+    Metric("vgpu_card_memory_total_bytes", GAUGE, CARD,
+           "DEPRECATED, removed in the next release: use vgpu_card_memory_capacity_bytes. "
+           "Device memory of the card as the driver reports it",
+           _usage(lambda u: float(u.memory_total_mib * MIB))),
+    Metric("vgpu_card_split", GAUGE, CARD,
+           "DEPRECATED, removed in the next release: use vgpu_card_vgpus_capacity. "
+           "Most vGPUs the card may carry",
+           lambda r: float(r.offered.split)),
     Metric("vgpu_container_memory_used_bytes", GAUGE, DEVICE, "Device memory a container's processes hold",
            lambda r: float(r.dev.used_bytes)),
     Metric("vgpu_container_memory_limit_bytes", GAUGE, DEVICE,
@@ -253,10 +266,10 @@ class NodeCollector(Collector):
                 if value is not None:
                     families[metric.name].add_metric(labels, value)
 
-        split = self.state.config.split
         for card in self.state.cards():
             usage = self.discovery.usage(card.uuid)
-            add(CARD, [self.node, card.uuid, str(card.index), card.model], CardRow(card, usage, split))
+            row = CardRow(card, usage, self.state.offered(card))
+            add(CARD, [self.node, card.uuid, str(card.index), card.model], row)
         names = self._pod_names() if self.paths.containers_dir.is_dir() else {}
         sampled: list[tuple[str, int, str]] = []
         for folder in self._region_dirs():
