@@ -58,11 +58,11 @@ class Sandbox(Handle):
         start = time.monotonic()
         self._reset_folder()
         self._state = State(spec=spec, started=time.time())
+        parts = product.available() if spec.product else product.Parts(False, False)
+        if not spec.local_scheduler:  # the chart's scheduler pod on the real node instead
+            parts = product.Parts(extender=False, plugins=parts.plugins)
         try:
-            self._start_control_plane(spec, found, progress)
-            parts = product.available() if spec.product else product.Parts(False, False)
-            if not spec.local_scheduler:  # the chart's scheduler pod on the real node instead
-                parts = product.Parts(extender=False, plugins=parts.plugins)
+            self._start_control_plane(spec, found, progress, stand_ins=parts.plugins)
             if spec.nodes:
                 self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
@@ -94,7 +94,7 @@ class Sandbox(Handle):
             folder.mkdir(mode=0o700)
 
     def _start_control_plane(
-        self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None]
+        self, spec: Spec, found: dict[str, Path], progress: Callable[[str], None], stand_ins: bool
     ) -> None:
         layout = self.layout
         ca = self.ca = pki.CertificateAuthority(layout.pki)
@@ -154,7 +154,7 @@ class Sandbox(Handle):
         sched_config.write_text(controlplane.scheduler_config(layout.identity_kubeconfig("kube-scheduler")))
         self.launch("kube-scheduler", controlplane.scheduler_argv(found["kube-scheduler"], sched_config))
         if "kwok" in found:
-            (layout.config / "kwok.yaml").write_text(KWOK_CONFIG)
+            (layout.config / "kwok.yaml").write_text(nodes.kwok_config(stand_ins))
             kwok_port = self.port("kwok")
             self.launch("kwok", controlplane.kwok_argv(found["kwok"], layout, kwok_port), kwok_port)
 
@@ -279,13 +279,3 @@ class Sandbox(Handle):
             state.ready = False
             state.stopped = time.time()
             self.layout.state_file.write_text(state.to_json())
-
-
-# KWOK: default stages (node ready + heartbeat, pods to Running); nothing else.
-KWOK_CONFIG = """\
-apiVersion: config.kwok.x-k8s.io/v1alpha1
-kind: KwokConfiguration
-options:
-  enableCNI: false
-  nodeLeaseDurationSeconds: 40
-"""

@@ -14,7 +14,9 @@ IDs (GetPreferredAllocation when offered), calls ``Allocate`` over the real sock
 what the container would start with: the env and mounts in the pod annotation
 ``sandbox.vgpu.openaios.io/containers`` and in ``DIR/var/lib/kubelet/vgpu-sandbox/<pod-uid>.json``.
 A refusal lands in ``sandbox.vgpu.openaios.io/admission-error`` and, as kubelet does, the pod
-is marked ``Failed`` with reason ``UnexpectedAdmissionError``.
+is marked ``Failed`` with reason ``UnexpectedAdmissionError``. KWOK starts such a pod only once
+its record is written without an error (:func:`vgpu_sandbox.nodes.pod_stages`), as a kubelet
+starts no container before Allocate answered.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ from vgpu.core.errors import KubeError
 from vgpu.core.service import Service
 from vgpu.kube.informer import Informer
 from vgpu.plugin.api import api_pb2, api_pb2_grpc
+from vgpu_sandbox.nodes import ERROR_ANNOTATION, RECORD_ANNOTATION
 
 log = logging.getLogger("vgpu_sandbox.kubelet")
 
-RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
-ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
+__all__ = ["ERROR_ANNOTATION", "RECORD_ANNOTATION", "Kubelet"]
 KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 REJECT_REASON = "UnexpectedAdmissionError"  # what kubelet sets when a device plugin refuses Allocate
 
@@ -63,8 +65,6 @@ class KubeletAPI(Protocol):
     def watch_pods(
         self, resource_version: str, field_selector: str | None = None, timeout_s: int = 300
     ) -> Iterator[tuple[str, dict[str, Any]]]: ...
-
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
     def reject_pod(self, namespace: str, name: str, reason: str, message: str) -> None: ...
 
@@ -297,21 +297,13 @@ class Kubelet:
         return doc
 
     def _reject(self, pod: Mapping[str, Any], error: str) -> None:
-        """Mark the pod Failed as kubelet does when admission fails (it never retries it).
-
-        KWOK turns a fresh pod Running once; the mark waits for that, so it is not overwritten.
-        """
+        """Mark the pod Failed as kubelet does when admission fails (it never retries it); KWOK
+        never started it, since its record carries the error."""
         if self.api is None:
             return
         meta = pod["metadata"]
         ns, name = str(meta.get("namespace")), str(meta.get("name"))
         try:
-            for _ in range(50):
-                current = self.api.get_pod(ns, name)
-                if current is None or (current.get("status") or {}).get("podIP"):
-                    break
-                if self._stop.wait(0.1):
-                    return
             self.api.reject_pod(ns, name, REJECT_REASON, error)
         except KubeError as err:
             log.warning("cannot mark pod %s/%s Failed: %s", ns, name, err)

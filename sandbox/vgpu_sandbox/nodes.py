@@ -1,4 +1,5 @@
-"""The simulated GPU nodes: Node objects that KWOK keeps Ready, and their fake GPUs."""
+"""The simulated GPU nodes: Node objects that KWOK keeps Ready, and their fake GPUs, and what KWOK
+does with the pods bound to them (its stages)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
+from vgpu.core.requests import RESOURCE_GPU
+
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_LABEL = ("gpu", "on")
+# What the kubelet stand-in (vgpu_sandbox.kubelet) writes on a pod it admitted: each container's
+# Allocate answer, and why admission failed (absent when it did not).
+RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
+ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
 
 
 @dataclass(frozen=True)
@@ -85,3 +94,161 @@ def manifest(name: str, spec: GPUSpec, advertise_gpus: bool) -> dict[str, Any]:
             },
         },
     }
+
+
+# KWOK's own pod stages (kustomize/stage/pod/fast of KWOK v0.7.0: pod-ready, pod-complete,
+# pod-delete), written out because KWOK takes either its defaults or the configuration's.
+_NOT_DELETED = {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"}
+_NOT_STARTED = {"key": ".status.podIP", "operator": "DoesNotExist"}
+_POD_READY_STATUS = """\
+{{ $now := Now }}
+
+conditions:
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: Initialized
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: Ready
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: ContainersReady
+{{ range .spec.readinessGates }}
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: {{ .conditionType | Quote }}
+{{ end }}
+
+containerStatuses:
+{{ range .spec.containers }}
+- image: {{ .image | Quote }}
+  name: {{ .name | Quote }}
+  ready: true
+  restartCount: 0
+  state:
+    running:
+      startedAt: {{ $now | Quote }}
+{{ end }}
+
+initContainerStatuses:
+{{ range .spec.initContainers }}
+- image: {{ .image | Quote }}
+  name: {{ .name | Quote }}
+  ready: true
+  restartCount: 0
+  {{ if eq .restartPolicy "Always" }}
+  started: true
+  state:
+    running:
+      startedAt: {{ $now | Quote }}
+  {{ else }}
+  state:
+    terminated:
+      exitCode: 0
+      finishedAt: {{ $now | Quote }}
+      reason: Completed
+      startedAt: {{ $now | Quote }}
+  {{ end }}
+{{ end }}
+
+hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+phase: Running
+startTime: {{ $now | Quote }}
+"""  # noqa: E501  (KWOK's own line)
+_POD_COMPLETE_STATUS = """\
+{{ $now := Now }}
+{{ $root := . }}
+containerStatuses:
+{{ range $index, $item := .spec.containers }}
+{{ $origin := index $root.status.containerStatuses $index }}
+- image: {{ $item.image | Quote }}
+  name: {{ $item.name | Quote }}
+  ready: false
+  restartCount: 0
+  started: false
+  state:
+    terminated:
+      exitCode: 0
+      finishedAt: {{ $now | Quote }}
+      reason: Completed
+      startedAt: {{ $now | Quote }}
+{{ end }}
+phase: Succeeded
+"""
+# Every value a pod's containers (init containers too) give the device plugin's resource.
+_ASKS_FOR_DEVICES = (
+    "[(.spec.initContainers // [])[], (.spec.containers // [])[]] | .[] | "
+    f'.resources.limits["{RESOURCE_GPU}"]'
+)
+
+
+def _stage(name: str, match: list[dict[str, Any]], next_: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+            "selector": {"matchExpressions": match},
+            "next": next_,
+        },
+    }
+
+
+def pod_stages() -> list[dict[str, Any]]:
+    """KWOK's pod stages, but a pod that asks for the device plugin's resource starts only once its
+    node's kubelet stand-in admitted it (:data:`RECORD_ANNOTATION` written, no
+    :data:`ERROR_ANNOTATION`), as a kubelet starts no container before the device plugin's
+    Allocate answered. Without it KWOK runs, and finishes a Job's pod, before the stand-in calls
+    Allocate, which then finds no pod waiting and the pod fails ``UnexpectedAdmissionError``."""
+    ready = {"statusTemplate": _POD_READY_STATUS}
+    asks = {"key": _ASKS_FOR_DEVICES, "operator": "Exists"}
+    return [
+        _stage("pod-ready", [_NOT_DELETED, _NOT_STARTED, {**asks, "operator": "DoesNotExist"}], ready),
+        _stage(
+            "pod-ready-admitted",
+            [
+                _NOT_DELETED,
+                _NOT_STARTED,
+                asks,
+                {"key": f'.metadata.annotations["{RECORD_ANNOTATION}"]', "operator": "Exists"},
+                {"key": f'.metadata.annotations["{ERROR_ANNOTATION}"]', "operator": "DoesNotExist"},
+            ],
+            ready,
+        ),
+        _stage(
+            "pod-complete",
+            [
+                _NOT_DELETED,
+                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                {"key": ".metadata.ownerReferences.[].kind", "operator": "In", "values": ["Job"]},
+            ],
+            {"statusTemplate": _POD_COMPLETE_STATUS},
+        ),
+        _stage(
+            "pod-delete",
+            [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}],
+            {"finalizers": {"empty": True}, "delete": True},
+        ),
+    ]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the status templates) as YAML blocks, for a reader of kwok.yaml."""
+
+
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
+
+
+def kwok_config(stand_ins: bool) -> str:
+    """KWOK's configuration: its default node stages (Ready, heartbeat); its default pod stages, or
+    with ``stand_ins`` (the product's kubelet stand-ins run on the nodes) :func:`pod_stages`."""
+    options = {
+        "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+        "kind": "KwokConfiguration",
+        "options": {"enableCNI": False, "nodeLeaseDurationSeconds": 40},
+    }
+    return yaml.dump_all([options, *(pod_stages() if stand_ins else [])], Dumper=_Dumper, sort_keys=False)

@@ -6,6 +6,7 @@ import json
 
 from vgpu_sandbox import binaries
 from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.kubelet import RECORD_ANNOTATION
 
 from tests.support import container, pod, poll
 
@@ -69,3 +70,63 @@ def test_a_pod_asking_for_more_cpu_than_any_simulated_node_has_stays_pending(san
         assert not got["spec"].get("nodeName")
     finally:
         sandbox.kubectl("delete", "pod", "too-much-cpu", "--wait=false", check=False)
+
+
+JOBS = 12
+
+
+def test_short_jobs_on_the_simulated_nodes_all_succeed_each_allocated_before_it_ran(sandbox: Sandbox) -> None:
+    """Issue 37: KWOK ran and finished a Job's pod before the kubelet stand-in called Allocate, which
+    then found no pod waiting, and the pod failed UnexpectedAdmissionError (4 of 9). A real kubelet
+    starts no container before Allocate answered; KWOK now waits for the stand-in's record."""
+    jobs = [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": f"short-{i}", "namespace": "default"},
+            "spec": {
+                "backoffLimit": 0,  # a failed pod fails its Job: no retry hides it
+                "template": {
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [{**container(gpu=1, gpumem=7000), "command": ["true"]}],
+                    }
+                },
+            },
+        }
+        for i in range(JOBS)
+    ]
+    names = [j["metadata"]["name"] for j in jobs]
+    sandbox.kubectl(
+        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": jobs})
+    )
+    try:
+
+        def finished() -> list[dict] | None:  # type: ignore[type-arg]
+            listed = json.loads(sandbox.kubectl("get", "jobs", "-n", "default", "-o", "json").stdout)["items"]
+            mine = [j for j in listed if j["metadata"]["name"] in names]
+            done = [
+                j for j in mine if j.get("status", {}).get("succeeded") or j.get("status", {}).get("failed")
+            ]
+            return mine if len(done) == JOBS else None
+
+        got = poll(finished, timeout=120, every=1)
+        assert got is not None, sandbox.kubectl("get", "jobs,pods", "-n", "default").stdout
+        pods = json.loads(sandbox.kubectl("get", "pods", "-n", "default", "-o", "json").stdout)["items"]
+        pods = [p for p in pods if p["metadata"].get("labels", {}).get("job-name") in names]
+        failed = {
+            p["metadata"]["name"]: f"{p['status'].get('reason')}: {p['status'].get('message')}"
+            for p in pods
+            if p["status"].get("phase") != "Succeeded"
+        }
+        assert not failed, failed
+        assert sorted(j["metadata"]["name"] for j in got if j["status"].get("succeeded") == 1) == sorted(
+            names
+        )
+        for p in pods:  # each ran with what Allocate gave its container
+            record = json.loads(p["metadata"]["annotations"][RECORD_ANNOTATION])
+            assert record["main"]["envs"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "7000m", record
+    finally:
+        sandbox.kubectl(
+            "delete", "jobs", *names, "-n", "default", "--cascade=foreground", "--wait=false", check=False
+        )
