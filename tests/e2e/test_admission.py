@@ -26,6 +26,7 @@ import requests
 import yaml
 from chart_local import local_extender_flags
 from vgpu_sandbox.cluster import Sandbox
+from vgpu_sandbox.kubelet import RECORD_ANNOTATION
 from vgpu_sandbox.pki import CertificateAuthority
 
 from tests.support import container, pod, start, stop, wait_for
@@ -112,6 +113,38 @@ def test_gpumem_with_a_memory_unit_is_denied_saying_the_mib_meant_and_a_plain_nu
         "Warning: metadata.annotations[nvidia.com/use-gputype]: 'NoSuchModel' matches no card"
         in warned.stderr
     )
+
+
+def test_gpumem_0_gets_the_whole_card_as_in_hami_and_another_scheduler_is_warned_of(sandbox: Sandbox) -> None:
+    """Coming from HAMi (issue 37): ``gpumem: 0`` was refused with no fix; it reads as HAMi reads
+    it, the card's memory, booked by the scheduler and granted by the node alike. A pod left on
+    ``hami-scheduler`` was admitted silently and waited with no event: admission warns now."""
+    name = "adm-zero-" + uuid.uuid4().hex[:6]
+    zero = pod(name, container("main", "registry.invalid/cuda:none", gpu=1, gpumem=0), grace=0)
+    created = sandbox.kubectl("create", "-f", "-", input=json.dumps(zero), check=False)
+    try:
+        assert created.returncode == 0, created.stderr
+
+        def admitted() -> str | None:
+            return (get_pod(sandbox, "default", name)["metadata"].get("annotations") or {}).get(
+                RECORD_ANNOTATION
+            )
+
+        record = wait_for(admitted, "the node's stand-in to admit the pod", 60, every=0.5)
+        assert json.loads(record)["main"]["envs"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{CARD_MIB}m"
+    finally:
+        sandbox.kubectl("delete", "pod", name, "-n", "default", "--wait=false", check=False)
+    hami = container("main", "registry.invalid/cuda:none", gpu=1, gpumem=3000)
+    warned = sandbox.kubectl(
+        "create",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=json.dumps(pod("adm-hami", hami, scheduler="hami-scheduler")),
+        check=False,
+    )
+    assert warned.returncode == 0, warned.stderr
+    assert "Warning: spec.schedulerName: 'hami-scheduler' is not 'vgpu-scheduler'" in warned.stderr
 
 
 def render_chart(sandbox: Sandbox, namespace: str, *values: str) -> list[dict[str, Any]]:

@@ -306,6 +306,36 @@ def test_the_mutating_webhook_leaves_other_pods_and_chosen_schedulers_alone(clie
     assert "patch" not in client.post("/webhook/mutate", json=review(chosen)).get_json()["response"]
 
 
+def test_a_vgpu_pod_addressed_to_another_scheduler_is_admitted_with_a_warning_naming_the_fix(
+    client: FlaskClient,
+) -> None:
+    """A pod left with HAMi's scheduler name would wait Pending without an event: admission says so
+    (a warning, not a denial: a node could serve it once it names our scheduler)."""
+    hami = gpu_pod(gpu=1, gpumem=3000)
+    hami["spec"]["schedulerName"] = "hami-scheduler"
+    resp = client.post("/webhook/validate", json=review(hami)).get_json()["response"]
+    assert resp["allowed"] is True
+    assert resp["warnings"] == [
+        "spec.schedulerName: 'hami-scheduler' is not 'vgpu-scheduler', the scheduler that places vGPUs: "
+        "a scheduler that does not run leaves the pod Pending with no event, and a vgpu node refuses a pod "
+        "that 'vgpu-scheduler' did not place; leave schedulerName out (the webhook then sets "
+        "'vgpu-scheduler') or set it to 'vgpu-scheduler'"
+    ]
+    ours = gpu_pod(gpu=1)
+    ours["spec"]["schedulerName"] = "vgpu-scheduler"
+    plain = {
+        "metadata": {"name": "x"},
+        "spec": {"schedulerName": "hami-scheduler", "containers": [{"name": "c"}]},
+    }
+    for quiet in (ours, plain):  # ours, or a pod that asks for no vGPU: nothing to say
+        assert "warnings" not in client.post("/webhook/validate", json=review(quiet)).get_json()["response"]
+
+
+def test_gpumem_0_is_admitted_as_hami_admits_it(client: FlaskClient) -> None:
+    resp = client.post("/webhook/validate", json=review(gpu_pod(gpu=1, gpumem=0))).get_json()["response"]
+    assert resp["allowed"] is True, resp
+
+
 @pytest.mark.parametrize(
     ("limits", "field"),
     [

@@ -74,6 +74,20 @@ def test_cores_of_100_mean_the_card_exclusively() -> None:
     assert c.exclusive
 
 
+def test_gpumem_0_reads_as_hami_reads_it_as_not_given_never_as_a_grant_of_0() -> None:
+    """HAMi: gpumem 0 is as if it were left out (its defaultMemory, else 100 % of the card). A
+    booking of 0 MiB would be a grant the hook reads as no limit at all."""
+    (whole,) = parse_pod(pod(ctr(gpu=1, gpumem=0)), CFG).containers
+    assert (whole.count, whole.memory_mib, whole.memory_percent) == (1, None, 100)
+    assert whole.memory_on(81920) == 81920
+    (alone,) = parse_pod(pod(ctr(gpumem="0")), CFG).containers  # no nvidia.com/gpu: one vGPU
+    assert (alone.count, alone.memory_percent) == (1, 100)
+    (default,) = parse_pod(pod(ctr(gpu=1, gpumem=0)), SchedulerConfig(default_mem=5000)).containers
+    assert (default.memory_mib, default.memory_percent) == (5000, None)
+    (percent,) = parse_pod(pod(ctr(gpu=1, gpumem=0, gpumem_percentage=25)), CFG).containers
+    assert (percent.memory_mib, percent.memory_percent) == (None, 25)
+
+
 def test_a_container_without_vgpu_resources_asks_for_nothing() -> None:
     req = parse_pod(pod({"name": "side", "resources": {"limits": {"cpu": "1"}}}), CFG)
     assert not req.wants_vgpu

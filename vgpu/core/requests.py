@@ -222,7 +222,10 @@ def parse_container(
             raise RequestError(SOURCE, fields[RESOURCE_MEM], mistake)
     if not values:
         return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
-    if RESOURCE_MEM in values and RESOURCE_MEM_PERCENT in values:
+    # gpumem 0 is read as HAMi reads it: as not given (defaultMem, else the whole card's memory),
+    # so it is booked and granted as that, never as a grant of 0 MiB, which the hook reads as no limit
+    mem: int | None = values.get(RESOURCE_MEM) or None
+    if mem is not None and RESOURCE_MEM_PERCENT in values:
         raise RequestError(
             SOURCE,
             fields[RESOURCE_MEM_PERCENT],
@@ -243,14 +246,11 @@ def parse_container(
         raise RequestError(
             SOURCE, fields[RESOURCE_MEM_PERCENT], f"must be 1..100 (percent of a card), got {percent}"
         )
-    mem: int | None = values.get(RESOURCE_MEM)
     if mem is None and percent is None:
         if config.default_mem > 0:
             mem = config.default_mem
         else:
             percent = 100
-    if mem is not None and mem == 0:
-        raise RequestError(SOURCE, fields.get(RESOURCE_MEM, RESOURCE_MEM), "must be at least 1 MiB")
     cores = values.get(RESOURCE_CORES, config.default_cores)
     if cores > 100:
         raise RequestError(

@@ -20,6 +20,11 @@
   with a warning naming the annotation and what the cluster has (``kubectl`` prints it), and
   denied with ``reject_unsatisfiable``.
 
+  A pod that asks for vGPUs but names another scheduler than ours (``hami-scheduler`` left from
+  HAMi, say) is admitted with a warning naming the field and the fix: no node refuses it for
+  that, but no vgpu node serves it unless our scheduler placed it, and a scheduler that does not
+  run leaves it Pending without an event.
+
   ``split`` (vGPUs per card) gives no rule of its own here: the vGPUs of one container each take
   a different card, so a request never asks for more than one vGPU of a card, and the number of
   cards a container needs is a cluster-shape question like the others.
@@ -187,9 +192,28 @@ def validate(
             f"vGPU request cannot be satisfied by any node of this cluster now: {problem or unselected} "
             "(this cluster refuses such pods at admission: scheduler.admission.rejectUnsatisfiable)",
         )
+    warnings = [w for w in (other_scheduler(pod, config.scheduler_name),) if w]
     if unselected:
-        return _response(review, req, True, warnings=[f"{unselected}; the pod waits Pending until one joins"])
-    return _response(review, req, True)
+        warnings.append(f"{unselected}; the pod waits Pending until one joins")
+    return _response(review, req, True, warnings=warnings)
+
+
+def other_scheduler(pod: Mapping[str, Any], ours: str) -> str | None:
+    """The warning for a pod that asks for vGPUs but names a scheduler other than ``ours``.
+
+    By validation the mutating webhook has routed a pod that named none (or ``default-scheduler``)
+    to ours; what is left is the pod's own choice, so it is admitted, with what that choice does.
+    """
+    spec = pod.get("spec")
+    name = spec.get("schedulerName") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or name in ("", ours):
+        return None
+    return (
+        f"spec.schedulerName: {name!r} is not {ours!r}, the scheduler that places vGPUs: a scheduler "
+        f"that does not run leaves the pod Pending with no event, and a vgpu node refuses a pod that "
+        f"{ours!r} did not place; leave schedulerName out (the webhook then sets {ours!r}) "
+        f"or set it to {ours!r}"
+    )
 
 
 # Where each DRA kind keeps its configuration entries (contract 8) and its requests.
