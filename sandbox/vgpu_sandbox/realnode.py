@@ -47,7 +47,9 @@ NAME = "real-node-0"
 # toleration, and the chart's DaemonSet tolerates it.
 TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 # And the sandbox keeps its real node to pods that ask for it, so that pods meant for the KWOK
-# nodes (examples/pods.yaml, with images this machine cannot pull) never land there.
+# nodes (examples/pods.yaml, with images this machine cannot pull) never land there. Not in DRA
+# mode: the extender keeps those pods off a DRA node already, and a DRA pod (examples/dra.yaml)
+# tolerates the GPU taint as on any cluster, not the sandbox's own.
 RESERVED = {"key": "sandbox.vgpu.openaios.io/real-node", "value": "true", "effect": "NoSchedule"}
 TOLERATIONS = [{"key": t["key"], "operator": "Exists", "effect": "NoSchedule"} for t in (TAINT, RESERVED)]
 BRIDGE = "vgpu-sbx0"
@@ -326,9 +328,10 @@ def cni_config(lay: NodeLayout) -> dict[str, Any]:
 
 
 def kubelet_config(
-    lay: NodeLayout, port: int, healthz_port: int, ca: Path, serving: tuple[Path, Path]
+    lay: NodeLayout, port: int, healthz_port: int, ca: Path, serving: tuple[Path, Path], dra: bool = False
 ) -> dict[str, Any]:
-    """A KubeletConfiguration for a node that shares its machine with the sandbox's other parts."""
+    """A KubeletConfiguration for a node that shares its machine with the sandbox's other parts;
+    ``dra``: the node in DRA mode, tainted as a GPU node only (:data:`RESERVED`)."""
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -353,7 +356,7 @@ def kubelet_config(
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
-        "registerWithTaints": [TAINT, RESERVED],
+        "registerWithTaints": [TAINT] if dra else [TAINT, RESERVED],
         # Only holders of a certificate from the sandbox's CA (the API server's kubelet client)
         # may call it: logs, exec, and the rest of the kubelet's API.
         "authentication": {
@@ -709,7 +712,7 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     assert sandbox.ca is not None
     serving = sandbox.ca.issue("kubelet", [NODE_IP, NAME])
     port, healthz = sandbox.port("kubelet"), sandbox.port("kubelet-healthz")
-    config = kubelet_config(lay, port, healthz, sandbox.ca.cert_path, (serving.cert, serving.key))
+    config = kubelet_config(lay, port, healthz, sandbox.ca.cert_path, (serving.cert, serving.key), spec.dra)
     lay.kubelet_config.write_text(yaml.safe_dump(config, sort_keys=False))
     sandbox.launch("kubelet", _kubelet_argv(sandbox, lay), port)
     _wait_kubelet(sandbox, healthz)

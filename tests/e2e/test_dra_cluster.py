@@ -145,13 +145,15 @@ def _scheduled_message(sandbox: Sandbox, pod: str) -> str:
 
 def test_kube_scheduler_shares_a_card_by_the_example_templates_capacities(sandbox: Sandbox, dra: str) -> None:
     node = "dra-e2e-" + uuid.uuid4().hex[:6]
-    whole_node = node + "-h200"
+    whole_node = node + "-a100"
     rendered = [d for d in yaml.safe_load_all(render(sandbox, dra)) if d and d["kind"] == "DeviceClass"]
     _apply(sandbox, *rendered, _node(node), _node(whole_node))
     try:
-        _apply(sandbox, _slice(node, "NVIDIA A100", 10000), _slice(whole_node, "NVIDIA H200", 143771))
+        _apply(
+            sandbox, _slice(node, "NVIDIA A100", 10000), _slice(whole_node, "NVIDIA A100-SXM4-80GB", 81920)
+        )
         _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-3000mi-30"))
-        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-whole-h200"))
+        _apply(sandbox, _example("ResourceClaimTemplate", "vgpu-whole-a100-80gb"))
         # a 10000 MiB card: three claims of 3000 MiB and 30 cores share it, the fourth has no room
         _apply(sandbox, *[_pod(f"share-{i}", "vgpu-3000mi-30", node) for i in range(4)])
         wait_for(
@@ -169,15 +171,16 @@ def test_kube_scheduler_shares_a_card_by_the_example_templates_capacities(sandbo
         assert len({c["status"]["allocation"]["devices"]["results"][0].get("shareID") for c in claims}) == 3
         left = next(f"share-{i}" for i in range(4) if _claim_of(sandbox, f"share-{i}") is None)
         wait_for(lambda: "cannot allocate all claims" in _scheduled_message(sandbox, left), "the reason", 60)
-        # the whole H200: all its memory and cores, and no room beside it for any other claim
+        # the whole A100: all its memory and cores, and no room beside it for any other claim
         _apply(
             sandbox,
-            _pod("whole", "vgpu-whole-h200", whole_node),
+            _pod("whole", "vgpu-whole-a100-80gb", whole_node),
             _pod("beside", "vgpu-3000mi-30", whole_node),
         )
         wait_for(lambda: _claim_of(sandbox, "whole") is not None, "the whole card allocated", 120, every=0.5)
         [result] = _claim_of(sandbox, "whole")["status"]["allocation"]["devices"]["results"]  # type: ignore[index]
-        assert result["consumedCapacity"] == {"memory": "143771Mi", "cores": "100"}
+        # 81920Mi, as the API server writes it
+        assert result["consumedCapacity"] == {"memory": "80Gi", "cores": "100"}
         wait_for(
             lambda: "cannot allocate all claims" in _scheduled_message(sandbox, "beside"),
             "beside refused",

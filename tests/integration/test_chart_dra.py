@@ -314,7 +314,7 @@ def test_the_example_claim_templates_are_valid_and_ask_the_chart_s_device_class_
     share = templates["vgpu-3000mi-30"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
     assert share["deviceClassName"] == "vgpu.openaios.io"
     assert share["capacity"]["requests"] == {"memory": "3000Mi", "cores": "30"}
-    whole = templates["vgpu-whole-h200"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    whole = templates["vgpu-whole-a100-80gb"]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
     assert whole["capacity"]["requests"]["cores"] == "100"
     first = templates["vgpu-8000mi-50-first"]["spec"]["spec"]["devices"]
     [entry] = check_entries(first["config"], "spec.devices.config", "example")

@@ -68,6 +68,10 @@ def test_the_kubelet_answers_only_the_sandboxs_ca_on_the_nodes_own_address(tmp_p
     assert config["authentication"]["anonymous"]["enabled"] is False
     assert config["authentication"]["x509"]["clientCAFile"] == str(tmp_path / "ca.crt")
     assert config["registerWithTaints"] == [realnode.TAINT, realnode.RESERVED]
+    dra = realnode.kubelet_config(
+        lay, 10250, 10248, tmp_path / "ca.crt", (tmp_path / "k.crt", tmp_path / "k.key"), dra=True
+    )
+    assert dra["registerWithTaints"] == [realnode.TAINT]  # a DRA pod tolerates a GPU node's taint only
     assert config["containerRuntimeEndpoint"] == f"unix://{lay.containerd_socket}"
     assert config["failCgroupV1"] is False  # the kubelet 1.35+ refuses cgroup v1 hosts otherwise
     # The node's address is the bridge's gateway, inside the pods' subnet and not loopback.
