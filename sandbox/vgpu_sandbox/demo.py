@@ -25,6 +25,7 @@ from vgpu.core.annotations import (
     decode_allocation,
 )
 from vgpu.core.errors import AnnotationError
+from vgpu.core.output import run_command
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.errors import SandboxError
@@ -214,4 +215,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -12,7 +12,9 @@ nothing in ``vgpu`` imports it.
 
 A command that fails says so in one line on stderr (what went wrong, what to do) and exits
 non-zero; an error no command expected is caught here too, as one line, unless ``VGPU_DEBUG`` is
-set (then the traceback shows where it came from).
+set (then the traceback shows where it came from). A command whose output's reader went away
+(``vgpu sandbox status | head -3``) ends quietly with 141, as Unix tools do
+(:mod:`vgpu.core.output`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from vgpu.core.errors import VgpuError
+from vgpu.core.output import run_command
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(mod.run(args) or 0)
+        return run_command(lambda: int(mod.run(args) or 0))
     except KeyboardInterrupt:
         print(f"vgpu {args.command}: interrupted", file=sys.stderr)
         return 130
