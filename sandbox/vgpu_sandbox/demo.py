@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from vgpu.core.annotations import (
 )
 from vgpu.core.errors import AnnotationError
 from vgpu.core.output import run_command
+from vgpu.hookabi.grant import DEFAULT_CONTEXT_RESERVE
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.errors import SandboxError
@@ -104,6 +107,52 @@ def show(pods: list[dict[str, Any]]) -> None:
 
 
 REAL_NODE_POD = "real-node-cuda"
+# The real node's pod: a grant of LIMIT_MIB, filled CHUNK_MIB at a time, then HOLD_MIB held.
+LIMIT_MIB, CHUNK_MIB, HOLD_MIB = 3000, 256, 1024
+CU_RESULTS = {0: "CUDA_SUCCESS", 2: "CUDA_ERROR_OUT_OF_MEMORY"}
+
+
+def explain(logs: str) -> list[str]:
+    """What each value the real node's pod printed means, in the numbers it printed.
+
+    The CUDA context's charge is the grant's (the device plugin writes the hook's default,
+    ``DEFAULT_CONTEXT_RESERVE``): each process pays it once, before its first allocation.
+    """
+    values = dict(re.findall(r"(\w+)=(\S*)", logs))
+    context = DEFAULT_CONTEXT_RESERVE >> 20
+    said = []
+    if "limit" in values:
+        said.append(
+            f"limit={values['limit']}: the container's grant, {LIMIT_MIB} MiB (nvidia.com/gpumem), held by "
+            "libvgpu.so, which /etc/ld.so.preload loads into every process of the container"
+        )
+    chunks = int(values["chunks"]) if values.get("chunks", "").isdigit() else None
+    if chunks is not None:
+        said.append(
+            f"chunks={chunks}: t_alloc got {chunks} x {CHUNK_MIB} MiB = {chunks * CHUNK_MIB} MiB; with the "
+            f"{context} MiB the hook charges a process for its CUDA context (the grant's context reserve, "
+            f"docs/hook.md), {context + chunks * CHUNK_MIB} of the {LIMIT_MIB} MiB"
+        )
+    for key in ("refused", "held"):
+        if not values.get(key, "").isdigit():
+            continue
+        code = int(values[key])
+        result = f"{CU_RESULTS.get(code, 'CUresult')} ({code}, a CUDA result code, not MiB)"
+        if key == "refused" and chunks is not None:
+            said.append(
+                f"refused={code}: chunk {chunks + 1} would have made "
+                f"{context + (chunks + 1) * CHUNK_MIB} MiB, past the {LIMIT_MIB}: the hook answered "
+                f"{result} without asking the driver"
+            )
+        elif key == "held":
+            kept = (
+                f"it keeps them, with its own {context} MiB context, so vgpu status below shows the "
+                f"container using {HOLD_MIB + context} MiB"
+                if code == 0
+                else "it holds nothing"
+            )
+            said.append(f"held={code}: t_hold's cuMemAlloc of {HOLD_MIB} MiB returned {result}; {kept}")
+    return said
 
 
 def run_on_the_real_node(sandbox: Sandbox) -> None:
@@ -112,11 +161,14 @@ def run_on_the_real_node(sandbox: Sandbox) -> None:
 
     command = (
         "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "
-        "t_alloc link alloc 256 | grep -E 'chunks|refused'; sleep infinity | t_hold 1024"
+        f"t_alloc link alloc {CHUNK_MIB} | grep -E 'chunks|refused'; sleep infinity | t_hold {HOLD_MIB}"
     )
-    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}
+    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(LIMIT_MIB)}
     pod = realnode.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
-    say(f"a pod on the real node {realnode.NAME}: the sample image, 3000 MiB, 256 MiB at a time")
+    say(
+        f"a pod on the real node {realnode.NAME}: the sample image, {LIMIT_MIB} MiB, "
+        f"filled {CHUNK_MIB} at a time"
+    )
     sandbox.kubectl("delete", "pod", REAL_NODE_POD, "--ignore-not-found", "--wait=true", check=False)
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(pod))
     deadline = time.monotonic() + 120
@@ -126,10 +178,8 @@ def run_on_the_real_node(sandbox: Sandbox) -> None:
         time.sleep(1)
     print(f"$ kubectl logs {REAL_NODE_POD}")
     print(logs.rstrip() or "(no output yet: kubectl describe pod real-node-cuda)")
-    print("  chunks x 256 MiB stay under the 3000 MiB limit: libvgpu.so, loaded through /etc/ld.so.preload,")
-    print(
-        "  refused the next one (refused=2: CUDA_ERROR_OUT_OF_MEMORY); held=0: 1024 MiB kept for the status"
-    )
+    for line in explain(logs):
+        print(textwrap.fill(line, 108, initial_indent="  ", subsequent_indent="      "))
     time.sleep(11)  # the node's Lease carries the usage, renewed every 10 s
 
 
