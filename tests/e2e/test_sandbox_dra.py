@@ -90,7 +90,7 @@ def test_the_sandbox_in_dra_mode_prepares_a_claim_that_holds_its_container(node:
         text=True,
         timeout=60,
     ).stdout
-    assert re.search(r"default/sbx-a claim \S+/gpu\s+3000 MiB\s+30%", shown), shown
+    assert re.search(r"default/sbx-a claim \S+/gpu\s+3000 MiB\s+cores 30%", shown), shown
     node.kubectl("delete", "pod", "-n", "default", "sbx-a", "--wait=true", "--timeout=60s", timeout=90)
     wait_for(lambda: not spec_file.exists(), "the claim's CDI spec gone", timeout=60, every=1)
 
