@@ -5,8 +5,11 @@ kube-scheduler binary, calling the extender on the chart's command line over the
 
 What a pod's network and mounts would give the two containers is made local, and nothing else is
 changed: the extender listens on 127.0.0.1 (kube-scheduler still verifies it against the release's
-CA, under the Service's name, through ``tlsConfig.serverName``); both use the sandbox's admin
-kubeconfig instead of their ServiceAccounts (the RBAC is test_chart.py's subject); kube-scheduler
+CA, under the Service's name, through ``tlsConfig.serverName``); kube-scheduler uses the sandbox's
+admin kubeconfig, and the extender the scheduler's account as the sandbox's own extender does
+(the chart's tenant-boundary policy lets that account alone write placements; the RBAC is
+test_chart.py's subject; with the admin's, the test passed only after a test had uninstalled
+the release and its policies); kube-scheduler
 serves no health port (``--secure-port=0``: the pod's own 10259 is not ours to take here).
 The node is a KWOK node of this test, tainted, with a fresh plugin Lease and an inventory
 annotation of one card standing in for the device plugin.
@@ -29,6 +32,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from chart_local import local_extender_flags
+from vgpu_sandbox import product
 from vgpu_sandbox.cluster import Sandbox
 
 from tests.support import container, pod, running, wait_for
@@ -125,7 +129,7 @@ def test_a_refused_pod_is_bound_within_15_s_of_the_room_freeing_with_the_charts_
         "-m",
         "vgpu.commands.cli",
         "extender",
-        f"--kubeconfig={sandbox.kubeconfig}",
+        f"--kubeconfig={product.account_kubeconfig(sandbox, 'vgpu-retry-e2e', product.SCHEDULER_ACCOUNT)}",
         *flags,
     ]
 
