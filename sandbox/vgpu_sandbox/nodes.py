@@ -96,85 +96,65 @@ def manifest(name: str, spec: GPUSpec, advertise_gpus: bool) -> dict[str, Any]:
     }
 
 
-# KWOK's own pod stages (kustomize/stage/pod/fast of KWOK v0.7.0: pod-ready, pod-complete,
-# pod-delete), written out because KWOK takes either its defaults or the configuration's.
+# The sandbox's pod stages, in KWOK's Stage API (KWOK takes either its built-in stages or the
+# configuration's, so all of them are given here): a bound pod starts (its status as a kubelet
+# would write it once every container runs), a Job's pod completes, a deleted pod goes. The
+# status templates are Go templates over the pod, with KWOK's functions Now, Quote, NodeIPWith
+# and PodIPWith (the pod's node, host network, uid, name and namespace give its IP).
 _NOT_DELETED = {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"}
 _NOT_STARTED = {"key": ".status.podIP", "operator": "DoesNotExist"}
-_POD_READY_STATUS = """\
-{{ $now := Now }}
-
+_RUNNING = """\
+{{ $at := Now | Quote }}
+phase: Running
+startTime: {{ $at }}
+hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+podIP: {{ PodIPWith .spec.nodeName (or .spec.hostNetwork false) (or .metadata.uid "") (or .metadata.name "") (or .metadata.namespace "") | Quote }}
 conditions:
-- lastTransitionTime: {{ $now | Quote }}
-  status: "True"
-  type: Initialized
-- lastTransitionTime: {{ $now | Quote }}
-  status: "True"
-  type: Ready
-- lastTransitionTime: {{ $now | Quote }}
-  status: "True"
-  type: ContainersReady
+- {type: Initialized, status: "True", lastTransitionTime: {{ $at }}}
+- {type: ContainersReady, status: "True", lastTransitionTime: {{ $at }}}
+- {type: Ready, status: "True", lastTransitionTime: {{ $at }}}
 {{ range .spec.readinessGates }}
-- lastTransitionTime: {{ $now | Quote }}
-  status: "True"
-  type: {{ .conditionType | Quote }}
+- {type: {{ .conditionType | Quote }}, status: "True", lastTransitionTime: {{ $at }}}
 {{ end }}
-
-containerStatuses:
-{{ range .spec.containers }}
-- image: {{ .image | Quote }}
-  name: {{ .name | Quote }}
-  ready: true
-  restartCount: 0
-  state:
-    running:
-      startedAt: {{ $now | Quote }}
-{{ end }}
-
 initContainerStatuses:
 {{ range .spec.initContainers }}
-- image: {{ .image | Quote }}
-  name: {{ .name | Quote }}
+- name: {{ .name | Quote }}
+  image: {{ .image | Quote }}
+  restartCount: 0
   ready: true
-  restartCount: 0
-  {{ if eq .restartPolicy "Always" }}
+{{ if eq .restartPolicy "Always" }}
   started: true
-  state:
-    running:
-      startedAt: {{ $now | Quote }}
-  {{ else }}
-  state:
-    terminated:
-      exitCode: 0
-      finishedAt: {{ $now | Quote }}
-      reason: Completed
-      startedAt: {{ $now | Quote }}
-  {{ end }}
+  state: {running: {startedAt: {{ $at }}}}
+{{ else }}
+  state: {terminated: {exitCode: 0, reason: Completed, startedAt: {{ $at }}, finishedAt: {{ $at }}}}
 {{ end }}
-
-hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
-podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
-phase: Running
-startTime: {{ $now | Quote }}
-"""  # noqa: E501  (KWOK's own line)
-_POD_COMPLETE_STATUS = """\
-{{ $now := Now }}
-{{ $root := . }}
+{{ end }}
 containerStatuses:
-{{ range $index, $item := .spec.containers }}
-{{ $origin := index $root.status.containerStatuses $index }}
-- image: {{ $item.image | Quote }}
-  name: {{ $item.name | Quote }}
-  ready: false
+{{ range .spec.containers }}
+- name: {{ .name | Quote }}
+  image: {{ .image | Quote }}
   restartCount: 0
-  started: false
-  state:
-    terminated:
-      exitCode: 0
-      finishedAt: {{ $now | Quote }}
-      reason: Completed
-      startedAt: {{ $now | Quote }}
+  ready: true
+  started: true
+  state: {running: {startedAt: {{ $at }}}}
 {{ end }}
+"""  # noqa: E501  (one template line)
+_SUCCEEDED = """\
+{{ $at := Now | Quote }}
 phase: Succeeded
+conditions:
+- {type: Initialized, status: "True", lastTransitionTime: {{ $at }}}
+- {type: ContainersReady, status: "False", reason: PodCompleted, lastTransitionTime: {{ $at }}}
+- {type: Ready, status: "False", reason: PodCompleted, lastTransitionTime: {{ $at }}}
+containerStatuses:
+{{ range .spec.containers }}
+- name: {{ .name | Quote }}
+  image: {{ .image | Quote }}
+  restartCount: 0
+  ready: false
+  started: false
+  state: {terminated: {exitCode: 0, reason: Completed, finishedAt: {{ $at }}}}
+{{ end }}
 """
 # Every value a pod's containers (init containers too) give the device plugin's resource.
 _ASKS_FOR_DEVICES = (
@@ -197,12 +177,12 @@ def _stage(name: str, match: list[dict[str, Any]], next_: dict[str, Any]) -> dic
 
 
 def pod_stages() -> list[dict[str, Any]]:
-    """KWOK's pod stages, but a pod that asks for the device plugin's resource starts only once its
+    """The pod stages: a pod that asks for the device plugin's resource starts only once its
     node's kubelet stand-in admitted it (:data:`RECORD_ANNOTATION` written, no
     :data:`ERROR_ANNOTATION`), as a kubelet starts no container before the device plugin's
     Allocate answered. Without it KWOK runs, and finishes a Job's pod, before the stand-in calls
     Allocate, which then finds no pod waiting and the pod fails ``UnexpectedAdmissionError``."""
-    ready = {"statusTemplate": _POD_READY_STATUS}
+    ready = {"statusTemplate": _RUNNING}
     asks = {"key": _ASKS_FOR_DEVICES, "operator": "Exists"}
     return [
         _stage("pod-ready", [_NOT_DELETED, _NOT_STARTED, {**asks, "operator": "DoesNotExist"}], ready),
@@ -224,7 +204,7 @@ def pod_stages() -> list[dict[str, Any]]:
                 {"key": ".status.phase", "operator": "In", "values": ["Running"]},
                 {"key": ".metadata.ownerReferences.[].kind", "operator": "In", "values": ["Job"]},
             ],
-            {"statusTemplate": _POD_COMPLETE_STATUS},
+            {"statusTemplate": _SUCCEEDED},
         ),
         _stage(
             "pod-delete",

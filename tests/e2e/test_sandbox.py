@@ -72,6 +72,39 @@ def test_a_pod_asking_for_more_cpu_than_any_simulated_node_has_stays_pending(san
         sandbox.kubectl("delete", "pod", "too-much-cpu", "--wait=false", check=False)
 
 
+def test_a_started_pod_carries_the_status_a_kubelet_writes_init_containers_and_sidecars_included(
+    sandbox: Sandbox,
+) -> None:
+    """The sandbox's own pod stages (vgpu_sandbox.nodes.pod_stages) write a running pod's status:
+    an init container terminated Completed, a sidecar (an init container that restarts Always)
+    running, every app container running and ready, the pod Ready with an IP."""
+    spec = pod("with-init", container(gpu=1, gpumem=1000))
+    spec["spec"]["initContainers"] = [
+        {"name": "setup", "image": "busybox"},
+        {"name": "proxy", "image": "busybox", "restartPolicy": "Always"},
+    ]
+    sandbox.kubectl("create", "-f", "-", input=json.dumps(spec))
+    try:
+
+        def running() -> dict | None:  # type: ignore[type-arg]
+            got = json.loads(sandbox.kubectl("get", "pod", "with-init", "-o", "json").stdout)
+            return got if got["status"].get("phase") == "Running" else None
+
+        got = poll(running, timeout=90, every=0.5)
+        assert got is not None, sandbox.kubectl("describe", "pod", "with-init").stdout
+        status = got["status"]
+        assert status.get("podIP") and status.get("hostIP") and status.get("startTime"), status
+        conditions = {c["type"]: c["status"] for c in status["conditions"]}
+        assert conditions["Ready"] == conditions["ContainersReady"] == conditions["Initialized"] == "True"
+        inits = {c["name"]: c for c in status["initContainerStatuses"]}
+        assert inits["setup"]["state"]["terminated"]["reason"] == "Completed", inits
+        assert "running" in inits["proxy"]["state"] and inits["proxy"]["started"] is True, inits
+        (main,) = status["containerStatuses"]
+        assert main["ready"] is True and "running" in main["state"], main
+    finally:
+        sandbox.kubectl("delete", "pod", "with-init", "--wait=false", check=False)
+
+
 JOBS = 12
 
 
