@@ -35,16 +35,22 @@ def test_apiserver_reports_the_pinned_kubernetes_version(sandbox: Sandbox) -> No
     assert version["serverVersion"]["minor"] == pinned.split(".")[1]
 
 
+def _running(sandbox: Sandbox, name: str) -> dict:  # type: ignore[type-arg]
+    """Pod ``name`` once it runs (within 90 s)."""
+
+    def running() -> dict | None:  # type: ignore[type-arg]
+        got = json.loads(sandbox.kubectl("get", "pod", name, "-o", "json").stdout)
+        return got if got["status"].get("phase") == "Running" else None
+
+    got = poll(running, timeout=90, every=0.5)
+    assert got is not None, sandbox.kubectl("describe", "pod", name).stdout
+    return got
+
+
 def test_kube_scheduler_binds_a_pod_asking_for_one_gpu_to_a_simulated_node(sandbox: Sandbox) -> None:
     sandbox.kubectl("create", "-f", "-", input=json.dumps(pod("one-gpu", container(gpu=1))))
     try:
-
-        def running() -> dict | None:  # type: ignore[type-arg]
-            got = json.loads(sandbox.kubectl("get", "pod", "one-gpu", "-o", "json").stdout)
-            return got if got["status"].get("phase") == "Running" else None
-
-        got = poll(running, timeout=90, every=0.5)
-        assert got is not None, sandbox.kubectl("describe", "pod", "one-gpu").stdout
+        got = _running(sandbox, "one-gpu")
         assert got["spec"]["nodeName"].startswith("vgpu-node-")
         conditions = {c["type"]: c["status"] for c in got["status"]["conditions"]}
         assert conditions["PodScheduled"] == "True"
@@ -85,14 +91,7 @@ def test_a_started_pod_carries_the_status_a_kubelet_writes_init_containers_and_s
     ]
     sandbox.kubectl("create", "-f", "-", input=json.dumps(spec))
     try:
-
-        def running() -> dict | None:  # type: ignore[type-arg]
-            got = json.loads(sandbox.kubectl("get", "pod", "with-init", "-o", "json").stdout)
-            return got if got["status"].get("phase") == "Running" else None
-
-        got = poll(running, timeout=90, every=0.5)
-        assert got is not None, sandbox.kubectl("describe", "pod", "with-init").stdout
-        status = got["status"]
+        status = _running(sandbox, "with-init")["status"]
         assert status.get("podIP") and status.get("hostIP") and status.get("startTime"), status
         conditions = {c["type"]: c["status"] for c in status["conditions"]}
         assert conditions["Ready"] == conditions["ContainersReady"] == conditions["Initialized"] == "True"
