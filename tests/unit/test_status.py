@@ -167,7 +167,7 @@ def test_each_cards_totals_are_the_extenders_ledger_for_the_same_pods() -> None:
     for card in status.cards:
         u = booked.get(card.uuid, ZERO)
         assert (card.memory_used_mib, card.cores_used, card.vgpus_used) == (u.memory_mib, u.cores, u.count)
-    text = render_text([status])
+    text = render_text([status], finished_too=True)
     assert "gpu 0 GPU-a A100  mem 13000/80000 MiB  cores 30/100  vgpus 2/10" in text
     assert "gpu 1 GPU-b A100  mem 0/80000 MiB  cores 0/100  vgpus 0/10" in text
     assert "default/with-init prep (init)  10000 MiB  cores uncapped  bound" in text
@@ -177,6 +177,11 @@ def test_each_cards_totals_are_the_extenders_ledger_for_the_same_pods() -> None:
         "default/refused main  7000 MiB  cores uncapped  rejected, holds nothing (UnexpectedAdmissionError)"
         in text
     )
+    # by default a succeeded pod is counted, not listed; a failed one is listed with why
+    short = render_text([status])
+    assert "default/done" not in short
+    assert "(1 succeeded pod(s) not shown: they hold nothing; --all lists them)" in short
+    assert "default/refused main  7000 MiB  cores uncapped  rejected, holds nothing" in short
 
 
 def test_an_uncapped_share_reads_uncapped_and_a_capped_one_its_percent() -> None:

@@ -259,13 +259,26 @@ def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def render_text(nodes: list[NodeStatus]) -> str:
+def render_text(nodes: list[NodeStatus], finished_too: bool = False) -> str:
+    """The text form. Succeeded pods' shares (they hold nothing) only with ``finished_too``, else
+    counted in one line at the end; failed ones always, with why (a refused Allocate, say)."""
     if not nodes:
         return (
             f"no vGPU nodes: no Node carries {DEVICES_ANNOTATION} (is the device plugin running?) "
             "and no ResourceSlice is of the driver vgpu.openaios.io (is the DRA plugin?)\n"
         )
     lines: list[str] = []
+    hidden = set()
+
+    def shown(shares: list[Share]) -> list[str]:
+        out = []
+        for share in shares:
+            if share.finished and share.phase == "succeeded" and not finished_too:
+                hidden.add((share.namespace, share.pod))
+            else:
+                out.append(_share_line(share))
+        return out
+
     for n in nodes:
         if n.gone:
             pods = sorted({f"{s.namespace}/{s.pod}" for s in n.unplaced})
@@ -274,7 +287,7 @@ def render_text(nodes: list[NodeStatus]) -> str:
                 "hold nothing in the scheduler (the pod garbage collector deletes them; kubectl delete pod "
                 "does it now)"
             )
-            lines += [_share_line(s) for s in n.unplaced]
+            lines += shown(n.unplaced)
             continue
         head = "mode dra (ResourceSlice)" if n.mode == DRA else f"lease {n.lease}"
         lines.append(f"node {n.name}  {head}" + (f"  ERROR {n.error}" if n.error else ""))
@@ -284,11 +297,13 @@ def render_text(nodes: list[NodeStatus]) -> str:
                 f"  gpu {c.index} {c.uuid} {c.model}  mem {c.memory_used_mib}/{c.memory_mib} MiB  "
                 f"cores {c.cores_used}/{c.cores}  {slots}" + ("" if c.healthy else "  UNHEALTHY")
             )
-            for s in c.shares:
-                lines.append(_share_line(s))
-        if n.unplaced:
+            lines += shown(c.shares)
+        unlisted = shown(n.unplaced)
+        if unlisted:
             lines.append("  on cards the node does not list:")
-            lines += [_share_line(s) for s in n.unplaced]
+            lines += unlisted
+    if hidden:
+        lines.append(f"({len(hidden)} succeeded pod(s) not shown: they hold nothing; --all lists them)")
     return "\n".join(lines) + "\n"
 
 
@@ -315,6 +330,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default="kube-system", help="namespace of the device plugins' Leases")
     parser.add_argument("--node", action="append", help="only this node (repeatable)")
     parser.add_argument("--output", "-o", choices=("text", "json"), default="text")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="list succeeded pods too (they hold nothing; failed ones are always listed, the JSON has all)",
+    )
 
 
 def sandbox_dir() -> Path:
@@ -417,5 +437,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(doc, indent=2))
     else:
-        sys.stdout.write(render_text(status))
+        sys.stdout.write(render_text(status, finished_too=args.all))
     return 0
