@@ -367,6 +367,17 @@ def test_a_pod_that_fits_only_one_of_many_nodes_is_still_offered_it() -> None:
     assert result.nodes == ["n20"] and len(result.failed) == 40
 
 
+def test_nodes_short_of_memory_give_one_reason_with_the_most_free_on_any_of_their_cards() -> None:
+    """kube-scheduler prints each distinct reason once with its count of nodes: a free figure per
+    node made one line per node (issue 37); the figure is the most free on a card of any node."""
+    st = _cluster([9500, 9000, 8000, 8000], keep=3)
+    result = st.filter(_pod(3000), ["n0", "n1", "n2", "n3"])
+    assert result.nodes == []
+    reasons = set(result.failed.values())
+    assert len(reasons) == 1, reasons
+    assert "1 card(s) insufficient memory (the most free: 2000 MiB)" in reasons.pop()
+
+
 def test_prioritize_on_the_kept_nodes_gives_the_fullest_the_top_score() -> None:
     st = _cluster([0, 5000, 9500, 7000, 2000, 6000], keep=3)
     kept = st.filter(_pod(1000), [f"n{i}" for i in range(6)]).nodes

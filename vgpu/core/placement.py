@@ -30,7 +30,7 @@ from vgpu.core.capacity import (
     utilization,
 )
 from vgpu.core.config import BINPACK
-from vgpu.core.fit import Plan, fit_node, for_nodes
+from vgpu.core.fit import Plan, fit_node, for_nodes, one_free_figure
 from vgpu.core.ledger import Ledger, Usage
 from vgpu.core.requests import ContainerRequest, PodRequest
 
@@ -201,6 +201,7 @@ class Placement:
                 result.unresolvable[name] = for_nodes(outcome.reason)
             else:
                 result.failed[name] = for_nodes(outcome.reason)
+        result.failed = one_free_figure(result.failed)
         if len(result.nodes) > self.filter_keep:
             result.nodes = best(result.nodes, binpack, self.filter_keep, cache)
         return result
