@@ -14,7 +14,6 @@ work on pathological pods; running out is reported as a rejection with that reas
 from __future__ import annotations
 
 import itertools
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,20 +64,7 @@ def for_nodes(predicate: str) -> str:
 
 UNHEALTHY = "unhealthy"
 INSUFFICIENT_MEMORY = "insufficient memory"
-_MOST_FREE = INSUFFICIENT_MEMORY + " (the most free: {} MiB)"
-_MOST_FREE_RE = re.compile(re.escape(_MOST_FREE).replace(r"\{\}", r"(\d+)"))
-
-
-def one_free_figure(failed: dict[str, str]) -> dict[str, str]:
-    """The nodes' reasons with one free figure in all: the most memory free on one card of any of
-    them. kube-scheduler prints each distinct reason with the count of nodes that gave it, so a
-    figure per node would make one line per node of a large cluster; and the largest figure is the
-    one that tells how small a request would fit now."""
-    figures = {int(m.group(1)) for reason in failed.values() for m in _MOST_FREE_RE.finditer(reason)}
-    if len(figures) < 2:
-        return failed
-    text = _MOST_FREE.format(max(figures))
-    return {node: _MOST_FREE_RE.sub(text, reason) for node, reason in failed.items()}
+MOST_FREE = INSUFFICIENT_MEMORY + " (the most free: {} MiB)"  # one figure for all nodes: placement.py
 
 
 @dataclass
@@ -182,7 +168,7 @@ class _Search:
         if len(eligible) < c.count and depth >= self.failure_depth:
             self.failure_depth = depth
             if most_free >= 0:  # how far off the request is: "insufficient memory (the most free: N MiB)"
-                reasons[_MOST_FREE.format(most_free)] = reasons.pop(INSUFFICIENT_MEMORY)
+                reasons[MOST_FREE.format(most_free)] = reasons.pop(INSUFFICIENT_MEMORY)
             self.shortfall = (c, len(eligible), reasons)
         eligible.sort(key=lambda x: (-x[0] if self.binpack else x[0], x[1].index))
         if c.count == 1:

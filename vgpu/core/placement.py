@@ -15,6 +15,7 @@ so the indexed filter answers exactly what fitting every node answers
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from vgpu.core.capacity import (
     utilization,
 )
 from vgpu.core.config import BINPACK
-from vgpu.core.fit import Plan, fit_node, for_nodes, one_free_figure
+from vgpu.core.fit import MOST_FREE, Plan, fit_node, for_nodes
 from vgpu.core.ledger import Ledger, Usage
 from vgpu.core.requests import ContainerRequest, PodRequest
 
@@ -54,6 +55,21 @@ class FilterResult:
     failed: dict[str, str] = field(default_factory=dict)
     unresolvable: dict[str, str] = field(default_factory=dict)
     error: str = ""
+
+
+_MOST_FREE_RE = re.compile(re.escape(MOST_FREE).replace(r"\{\}", r"(\d+)"))
+
+
+def one_free_figure(failed: dict[str, str]) -> dict[str, str]:
+    """The nodes' reasons with one free figure in all: the most memory free on one card of any of
+    them. kube-scheduler prints each distinct reason with the count of nodes that gave it, so a
+    figure per node would make one line per node of a large cluster; and the largest figure is the
+    one that tells how small a request would fit now."""
+    figures = {int(m.group(1)) for reason in failed.values() for m in _MOST_FREE_RE.finditer(reason)}
+    if len(figures) < 2:
+        return failed
+    text = MOST_FREE.format(max(figures))
+    return {node: _MOST_FREE_RE.sub(text, reason) for node, reason in failed.items()}
 
 
 def binpacks(request: PodRequest, default_policy: str) -> bool:
