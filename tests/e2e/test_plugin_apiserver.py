@@ -328,6 +328,9 @@ def test_after_a_kubelet_restart_pods_are_allocated_again(agent: Agent) -> None:
     agent.kubelet.stop()
     kubelet = agent.start_kubelet()
     assert kubelet.wait_for(lambda k: len(agent.advertised(k)) == 4 * SPLIT, 20)
+    # the kubelet follows the plugin from inside Register, so the devices can arrive before the
+    # plugin's own Register call has returned and counted itself
+    assert poll(lambda: agent.daemon.server.registrations > before, timeout=5, every=0.05)
     assert agent.daemon.server.registrations == before + 1
     threading.Thread(target=kubelet.run, kwargs={"interval_s": 0.2}, daemon=True).start()
     agent.create_pod("after-restart", {"main": [(3, 700, 0)]})

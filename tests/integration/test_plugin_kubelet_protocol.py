@@ -18,7 +18,7 @@ import pytest
 import yaml
 from vgpu_sandbox.kubelet import Kubelet
 
-from tests.support import FakeKube, bound_pod, short_dir
+from tests.support import FakeKube, bound_pod, poll, short_dir
 from vgpu.core.annotations import (
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
@@ -121,6 +121,8 @@ def test_after_a_kubelet_restart_the_plugin_registers_again(node: Any, tmp_path:
     again.start()  # removes the plugin's socket and recreates kubelet.sock, as kubelet does
     try:
         assert again.wait_for(lambda k: len(advertised(k)) == 4 * SPLIT, 10)
+        # devices can arrive before the plugin's Register call has returned and counted itself
+        assert poll(lambda: daemon.server.registrations > before, timeout=5, every=0.05)
         assert daemon.server.registrations == before + 1
         assert daemon.paths.plugin_socket.is_socket()
     finally:
