@@ -13,9 +13,16 @@ The file::
         memoryUsedMiB: 0                                  # what the monitor reports, default 0
         utilization: 0                                    # percent, default 0
         computeCapability: "9.0"                          # major.minor, default unknown
+        mig: {mode: enabled, instances: [{profile: 1g.10gb, start: 0}]}   # optional: MIG (below)
 
     driverVersion: 570.124.06                             # optional: the driver's version (DRA attribute)
     processDir: /var/lib/vgpu-stub/procs                  # optional: per-process memory (below)
+    migState: /var/lib/vgpu-fake/mig.json                 # optional: MIG state, default <file>.mig.json
+
+A card with a ``mig:`` section is in MIG as an H100 80GB or H200 141GB would be (its ``model``
+picks the profile table): ``mode`` (enabled, disabled, pending-enable, pending-disable) and the
+GPU instances it holds at first start (``{profile, start}``); from then on its instances live in
+the ``migState`` file, as a card keeps them across a plugin restart (``vgpu/plugin/fake_mig.py``).
 
 The file is watched: edit ``healthy`` and the plugin
 sees a health event within about a second, as it would see an Xid from NVML.
@@ -48,6 +55,7 @@ import yaml
 
 from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
+from vgpu.plugin.fake_mig import FakeMig, parse_mig_sections, parse_state_path
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
 KEYS = {
@@ -61,6 +69,7 @@ KEYS = {
     "memoryUsedMiB",
     "utilization",
     "computeCapability",
+    "mig",
 }
 _CAPABILITY = re.compile(r"^[0-9]{1,3}\.[0-9]{1,3}$")
 _DRIVER_VERSION = re.compile(r"^[0-9]{1,5}(\.[0-9]{1,5}){1,3}$")
@@ -184,6 +193,14 @@ class FakeDiscovery:
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again
         self._sm_seen: dict[tuple[str, str], tuple[int, int]] = {}  # (file, card) -> (ns, busy ns) last read
+        doc = yaml.safe_load(text)
+        specs = parse_mig_sections(doc, self._cards, str(self.path))
+        # MIG (fake_mig.py): only where a card has a ``mig:`` section
+        self.mig: FakeMig | None = (
+            FakeMig(self._cards, specs, parse_state_path(doc, self.path, str(self.path)), self.processes)
+            if specs
+            else None
+        )
 
     def _file_stamp(self) -> tuple[int, int, int]:
         st = self.path.stat()
@@ -254,9 +271,9 @@ class FakeDiscovery:
         if self.process_dir is None:
             return set(), []
         card = next((c for c in self._cards if c.uuid == uuid), None)
-        if card is None:
+        if card is None and not (uuid.startswith("MIG-") and self.mig is not None):
             return None
-        keys = {uuid, str(card.index)}
+        keys = {uuid, str(card.index)} if card is not None else {uuid}  # a MIG device: by its uuid
         try:
             names = os.listdir(self.process_dir)
         except OSError:
