@@ -35,6 +35,10 @@ PREFIX = "vgpu.openaios.io/"
 # contract 2 (docs/contracts.md): node inventory
 DEVICES_ANNOTATION = PREFIX + "devices"
 DEVICES_VERSION = 1
+# version 2: a device may be a MIG device (``mig``) and offered as another resource (``resource``);
+# written only by a node that has such a device, so an older reader refuses that node alone
+DEVICES_VERSION_MIG = 2
+GPU_RESOURCE = "nvidia.com/gpu"
 
 # contract 3 (docs/contracts.md): placement
 ALLOCATION_ANNOTATION = PREFIX + "allocation"
@@ -80,12 +84,24 @@ def lease_name(node: str) -> str:
 
 
 @dataclass(frozen=True)
+class MigSlice:
+    """Where a MIG device sits: its card, its profile and its memory slices (start, size)."""
+
+    parent: str
+    profile: str
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
 class Device:
-    """One physical GPU as the device plugin advertises it.
+    """One physical GPU (or one MIG device) as the device plugin advertises it.
 
     ``memory_mib`` and ``cores`` already include the node's memory and core scaling; ``split`` is
     the most vGPUs the card may carry; ``numa`` is the NUMA node (-1 when unknown); ``links`` maps
-    a peer card's UUID to the kind of link between them (``nvlink``, ``pcie``...).
+    a peer card's UUID to the kind of link between them (``nvlink``, ``pcie``...). ``resource``
+    is the kubelet resource the device is offered as, and ``mig`` says where a MIG device sits
+    (a MIG device is whole: ``split`` 1, ``cores`` 100).
     """
 
     uuid: str
@@ -97,6 +113,8 @@ class Device:
     numa: int = -1
     healthy: bool = True
     links: Mapping[str, str] = field(default_factory=dict)
+    resource: str = GPU_RESOURCE
+    mig: MigSlice | None = None
 
 
 @dataclass(frozen=True)
@@ -104,24 +122,48 @@ class NodeInventory:
     devices: tuple[Device, ...]
     version: int = DEVICES_VERSION
 
+    def offering(self, resource: str) -> NodeInventory:
+        """The devices offered as ``resource`` (the same object when all are, and for a second
+        call with the same resource, so callers may compare by identity)."""
+        if all(d.resource == resource for d in self.devices):
+            return self
+        memo: dict[str, NodeInventory] = self.__dict__.setdefault("_offering", {})
+        found = memo.get(resource)
+        if found is None:
+            found = memo[resource] = NodeInventory(tuple(d for d in self.devices if d.resource == resource))
+        return found
+
+
+def _encode_device(d: Device) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "uuid": d.uuid,
+        "index": d.index,
+        "model": d.model,
+        "memoryMiB": d.memory_mib,
+        "cores": d.cores,
+        "split": d.split,
+        "numa": d.numa,
+        "healthy": d.healthy,
+        "links": dict(d.links),
+    }
+    if d.resource != GPU_RESOURCE:
+        out["resource"] = d.resource
+    if d.mig is not None:
+        out["mig"] = {
+            "parent": d.mig.parent,
+            "profile": d.mig.profile,
+            "start": d.mig.start,
+            "size": d.mig.size,
+        }
+    return out
+
 
 def encode_devices(inventory: NodeInventory) -> str:
+    """Version 1, or 2 when a device is a MIG device or offered as another resource."""
+    mig = any(d.mig is not None or d.resource != GPU_RESOURCE for d in inventory.devices)
     doc = {
-        "version": DEVICES_VERSION,
-        "devices": [
-            {
-                "uuid": d.uuid,
-                "index": d.index,
-                "model": d.model,
-                "memoryMiB": d.memory_mib,
-                "cores": d.cores,
-                "split": d.split,
-                "numa": d.numa,
-                "healthy": d.healthy,
-                "links": dict(d.links),
-            }
-            for d in inventory.devices
-        ],
+        "version": DEVICES_VERSION_MIG if mig else DEVICES_VERSION,
+        "devices": [_encode_device(d) for d in inventory.devices],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
@@ -130,7 +172,8 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
     """Decode a node's ``vgpu.openaios.io/devices`` annotation; raises AnnotationError."""
     r = _Reader(DEVICES_ANNOTATION)
     doc = r.load(text)
-    r.version(doc, DEVICES_VERSION)
+    r.version(doc, DEVICES_VERSION, DEVICES_VERSION_MIG)
+    v2 = doc["version"] == DEVICES_VERSION_MIG
     items = r.array(doc, "devices", "devices")
     devices: list[Device] = []
     seen: set[str] = set()
@@ -160,9 +203,22 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 numa=-1 if numa_raw is None else r.integer(obj, "numa", path, minimum=-1),
                 healthy=r.boolean(obj, "healthy", path),
                 links=dict(links_raw),
+                resource=r.string(obj, "resource", path) if v2 and "resource" in obj else GPU_RESOURCE,
+                mig=_decode_mig(r, obj, path) if v2 and "mig" in obj else None,
             )
         )
-    return NodeInventory(devices=tuple(devices))
+    return NodeInventory(devices=tuple(devices), version=doc["version"])
+
+
+def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:
+    m = r.obj(obj["mig"], f"{path}.mig")
+    where = f"{path}.mig"
+    return MigSlice(
+        parent=r.string(m, "parent", where),
+        profile=r.string(m, "profile", where),
+        start=r.integer(m, "start", where, minimum=0),
+        size=r.integer(m, "size", where, minimum=1),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,14 +332,15 @@ class _Reader:
             raise self.fail("", f"must be a JSON object, got {type(doc).__name__}")
         return doc
 
-    def version(self, doc: Mapping[str, Any], expected: int) -> None:
+    def version(self, doc: Mapping[str, Any], expected: int, *also: int) -> None:
+        known = " and ".join(str(v) for v in (expected, *also))
         if "version" not in doc:
-            raise self.fail("version", f"missing; this reader understands version {expected}")
+            raise self.fail("version", f"missing; this reader understands version {known}")
         got = doc["version"]
-        if isinstance(got, bool) or not isinstance(got, int) or got != expected:
+        if isinstance(got, bool) or not isinstance(got, int) or got not in (expected, *also):
             raise self.fail(
                 "version",
-                f"unsupported version {got!r}; this reader understands version {expected} "
+                f"unsupported version {got!r}; this reader understands version {known} "
                 "(upgrade the component that reads it, or the one that wrote it, so both match)",
             )
 

@@ -166,7 +166,7 @@ class Placement:
                     continue
                 found_node = lookup(name)
                 assert found_node is not None
-                inventory = found_node[0]
+                inventory = found_node[0].offering(request.resource)
                 version = self.ledger.node_version(name)
                 usage = self.ledger.usage(name)
                 if not may_fit(self._summary(name, inventory, version, usage), c):
@@ -201,7 +201,7 @@ class Placement:
                 continue
             found = lookup(name)
             assert found is not None
-            inventory = found[0]
+            inventory = found[0].offering(request.resource)
             usage = self.ledger.usage(name, excluding=uid)
             if single is not None and quick_fits(inventory, usage, single, request.selection):
                 result.nodes.append(name)
@@ -238,7 +238,7 @@ class Placement:
             found = lookup(name)
             if found is None or problem(name):
                 continue
-            inventory = found[0]
+            inventory = found[0].offering(request.resource)
             hit = cached.get(name)
             if hit is not None and hit[0] == self.ledger.node_version(name) and hit[1] is inventory:
                 util[name] = hit[2]

@@ -80,6 +80,11 @@ def _container_problems(
         if card is None:
             problems.append(f"{where} is given card {d.uuid}, which is not a card of this node")
             continue
+        if card.resource != asked.resource:
+            problems.append(
+                f"{where} is given {d.uuid}, offered as {card.resource}, but asks for {asked.resource}"
+            )
+            continue
         want = asked.memory_on(card.memory_mib)
         if d.memory_mib != want:
             problems.append(

@@ -20,6 +20,8 @@ from typing import Any
 from vgpu.core import annotations as ann
 from vgpu.core.config import POLICIES, SchedulerConfig
 from vgpu.core.errors import RequestError
+from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
+from vgpu.core.mig import TABLES, profile_of_resource, resource_for
 from vgpu.core.quantity import SOURCE, parse_quantity, shown, suffix_of
 
 RESOURCE_GPU = "nvidia.com/gpu"
@@ -77,6 +79,7 @@ class ContainerRequest:
     priority: int = 1
     init: bool = False
     sidecar: bool = False
+    resource: str = RESOURCE_GPU  # the kubelet resource its vGPUs come from (nvidia.com/mig-<profile>)
 
     def memory_on(self, card_memory_mib: int) -> int:
         if self.memory_mib is not None:
@@ -139,6 +142,11 @@ class PodRequest:
         return any(c.count > 0 for c in self.containers)
 
     @cached_property
+    def resource(self) -> str:
+        """The one resource the pod's vGPUs come from (parse_pod refuses two)."""
+        return next((c.resource for c in self.containers if c.count > 0), RESOURCE_GPU)
+
+    @cached_property
     def single_container(self) -> ContainerRequest | None:
         """The one container with vGPUs when no other container (init included) has any, else None."""
         found = None
@@ -182,7 +190,9 @@ def asks_for_vgpu(pod: Mapping[str, Any]) -> bool:
                 continue
             for part in ("limits", "requests"):
                 values = res.get(part)
-                if isinstance(values, dict) and any(r in values for r in RESOURCES):
+                if isinstance(values, dict) and any(
+                    r in RESOURCES or (isinstance(r, str) and r.startswith(MIG_PREFIX)) for r in values
+                ):
                     return True
     return False
 
@@ -196,10 +206,42 @@ def _resources(container: Mapping[str, Any], path: str) -> dict[str, tuple[Any, 
         values = res.get(part) or {}
         if not isinstance(values, dict):
             raise RequestError(SOURCE, f"{path}.resources.{part}", "must be an object")
-        for name in RESOURCES:
-            if name in values:
+        for name in values:
+            if name in RESOURCES or (isinstance(name, str) and name.startswith(MIG_PREFIX)):
                 out[name] = (values[name], f"{path}.resources.{part}[{name}]")
     return out
+
+
+def _mig_request(
+    name: str, values: dict[str, int], fields: dict[str, str], init: bool, sidecar: bool
+) -> ContainerRequest:
+    """A container asking for whole MIG devices of one profile (``nvidia.com/mig-<profile>``)."""
+    migs = [k for k in values if k.startswith(MIG_PREFIX)]
+    if len(migs) > 1:
+        raise RequestError(
+            SOURCE, fields[migs[1]], f"asks for a second MIG profile beside {migs[0]}: one a container"
+        )
+    resource = migs[0]
+    profile = profile_of_resource(resource) or ""
+    if not any(t.has(profile) for t in TABLES):
+        known = ", ".join(sorted({resource_for(p.name) for t in TABLES for p in t.profiles}))
+        raise RequestError(SOURCE, fields[resource], f"no MIG profile {profile!r} is known; known: {known}")
+    others = [k for k in values if k not in (resource, RESOURCE_PRIORITY)]
+    if others:
+        raise RequestError(
+            SOURCE,
+            fields[others[0]],
+            f"a MIG device is whole: give {resource} alone (its memory and compute are the profile's)",
+        )
+    priority = values.get(RESOURCE_PRIORITY, 1)
+    if priority not in (0, 1):
+        raise RequestError(
+            SOURCE, fields[RESOURCE_PRIORITY], f"must be 0 (high) or 1 (normal), got {priority}"
+        )
+    count = values[resource]
+    if count == 0:
+        return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
+    return ContainerRequest(name, count, None, 100, 100, priority, init, sidecar, resource)
 
 
 def parse_container(
@@ -222,6 +264,8 @@ def parse_container(
             raise RequestError(SOURCE, fields[RESOURCE_MEM], mistake)
     if not values:
         return ContainerRequest(name, 0, 0, None, 0, 1, init, sidecar)
+    if any(k.startswith(MIG_PREFIX) for k in values):
+        return _mig_request(name, values, fields, init, sidecar)
     # gpumem 0 is read as HAMi reads it: as not given (defaultMem, else the whole card's memory),
     # so it is booked and granted as that, never as a grant of 0 MiB, which the hook reads as no limit
     mem: int | None = values.get(RESOURCE_MEM) or None
@@ -289,6 +333,14 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
             if not isinstance(c, dict):
                 raise RequestError(SOURCE, path, "must be an object")
             containers.append(parse_container(c, path, config, init=init))
+            first = next((x for x in containers if x.count), None)
+            if first is not None and containers[-1].count and containers[-1].resource != first.resource:
+                raise RequestError(
+                    SOURCE,
+                    f"{path}.resources",
+                    f"asks for {containers[-1].resource} but container {first.name} for {first.resource}: "
+                    "a pod's vGPUs come from one resource",
+                )
     meta = pod.get("metadata") or {}
     if not isinstance(meta, dict):
         raise RequestError(SOURCE, "metadata", "must be an object")

@@ -61,8 +61,9 @@ class Binder:
         if not uid or len(nodes) != 1 or m.ledger.node_of(uid) is not None:
             return
         node = nodes[0]
-        inventory = m.nodes[node].inventory
-        assert inventory is not None
+        whole = m.nodes[node].inventory
+        assert whole is not None
+        inventory = whole.offering(request.resource)
         outcome = fit_node(node, inventory, m.ledger.usage(node), request, m.config.gpu_policy)
         if isinstance(outcome, Plan):
             m.ledger.commit(uid, node, outcome.footprint)
@@ -122,8 +123,9 @@ class Binder:
                 return f"node {node} {problem}", "conflict"
             if uid in m.binding:
                 return f"pod {namespace}/{name} is already being bound", "conflict"
-            inventory = m.nodes[node].inventory
-            assert inventory is not None
+            whole = m.nodes[node].inventory
+            assert whole is not None
+            inventory = whole.offering(request.resource)
             outcome = fit_node(
                 node, inventory, m.ledger.usage(node, excluding=uid), request, m.config.gpu_policy
             )

@@ -230,7 +230,12 @@ class Allocator:
         return self.arrivals.ranks(uids, self.catch_up_s)
 
     def _choose(
-        self, waiting: list[Waiting], ranks: Mapping[str, int], count: int, ids: Sequence[str] = ()
+        self,
+        waiting: list[Waiting],
+        ranks: Mapping[str, int],
+        count: int,
+        ids: Sequence[str] = (),
+        offered: Sequence[str] = (),
     ) -> tuple[Waiting, ContainerAllocation]:
         """The pod and container kubelet is starting; call with the lock held.
 
@@ -246,10 +251,14 @@ class Allocator:
                 if w is not None and container is not None and container.name == name:
                     return w, container
         candidates: list[tuple[tuple[int, int, str], Waiting, ContainerAllocation]] = []
+        some = list(ids or offered)  # IDs of the socket kubelet called: its resource
+        resource = self.state.kubelet_resource(card_of(some[0])) if some else None
         for w in waiting:
             container = self._next(w)
             if container is None or len(container.devices) != count:
                 continue
+            if resource is not None and not self._offered_as(container, resource):
+                continue  # another resource's socket serves it (migStrategy: mixed)
             # a half-served pod first (kubelet allocates a pod's containers in one go), then
             # arrival order, then creation time (kubelet's order within a batch)
             in_progress = 0 if self._served_of(w) else 1
@@ -265,6 +274,11 @@ class Allocator:
         # enforces the right limits, so the first one (by name) is served.
         return head, container
 
+    def _offered_as(self, container: ContainerAllocation, resource: str) -> bool:
+        """Whether the container's devices are offered as ``resource`` (those of this node)."""
+        known = [d.uuid for d in container.devices if self.state.card(d.uuid) is not None]
+        return all(self.state.kubelet_resource(u) == resource for u in known)
+
     def preferred(self, available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
         """GetPreferredAllocation: IDs on the cards of the container kubelet is about to start.
 
@@ -279,7 +293,7 @@ class Allocator:
         with self._lock:
             self._prune(waiting)
             try:
-                w, container = self._choose(waiting, ranks, size)
+                w, container = self._choose(waiting, ranks, size, (), available[:1])
             except (LookupError, _Ambiguous):
                 return prefer(list(available), list(must), size)
             ids = prefer(list(available), list(must), size, wanted=[d.uuid for d in container.devices])

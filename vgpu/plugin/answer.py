@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Protocol
 
-from vgpu.core.annotations import ContainerAllocation
+from vgpu.core.annotations import ContainerAllocation, DeviceAllocation
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
 from vgpu.plugin import folders, inject
@@ -47,18 +48,26 @@ def container_response(
 
     With ``driver`` (``driverInject: plugin``) the answer also carries the driver's device nodes
     and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit."""
-    minors = []
+    minors: list[int] = []
+    caps: list[int] = []  # a MIG device's GI and CI access files (/dev/nvidia-caps/nvidia-cap<N>)
+    shares: list[DeviceAllocation] = []
     for d in container.devices:
         card = state.card(d.uuid)
         if card is None:
             raise PodFailure(f"card {d.uuid} of container {container.name} is not on node {node}")
         if not card.healthy:
             raise PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
-        minors.append(card.minor if card.minor >= 0 else card.index)
+        minor = card.minor if card.minor >= 0 else card.index
+        minors += [minor] if minor not in minors else []
+        mig = state.mig_device(d.uuid)
+        if mig is not None:  # a MIG device is whole: its limit is the slice's memory
+            caps += [m for m in (mig.gi_minor, mig.ci_minor) if m >= 0]
+            d = replace(d, memory_mib=card.memory_mib, cores=100)
+        shares.append(d)
     devices: list[api_pb2.DeviceSpec] = []
     if driver is not None:
         try:
-            devices = driver.devices(minors)
+            devices = driver.devices(minors) + driver.caps(caps)
         except FileNotFoundError as err:
             raise PodFailure(
                 f"driverInject is plugin but {err} of a card of container {container.name} is missing on "
@@ -70,7 +79,7 @@ def container_response(
     # folder is open to all; its parent is closed (0700), so on the host only root reaches it; a
     # tmpfs of its own with containerFolder: tmpfs (vgpu/plugin/folders.py).
     folders.make(host_dir, config.container_folder)
-    envs, grant = limits(container.devices, config, f"{inside}/{REGION_FILE_NAME}", priority)
+    envs, grant = limits(shares, config, f"{inside}/{REGION_FILE_NAME}", priority)
     record = write_grant_file(paths, host_dir.name, grant)
     # Which hook version the container gets, where it cannot reach: the version stays on the
     # host while the record does (vgpu/plugin/hooklib.py).

@@ -20,6 +20,7 @@ from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, collect
+from vgpu.plugin.mig import MigControl, mig_layout
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.enforce import PodActions
@@ -49,9 +50,17 @@ class Daemon:
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)
     # driverInject: plugin: the driver files Allocate hands out (vgpu/plugin/driver.py); None: the runtime's
     driver: DriverFiles | None = None
+    # the cards' MIG state (vgpu/plugin/mig.py), read at start under migStrategy single or mixed
+    mig: MigControl | None = None
 
     def __post_init__(self) -> None:
-        self.state = DeviceState(self.discovery.cards(), self.config)
+        cards = self.discovery.cards()
+        migs = (
+            mig_layout(self.mig, [c.uuid for c in cards])
+            if self.mig is not None and self.config.mig_strategy != "none"
+            else {}
+        )
+        self.state = DeviceState(cards, self.config, migs)
         self.arrivals = Arrivals()
         self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
         self.allocator.driver = self.driver
@@ -62,7 +71,11 @@ class Daemon:
             if isinstance(self.client, PodWatchSource)
             else None
         )
-        self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
+        # one socket per kubelet resource (migStrategy mixed: one per MIG profile), resourceName first
+        self.servers = [
+            PluginServer(self.paths, self.state, self.allocator, r) for r in self.state.resources()
+        ]
+        self.server = self.servers[0]
         containers_dir = self.paths.containers_dir
         self.reporter = NodeReporter(
             self.node, self.namespace, self.state, self.client, usage=lambda: region_usage(containers_dir)
@@ -96,7 +109,8 @@ class Daemon:
         if self.arrival_watch is not None:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
         self.reporter.start()
-        self.server.start()
+        for server in self.servers:
+            server.start()
         self._health.start()
         self._sweeper.start()
         self.monitor.start()
@@ -127,7 +141,8 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
         self.monitor.stop()
-        self.server.stop()
+        for server in self.servers:
+            server.stop()
         if self.arrival_watch is not None:
             self.arrival_watch.stop()
         self.reporter.stop()

@@ -2,18 +2,26 @@
 
 Each card is advertised to kubelet as ``split`` device IDs ``<uuid>::<n>``; the inventory of
 contract 2 (docs/contracts.md) carries the card with the node's memory and core scaling applied.
+
+Under ``migStrategy`` single or mixed a card in MIG mode is not offered itself: each of its MIG
+devices is, whole (one device ID ``MIG-<uuid>::0``, split 1, its own memory, 100 % of its cores),
+as ``nvidia.com/gpu`` (single) or ``nvidia.com/mig-<profile>`` (mixed, one kubelet resource per
+profile: ``resources``), and the inventory says where it sits (``Device.mig``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from vgpu.core.annotations import Device, NodeInventory
+from vgpu.core.annotations import GPU_RESOURCE, Device, MigSlice, NodeInventory
+from vgpu.core.mig import resource_for
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.discovery import Card, Discovery
+from vgpu.plugin.mig import MigDevice
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +79,79 @@ def prefer(available: list[str], must: list[str], size: int, wanted: list[str] |
 class DeviceState:
     """Cards, config and health; ``version`` grows on every change and waiters are woken."""
 
-    def __init__(self, cards: list[Card], config: NodeConfig) -> None:
+    def __init__(
+        self, cards: list[Card], config: NodeConfig, migs: Mapping[str, Sequence[MigDevice]] | None = None
+    ) -> None:
+        """``migs``: the MIG devices of each card in MIG mode (by the card's uuid); used only
+        under ``migStrategy`` single or mixed."""
         self.config = config
+        self._mig: dict[str, MigDevice] = {}  # a MIG device offered, by its uuid
+        self._children: dict[str, list[str]] = {}  # a card in MIG mode -> its MIG devices' uuids
+        cards = self._offer_migs(cards, migs or {}) if config.mig_strategy != "none" else cards
         self._cards = {c.uuid: c for c in cards}
         self._order = [c.uuid for c in cards]
         self._cond = threading.Condition()
         self.version = 0
         # why the node's cards are not offered at all (one mode per node: a DRA node), or None
         self.withheld: str | None = None
+        self.mig_problem = self._single_problem(cards, migs or {})
+        if self.mig_problem:
+            log.error("%s", self.mig_problem)
+            self.withheld = self.mig_problem
+
+    def _offer_migs(self, cards: list[Card], migs: Mapping[str, Sequence[MigDevice]]) -> list[Card]:
+        """Each card in MIG mode replaced by its MIG devices, as cards of their own."""
+        out: list[Card] = []
+        for c in cards:
+            devices = migs.get(c.uuid)
+            if devices is None:
+                out.append(c)
+                continue
+            self._children[c.uuid] = [d.uuid for d in devices]
+            for d in devices:
+                self._mig[d.uuid] = d
+                out.append(
+                    replace(
+                        c, uuid=d.uuid, model=f"{c.model} MIG {d.profile}", memory_mib=d.memory_mib, links={}
+                    )
+                )
+        return out
+
+    def _single_problem(self, cards: list[Card], migs: Mapping[str, Sequence[MigDevice]]) -> str | None:
+        """Why ``migStrategy: single`` cannot offer this node's cards (as NVIDIA's plugin refuses
+        them): cards in MIG mode beside cards that are not, or MIG devices of two profiles."""
+        if self.config.mig_strategy != "single" or not migs:
+            return None
+        profiles = sorted({d.profile for devs in migs.values() for d in devs})
+        whole = [c.uuid for c in cards if c.uuid not in self._mig]
+        if len(profiles) > 1 or whole:
+            found = f"MIG devices of profiles {', '.join(profiles)}" if len(profiles) > 1 else ""
+            found += (" and " if found else "") + (
+                f"cards not in MIG mode ({', '.join(whole)})" if whole else ""
+            )
+            return (
+                f"migStrategy single needs every card in MIG mode with MIG devices of one profile, but this "
+                f"node has {found}: no card is offered. Re-partition the cards to one profile, or set "
+                f"migStrategy: mixed (docs/mig.md)"
+            )
+        return None
+
+    def mig_device(self, uuid: str) -> MigDevice | None:
+        """The MIG device offered as ``uuid``; None for a whole card."""
+        return self._mig.get(uuid)
+
+    def kubelet_resource(self, uuid: str) -> str:
+        """The kubelet resource a card or MIG device is offered as."""
+        d = self._mig.get(uuid)
+        if d is None or self.config.mig_strategy != "mixed":
+            return self.config.resource_name
+        return resource_for(d.profile)
+
+    def resources(self) -> list[str]:
+        """Every kubelet resource the node offers: the node config's ``resourceName`` first (always
+        registered, as before), then one per MIG profile under ``migStrategy: mixed``."""
+        others = {self.kubelet_resource(u) for u in self._mig} - {self.config.resource_name}
+        return [self.config.resource_name, *sorted(others)]
 
     def cards(self) -> list[Card]:
         with self._cond:
@@ -89,15 +162,19 @@ class DeviceState:
             return self._cards.get(uuid)
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
-        """Record a card's health; returns whether it changed."""
+        """Record a card's health (a card in MIG mode: its MIG devices'); returns whether it changed."""
         with self._cond:
-            card = self._cards.get(uuid)
-            if card is None or card.healthy == healthy:
-                return False
-            self._cards[uuid] = replace(card, healthy=healthy)
-            self.version += 1
-            self._cond.notify_all()
-            return True
+            changed = False
+            for u in self._children.get(uuid, [uuid]):
+                card = self._cards.get(u)
+                if card is None or card.healthy == healthy:
+                    continue
+                self._cards[u] = replace(card, healthy=healthy)
+                changed = True
+            if changed:
+                self.version += 1
+                self._cond.notify_all()
+            return changed
 
     def wait_change(self, seen: int, timeout_s: float) -> int:
         """Block until ``version`` differs from ``seen`` or the timeout passes; returns the version."""
@@ -111,6 +188,7 @@ class DeviceState:
         Withheld, kubelet is told of no device and the inventory lists none, so neither kubelet
         nor the extender can hand out a card another path (DRA) books.
         """
+        reason = reason or self.mig_problem  # a node single cannot offer stays withheld
         with self._cond:
             if reason == self.withheld:
                 return False
@@ -125,15 +203,19 @@ class DeviceState:
             self.version += 1
             self._cond.notify_all()
 
-    def kubelet_devices(self) -> list[api_pb2.Device]:
+    def kubelet_devices(self, resource: str | None = None) -> list[api_pb2.Device]:
+        """The device IDs of ``resource`` (default: the node config's ``resourceName``)."""
         out: list[api_pb2.Device] = []
         if self.withheld is not None:
             return out
+        resource = resource or self.config.resource_name
         for card in self.cards():
+            if self.kubelet_resource(card.uuid) != resource:
+                continue
             topology = (
                 api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=card.numa)]) if card.numa >= 0 else None
             )
-            for n in range(self.config.split):
+            for n in range(1 if card.uuid in self._mig else self.config.split):
                 out.append(
                     api_pb2.Device(
                         ID=device_id(card.uuid, n),
@@ -144,8 +226,23 @@ class DeviceState:
         return out
 
     def offered(self, c: Card) -> Device:
-        """The card as it is offered to vGPUs: the node config's scaling and split applied."""
+        """The card as it is offered to vGPUs: the node config's scaling and split applied (a MIG
+        device whole, as it is)."""
         cfg = self.config
+        m = self._mig.get(c.uuid)
+        if m is not None:
+            return Device(
+                uuid=c.uuid,
+                index=c.index,
+                model=c.model,
+                memory_mib=c.memory_mib,
+                cores=100,
+                split=1,
+                numa=c.numa,
+                healthy=c.healthy,
+                resource=resource_for(m.profile) if cfg.mig_strategy == "mixed" else GPU_RESOURCE,
+                mig=MigSlice(m.parent, m.profile, m.placement.start, m.placement.size),
+            )
         return Device(
             uuid=c.uuid,
             index=c.index,

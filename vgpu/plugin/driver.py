@@ -106,6 +106,17 @@ class DriverFiles:
             specs.append(_spec(name))
         return specs
 
+    def caps(self, minors: list[int]) -> list[api_pb2.DeviceSpec]:
+        """The MIG capability files (``/dev/nvidia-caps/nvidia-cap<minor>``) a MIG device needs,
+        its GPU instance's and compute instance's; ``FileNotFoundError`` for one that is missing."""
+        specs = []
+        for minor in dict.fromkeys(minors):
+            name = f"nvidia-caps/nvidia-cap{minor}"
+            if not (self.dev_dir / name).exists():
+                raise FileNotFoundError(f"/dev/{name}")
+            specs.append(_spec(name))
+        return specs
+
 
 def _is_elf(path: Path) -> bool:
     """The driver's own files are ELF; a wrapper script of the same name (some images put one in

@@ -141,6 +141,30 @@ class MigControl(Protocol):
         ...
 
 
+def mig_layout(control: MigControl, cards: list[str]) -> dict[str, list[MigDevice]]:
+    """The MIG devices of each card in MIG mode now (by the card's uuid); cards without MIG, or
+    whose MIG state cannot be read, are left out (and offered whole). A mode change waiting for
+    a reset is logged: the card is offered as it is now."""
+    found: dict[str, list[MigDevice]] = {}
+    for uuid in cards:
+        try:
+            mode = control.mode(uuid)
+        except (MigRefused, MigError):
+            continue  # no MIG on this card
+        if mode.pending_reset:
+            log.warning("card %s: MIG mode is %s; offered as it is now", uuid, mode.describe())
+        if not mode.current:
+            continue
+        try:
+            found[uuid] = control.devices(uuid)
+        except (MigRefused, MigError) as err:
+            log.error(
+                "card %s is in MIG mode but its MIG devices cannot be read (%s): not offered", uuid, err
+            )
+            found[uuid] = []
+    return found
+
+
 def parse_mig_minors(text: str) -> dict[tuple[int, int, int], int]:
     """``mig-minors`` as {(gpu, gi, ci): minor}; ci -1 for a GI's own access file."""
     found: dict[tuple[int, int, int], int] = {}

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from vgpu.core import logs
 from vgpu.core.errors import ConfigError, KubeError
+from vgpu.core.mig import MigError
 from vgpu.core.service import Service
 from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.daemon import Daemon
@@ -32,6 +33,7 @@ from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles, find_driver
 from vgpu.plugin.hooklib import HookInstall, install_hook
+from vgpu.plugin.mig import MigControl, mig_layout
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import PodLister
 from vgpu.plugin.monitor.service import NodeMonitor
@@ -156,9 +158,24 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         settings.listen,
         settings.arbiter,
         driver,
+        open_mig(settings, config, discovery),
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
     return daemon
+
+
+def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -> MigControl | None:
+    """The cards' MIG state under ``migStrategy`` single or mixed: the fake file's, else NVML's."""
+    if config.mig_strategy == "none":
+        return None
+    if settings.fake_nvml is not None:
+        return getattr(discovery, "mig", None)
+    from vgpu.plugin.mig import NvmlMig
+
+    try:
+        return NvmlMig()
+    except MigError as err:
+        raise ConfigError("migStrategy", "", str(err)) from err
 
 
 class MonitorNode:
@@ -190,7 +207,9 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
 
         client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
         list_pods = client.list_node_pods
-    state = DeviceState(discovery.cards(), config)
+    mig = open_mig(settings, config, discovery)
+    cards = discovery.cards()
+    state = DeviceState(cards, config, mig_layout(mig, [c.uuid for c in cards]) if mig is not None else None)
     paths = HostPaths(settings.root)
     monitor = NodeMonitor(
         settings.node,

@@ -163,6 +163,8 @@ class NvmlDiscovery:
     def processes(self, uuid: str) -> list[GpuProcess] | None:
         """The compute processes on one card with their memory and SM share; None when NVML fails."""
         nv = self._nvml
+        if uuid.startswith("MIG-"):
+            return self._mig_processes(uuid)
         try:
             index = self._uuids.index(uuid)
             listed = nv.nvmlDeviceGetComputeRunningProcesses(self._handles[index])
@@ -178,6 +180,19 @@ class NvmlDiscovery:
                 log.warning("NVML does not give per-process memory on %s; memory is not enforced", uuid)
             found[int(p.pid)] = found.get(int(p.pid), 0) + int(used or 0)  # one entry per context
         return [GpuProcess(pid, used, sm.get(pid)) for pid, used in found.items()]
+
+    def _mig_processes(self, uuid: str) -> list[GpuProcess] | None:
+        """The processes on one MIG device, from NVML on the MIG device's own handle (its memory
+        is the slice's; the driver gives no per-process SM samples on a MIG device)."""
+        nv = self._nvml
+        try:
+            listed = nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByUUID(uuid))
+        except nv.NVMLError:
+            return None
+        found: dict[int, int] = {}
+        for p in listed:
+            found[int(p.pid)] = found.get(int(p.pid), 0) + int(getattr(p, "usedGpuMemory", 0) or 0)
+        return [GpuProcess(pid, used) for pid, used in found.items()]
 
     def _utilization(self, index: int, every_s: float = 1.0) -> dict[int, int]:
         """pid -> SM percent from the samples since the last read, read at most every ``every_s``."""

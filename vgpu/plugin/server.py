@@ -30,10 +30,13 @@ API_VERSION = "v1beta1"
 
 
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, state: DeviceState, allocator: Allocator, stopping: threading.Event) -> None:
+    def __init__(
+        self, state: DeviceState, allocator: Allocator, stopping: threading.Event, resource: str | None = None
+    ) -> None:
         self.state = state
         self.allocator = allocator
         self.stopping = stopping
+        self.resource = resource  # the kubelet resource this socket serves; None: resourceName
 
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -48,7 +51,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             version = self.state.version
             if version != seen:
                 seen = version
-                yield api_pb2.ListAndWatchResponse(devices=self.state.kubelet_devices())
+                yield api_pb2.ListAndWatchResponse(devices=self.state.kubelet_devices(self.resource))
             self.state.wait_change(seen, 1.0)
 
     def GetPreferredAllocation(
@@ -81,8 +84,14 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
 
+def socket_name(resource: str, default: str) -> str:
+    """The socket of a resource other than the node's ``resourceName`` (``default``), one each:
+    ``vgpu-mig-1g.10gb.sock`` for ``nvidia.com/mig-1g.10gb``."""
+    return PLUGIN_SOCKET_NAME if resource == default else f"vgpu-{resource.rsplit('/', 1)[-1]}.sock"
+
+
 class PluginServer:
-    """Serves the plugin socket and keeps it registered with kubelet."""
+    """Serves the plugin socket of one resource and keeps it registered with kubelet."""
 
     def __init__(
         self,
@@ -96,6 +105,8 @@ class PluginServer:
         self.state = state
         self.allocator = allocator
         self.resource_name = resource_name
+        self.endpoint = socket_name(resource_name, state.config.resource_name)
+        self.socket = paths.kubelet_dir / self.endpoint
         self.watch_interval_s = watch_interval_s
         self._server: grpc.Server | None = None
         self._streams_stop = threading.Event()
@@ -111,13 +122,13 @@ class PluginServer:
     def _serve(self) -> None:
         self._stop_server()
         self.paths.kubelet_dir.mkdir(parents=True, exist_ok=True)
-        sock = self.paths.plugin_socket
+        sock = self.socket
         if sock.exists() or sock.is_symlink():
             sock.unlink()
         self._streams_stop = threading.Event()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="dp-grpc"))
         api_pb2_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginService(self.state, self.allocator, self._streams_stop), server
+            DevicePluginService(self.state, self.allocator, self._streams_stop, self.resource_name), server
         )
         server.add_insecure_port(f"unix://{sock}")
         server.start()
@@ -138,7 +149,7 @@ class PluginServer:
                 api_pb2_grpc.RegistrationStub(channel).Register(
                     api_pb2.RegisterRequest(
                         version=API_VERSION,
-                        endpoint=PLUGIN_SOCKET_NAME,
+                        endpoint=self.endpoint,
                         resource_name=self.resource_name,
                         options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
                     ),
@@ -164,7 +175,7 @@ class PluginServer:
             self._registered = False  # kubelet is down; register when its socket is back
             return
         restarted = self._kubelet_inode is not None and inode != self._kubelet_inode
-        need_serve = self._server is None or restarted or not self.paths.plugin_socket.exists()
+        need_serve = self._server is None or restarted or not self.socket.exists()
         if need_serve:
             if self._server is not None:
                 # kubelet restarted: it recreated its socket (the inode may even be reused) and
@@ -195,6 +206,6 @@ class PluginServer:
             self._watcher.stop()
         self._stop_server()
         try:
-            self.paths.plugin_socket.unlink()
+            self.socket.unlink()
         except OSError:
             pass
