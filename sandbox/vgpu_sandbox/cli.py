@@ -36,6 +36,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--gpu-model", default=defaults.gpu_model, help="model name (default %(default)r)")
     up.add_argument("--split", type=int, default=defaults.split, help="vGPUs per card (default %(default)s)")
     up.add_argument(
+        "--mig",
+        choices=("single", "mixed"),
+        default=None,
+        help="the simulated nodes' cards as H100 80GB in MIG mode, offered with this migStrategy "
+        "(single: seven 1g.10gb a card as nvidia.com/gpu; mixed: 1g.10gb x2, 2g.20gb, 3g.40gb a card "
+        "as nvidia.com/mig-<profile>; docs/mig.md)",
+    )
+    up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"
     )
     up.add_argument(
@@ -89,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 gpu_memory_mib=args.gpu_memory,
                 gpu_model=args.gpu_model,
                 split=args.split,
+                mig=args.mig or "none",
                 apiserver_port=args.apiserver_port,
                 product=not args.control_plane_only,
                 real_node=args.real_node,

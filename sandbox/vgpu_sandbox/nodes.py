@@ -25,6 +25,21 @@ class GPUSpec:
     memory_mib: int
     model: str
     split: int
+    mig: str = "none"  # none, or the migStrategy of MIG_LAYOUTS the cards are partitioned for
+
+
+# The simulated cards in MIG mode (``vgpu sandbox up --mig``): an H100 80GB each, its GPU
+# instances by profile and start (memory slice), as the fake NVML's ``mig:`` section takes them.
+MIG_MODEL = ("NVIDIA H100 80GB HBM3", 81559)
+MIG_LAYOUTS: dict[str, list[dict[str, Any]]] = {
+    "single": [{"profile": "1g.10gb", "start": s} for s in range(7)],
+    "mixed": [
+        {"profile": "1g.10gb", "start": 0},
+        {"profile": "1g.10gb", "start": 1},
+        {"profile": "2g.20gb", "start": 2},
+        {"profile": "3g.40gb", "start": 4},
+    ],
+}
 
 
 def node_name(i: int) -> str:
@@ -54,6 +69,9 @@ def fake_gpus(node: str, spec: GPUSpec) -> list[dict[str, Any]]:
                 "links": peers,
             }
         )
+        if spec.mig != "none":
+            gpus[-1].update(model=MIG_MODEL[0], memoryMiB=MIG_MODEL[1])
+            gpus[-1]["mig"] = {"mode": "enabled", "instances": MIG_LAYOUTS[spec.mig]}
     return gpus
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from vgpu.core.boundary import NODE_CLAIM
+from vgpu.core.mig import mig_resources
 from vgpu_sandbox import controlplane, nodes
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.errors import SandboxError
@@ -39,6 +40,7 @@ MANAGED_RESOURCES = (
     "nvidia.com/gpumem-percentage",
     "nvidia.com/gpucores",
     "nvidia.com/priority",
+    *mig_resources(),  # a pod asking only for nvidia.com/mig-<profile> goes to the extender too
 )
 INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
 # The product's parts run as the accounts the chart makes for release vgpu in kube-system (the
@@ -312,7 +314,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
     """Per node: the kubelet stand-in first (it owns kubelet.sock), then the device plugin."""
     layout = sandbox.layout
     progress(f"starting a device plugin and a kubelet stand-in on each of {spec.nodes} nodes")
-    gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split)
+    gpu = nodes.GPUSpec(spec.gpus_per_node, spec.gpu_memory_mib, spec.gpu_model, spec.split, spec.mig)
     names = [nodes.node_name(i) for i in range(spec.nodes)]
     kubeconfig = layout.identity_kubeconfig("vgpu")  # the kubelet stand-in's
     hook = hook_library()
@@ -325,7 +327,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         gpus_file = root / "gpus.yaml"
         gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
         config_file = root / "node-config.yaml"
-        config_file.write_text(yaml.safe_dump({"split": spec.split}))
+        config_file.write_text(yaml.safe_dump({"split": spec.split, "migStrategy": spec.mig}))
         sandbox.launch(
             f"kubelet-{name}",
             [
@@ -360,12 +362,17 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         for item in listed.get("items", []):
             annotations = item["metadata"].get("annotations") or {}
             allocatable = item.get("status", {}).get("allocatable", {})
-            if INVENTORY_ANNOTATION in annotations and int(allocatable.get("nvidia.com/gpu", "0")) > 0:
+            offered = sum(
+                int(v)
+                for k, v in allocatable.items()
+                if k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")
+            )
+            if INVENTORY_ANNOTATION in annotations and offered > 0:
                 done += 1
         return done >= len(names)
 
     sandbox.wait_for(
-        "every device plugin to report its node's GPUs (inventory annotation and nvidia.com/gpu)",
+        "every device plugin to report its node's GPUs (inventory annotation and nvidia.com/gpu or mig-*)",
         inventories_written,
         60 + spec.nodes * 0.5,
         [f"{kind}-{name}" for name in names for kind in ("kubelet", "device-plugin")],

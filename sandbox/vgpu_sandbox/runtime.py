@@ -60,6 +60,9 @@ class Spec:
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
+    # The simulated nodes' cards as H100 80GB in MIG mode, offered by the device plugin's
+    # migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed, 1g.10gb, 2g.20gb, 3g.40gb)
+    mig: str = "none"
 
     def validate(self) -> None:
         checks = [
@@ -73,6 +76,11 @@ class Spec:
             (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),
             (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
             (1 <= self.split <= 100, "--split must be between 1 and 100"),
+            (self.mig in ("none", "single", "mixed"), "--mig must be single or mixed"),
+            (
+                self.mig == "none" or not self.real_node,
+                "--mig is for the simulated nodes: leave out --real-node",
+            ),
             (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
             (
                 self.local_scheduler or self.real_node,

@@ -207,3 +207,19 @@ def test_allocate_hands_the_slice(tmp_path: Path) -> None:
 def test_an_older_inventory_still_reads(tmp_path: Path) -> None:
     inv = NodeInventory(node(tmp_path, "none", MIXED_A, MIXED_B).inventory().devices)
     assert '"version":1' in encode_devices(inv) and all(d.mig is None for d in inv.devices)
+
+
+def test_the_charts_managed_resources_name_every_mig_profile() -> None:
+    """kube-scheduler calls the extender only for pods asking a managed resource: a pod asking
+    for a MIG device alone must reach it, so the chart lists every profile the tables give."""
+    import re
+
+    from vgpu.core.mig import mig_resources
+
+    text = (Path(__file__).parents[2] / "charts/vgpu/templates/scheduler-config.yaml").read_text()
+    listed = re.search(r'range list ((?:"[^"]+" ?)+)', text)
+    assert listed is not None
+    assert (
+        tuple(sorted("nvidia.com/mig-" + n for n in re.findall(r'"([^"]+)"', listed.group(1))))
+        == mig_resources()
+    )

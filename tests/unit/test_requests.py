@@ -213,7 +213,7 @@ def test_hamis_vgpu_mode_is_accepted_for_hami_core_and_refused_for_mig_or_mps() 
         with pytest.raises(RequestError) as info:
             parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": bad}), CFG)
         assert info.value.field == "metadata.annotations[nvidia.com/vgpu-mode]"
-        assert "MIG and MPS are not offered" in info.value.message
+        assert "MPS is not offered" in info.value.message
 
 
 def test_hamis_numa_bind_is_refused_when_true_and_ignored_otherwise_as_hami_does() -> None:

@@ -189,6 +189,12 @@ def profile_of_resource(resource: str) -> str | None:
     return rest[: -len(".me")] + "+me" if rest.endswith(".me") else rest
 
 
+def mig_resources() -> tuple[str, ...]:
+    """Every mixed-strategy resource a table here gives, sorted: what kube-scheduler must send
+    the extender (its ``managedResources``) for a pod asking only for MIG devices."""
+    return tuple(sorted({p.resource for t in TABLES for p in t.profiles}))
+
+
 def known_profile(name: str) -> bool:
     return name in profile_names()
 

@@ -410,7 +410,7 @@ def _hami_modes(annos: Mapping[str, Any]) -> None:
             SOURCE,
             _field_of(ann.HAMI_VGPU_MODE_ANNOTATION),
             f"must name hami-core, got {shown(mode)}: every card here is shared the way HAMi-core "
-            "shares it; MIG and MPS are not offered",
+            "shares it; MIG is asked for with nvidia.com/mig-<profile> (docs/mig.md), MPS is not offered",
         )
     bind = annos.get(ann.HAMI_NUMA_BIND_ANNOTATION)
     # strconv.ParseBool's true spellings, as HAMi reads it; anything else means no binding there
