@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from vgpu.core.annotations import LEASE_PREFIX
 from vgpu.core.config import load_config
+from vgpu.core.mig import mig_resources
 from vgpu.extender import cli as extender_cli
 from vgpu.plugin import cli as plugin_cli
 from vgpu.plugin.config import NodeConfig, parse_node_config
@@ -182,6 +183,7 @@ def test_kube_scheduler_calls_the_extender_over_https_with_the_release_ca() -> N
         "nvidia.com/gpumem-percentage": True,
         "nvidia.com/gpucores": True,
         "nvidia.com/priority": True,
+        **dict.fromkeys(mig_resources(), True),  # a pod asking for MIG devices alone reaches it too
     }
     secret = find(objs, "Secret", "vgpu-extender-tls")
     assert ext["tlsConfig"]["caData"] == secret["data"]["ca.crt"]

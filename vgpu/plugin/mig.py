@@ -232,6 +232,10 @@ class NvmlMig:
                 minor = i
             self._cards[_text(pynvml.nvmlDeviceGetUUID(h))] = (minor, h)
 
+    def cards(self) -> list[str]:
+        """The uuids of the node's cards, in NVML's order."""
+        return list(self._cards)
+
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
