@@ -223,3 +223,21 @@ def test_the_charts_managed_resources_name_every_mig_profile() -> None:
         tuple(sorted("nvidia.com/mig-" + n for n in re.findall(r'"([^"]+)"', listed.group(1))))
         == mig_resources()
     )
+
+
+def test_the_webhook_routes_mig_pods_and_adds_no_gpu_count() -> None:
+    """A pod asking for MIG devices (and a priority) goes to the vgpu scheduler as it is: the
+    mutating webhook adds no nvidia.com/gpu, which the validating one would then refuse."""
+    from vgpu.extender.webhook import mutate, validate
+
+    p = pod({"nvidia.com/mig-1g.10gb": "1", "nvidia.com/priority": "0"})
+    review = {"request": {"uid": "r", "object": p, "operation": "CREATE"}}
+    patch = mutate(review, SchedulerConfig())["response"]["patch"]
+    import base64
+    import json
+
+    ops = json.loads(base64.b64decode(patch))
+    assert [o["path"] for o in ops] == ["/spec/schedulerName"]
+    bad = {"request": {"uid": "r", "object": pod({"nvidia.com/mig-9g.90gb": "1"}), "operation": "CREATE"}}
+    answer = validate(bad, SchedulerConfig())["response"]
+    assert answer["allowed"] is False and "no MIG profile '9g.90gb'" in answer["status"]["message"]

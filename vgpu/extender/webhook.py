@@ -47,6 +47,7 @@ from vgpu.core.boundary import CLAIM_PRIORITY, Boundary, placement_refusal, prio
 from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_capacity, check_entries
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
+from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
 from vgpu.core.requests import RESOURCE_GPU, RESOURCES, Selection, asks_for_vgpu, parse_pod
 
 Obj = dict[str, Any]
@@ -116,8 +117,10 @@ def _default_gpu_count(spec: Obj) -> list[Obj]:
             parts: dict[str, Obj] = {
                 p: res[p] for p in ("limits", "requests") if isinstance(res.get(p), dict)
             }
-            if any(RESOURCE_GPU in v for v in parts.values()):
-                continue
+            if any(
+                RESOURCE_GPU in v or any(str(r).startswith(MIG_PREFIX) for r in v) for v in parts.values()
+            ):
+                continue  # counted already, or whole MIG devices (nvidia.com/mig-<profile>)
             if not any(r in v for v in parts.values() for r in others):
                 continue
             for part, values in parts.items():
