@@ -4,7 +4,8 @@ kube-scheduler with the extender and the webhook.
 
 Pods of two profiles land on whole slices of their profile, each Allocate hands the slice's MIG
 uuid and its memory as the limit, no slice ever holds two pods, a pod past the free slices waits,
-and removing a pod frees its slice for the next one.
+removing a pod frees its slice for the next one, and a restart of the device plugin between
+keeps every MIG device as it was.
 
 Each strategy starts a sandbox of its own (one node, two cards), beside the session's.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vgpu_sandbox import procs
 from vgpu_sandbox.cluster import Sandbox, Spec
 from vgpu_sandbox.kubelet import ERROR_ANNOTATION, RECORD_ANNOTATION
 
@@ -76,6 +78,16 @@ def pending(sb: Sandbox, name: str) -> bool:
     return not got["spec"].get("nodeName") and got["status"].get("phase") == "Pending"
 
 
+def restart_plugin(sb: Sandbox) -> None:
+    """Stop the node's device plugin (SIGTERM) and start it again as it ran."""
+    state = sb.state()
+    assert state is not None
+    plugin = next(c for c in reversed(state.components) if c.name == f"device-plugin-{NODE}")
+    procs.stop_all([plugin.pid], None)
+    assert not procs.alive(plugin.pid)
+    sb.launch(plugin.name, plugin.argv, plugin.port)
+
+
 def delete(sb: Sandbox, *names: str) -> None:
     sb.kubectl("delete", "pod", *names, "--wait=true", "--timeout=60s", check=False)
 
@@ -115,6 +127,9 @@ def test_pods_get_whole_slices_and_free_them(mig_sandbox: tuple[str, Sandbox]) -
             assert len(given["large"]) == 2  # two slices, two different ones
         else:
             assert envs["large"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "40448m"
+        # the plugin restarts: the cards kept their instances (the same MIG devices, re-read)
+        restart_plugin(sb)
+        assert poll(lambda: slices(sb) == on_node or None, timeout=30, every=0.5)
         # every small slice is taken: the next small pod waits, scheduled nowhere
         create(sb, "waiting", **small)
         assert poll(lambda: pending(sb, "waiting") or None, timeout=10, every=0.5)
