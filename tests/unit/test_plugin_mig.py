@@ -241,3 +241,31 @@ def test_the_webhook_routes_mig_pods_and_adds_no_gpu_count() -> None:
     bad = {"request": {"uid": "r", "object": pod({"nvidia.com/mig-9g.90gb": "1"}), "operation": "CREATE"}}
     answer = validate(bad, SchedulerConfig())["response"]
     assert answer["allowed"] is False and "no MIG profile '9g.90gb'" in answer["status"]["message"]
+
+
+def test_the_host_view_reads_processes_on_each_slice(tmp_path: Path) -> None:
+    """The node monitor's memory check goes over what the node offers: each MIG device, whose
+    processes the driver lists on the MIG device itself (the fake's processDir, by its uuid)."""
+    import os
+
+    from vgpu.plugin.monitor.hostview import HostView
+
+    procs = tmp_path / "procs"
+    procs.mkdir()
+    f = tmp_path / "gpus.yaml"
+    f.write_text(
+        f"gpus: [{{uuid: {A}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, mig: {MIXED_A}}}]\n"
+        f"processDir: {procs}\n"
+    )
+    d = FakeDiscovery(f)
+    assert d.mig is not None
+    state = DeviceState(
+        d.cards(), parse_node_config("migStrategy: mixed\n", "n", "c"), mig_layout(d.mig, [A])
+    )
+    three = next(c.uuid for c in state.cards() if c.model.endswith("3g.40gb"))
+    stat = Path("/proc/self/stat").read_text()
+    started = stat[stat.rindex(")") + 2 :].split()[19]
+    (procs / f"{os.getpid()}@{started}").write_text(f"{three} 5242880\n")
+    view = HostView("n", HostPaths(tmp_path / "root"), d, lambda: [c.uuid for c in state.cards()])
+    got = view.read().unattributed
+    assert got[three] == 5242880 and sum(got.values()) == 5242880 and A not in got
