@@ -40,8 +40,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         choices=("single", "mixed"),
         default=None,
         help="the simulated nodes' cards as H100 80GB in MIG mode, offered with this migStrategy "
-        "(single: seven 1g.10gb a card as nvidia.com/gpu; mixed: 1g.10gb x2, 2g.20gb, 3g.40gb a card "
-        "as nvidia.com/mig-<profile>; docs/mig.md)",
+        "(single: seven 1g.10gb a card as nvidia.com/gpu; mixed: 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb "
+        "a card as nvidia.com/mig-<profile>; docs/mig.md)",
     )
     up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"

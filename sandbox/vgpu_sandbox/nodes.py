@@ -35,7 +35,7 @@ MIG_LAYOUTS: dict[str, list[dict[str, Any]]] = {
     "single": [{"profile": "1g.10gb", "start": s} for s in range(7)],
     "mixed": [
         {"profile": "1g.10gb", "start": 0},
-        {"profile": "1g.10gb", "start": 1},
+        {"profile": "1g.10gb+me", "start": 1},
         {"profile": "2g.20gb", "start": 2},
         {"profile": "3g.40gb", "start": 4},
     ],

@@ -61,7 +61,8 @@ class Spec:
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
     # The simulated nodes' cards as H100 80GB in MIG mode, offered by the device plugin's
-    # migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed, 1g.10gb, 2g.20gb, 3g.40gb)
+    # migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed, 1g.10gb, 1g.10gb+me,
+    # 2g.20gb, 3g.40gb)
     mig: str = "none"
 
     def validate(self) -> None:

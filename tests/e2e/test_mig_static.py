@@ -2,10 +2,11 @@
 MIG mode (the fake NVML's tables), the device plugin under migStrategy single and mixed, the real
 kube-scheduler with the extender and the webhook.
 
-Pods of two profiles land on whole slices of their profile, each Allocate hands the slice's MIG
-uuid and its memory as the limit, no slice ever holds two pods, a pod past the free slices waits,
-removing a pod frees its slice for the next one, and a restart of the device plugin between
-keeps every MIG device as it was.
+Pods of each profile land on whole slices of their profile (single's one profile, a pod of two
+slices among them; mixed's four, the media extension's ``1g.10gb+me`` among them), each Allocate
+hands the slice's MIG uuid and its memory as the limit, no slice ever holds two pods, a pod past
+the free slices waits, removing a pod frees its slice for the next one, and a restart of the
+device plugin between keeps every MIG device as it was.
 
 Each strategy starts a sandbox of its own (one node, two cards), beside the session's.
 """
@@ -104,18 +105,24 @@ def test_pods_get_whole_slices_and_free_them(mig_sandbox: tuple[str, Sandbox]) -
         small_profile = large_profile = "1g.10gb"
         free_small = 12  # and the large pod's two: every slice of the node
     else:
-        assert sorted(on_node.values()) == sorted(["1g.10gb"] * 4 + ["2g.20gb"] * 2 + ["3g.40gb"] * 2)
-        assert allocatable["nvidia.com/mig-1g.10gb"] == "4" and allocatable["nvidia.com/mig-3g.40gb"] == "2"
+        profiles = ["1g.10gb", "1g.10gb+me", "2g.20gb", "3g.40gb"]
+        assert sorted(on_node.values()) == sorted(profiles * 2)
+        for profile in profiles:  # one resource per profile, "+me" written ".me"
+            assert allocatable["nvidia.com/mig-" + profile.replace("+", ".")] == "2"
         assert int(allocatable.get("nvidia.com/gpu", "0")) == 0
         small, large = {"nvidia.com/mig-1g.10gb": 1}, {"nvidia.com/mig-3g.40gb": 1}
         small_profile, large_profile = "1g.10gb", "3g.40gb"
-        free_small = 4
+        free_small = 2
     names = [f"small-{i}" for i in range(free_small)]
+    # mixed: a pod of each other profile too, each on a slice of its own profile
+    others = {"media": "1g.10gb+me", "mid": "2g.20gb"} if strategy == "mixed" else {}
     try:
         create(sb, "large", **large)
         for n in names:
             create(sb, n, **small)
-        envs = {n: allocated(sb, n) for n in [*names, "large"]}
+        for n, profile in others.items():
+            create(sb, n, **{"nvidia.com/mig-" + profile.replace("+", "."): 1})
+        envs = {n: allocated(sb, n) for n in [*names, "large", *others]}
         given = {n: e["NVIDIA_VISIBLE_DEVICES"].split(",") for n, e in envs.items()}
         everything = [u for us in given.values() for u in us]
         assert len(everything) == len(set(everything)), given  # never two pods on one slice
@@ -123,6 +130,8 @@ def test_pods_get_whole_slices_and_free_them(mig_sandbox: tuple[str, Sandbox]) -
             (u,) = given[n]
             assert on_node[u] == small_profile and envs[n]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "9984m"
         assert all(on_node[u] == large_profile for u in given["large"])
+        for n, profile in others.items():
+            assert [on_node[u] for u in given[n]] == [profile]
         if strategy == "single":
             assert len(given["large"]) == 2  # two slices, two different ones
         else:
@@ -140,7 +149,7 @@ def test_pods_get_whole_slices_and_free_them(mig_sandbox: tuple[str, Sandbox]) -
         again = allocated(sb, "waiting", timeout=120)
         assert again["NVIDIA_VISIBLE_DEVICES"] == freed
     finally:
-        delete(sb, *names, "large", "waiting")
+        delete(sb, *names, "large", "waiting", *others)
 
 
 def test_a_profile_no_table_has_is_refused_at_admission(mig_sandbox: tuple[str, Sandbox]) -> None:
