@@ -207,7 +207,7 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 mig=_decode_mig(r, obj, path) if v2 and "mig" in obj else None,
             )
         )
-    return NodeInventory(devices=tuple(devices), version=doc["version"])
+    return NodeInventory(devices=tuple(devices))
 
 
 def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:
