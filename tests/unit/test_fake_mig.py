@@ -179,3 +179,37 @@ def test_state_file_where_the_file_says(tmp_path: Path) -> None:
     assert mig is not None and mig.state_path == state and state.exists()
     with pytest.raises(ConfigError, match="migState"):
         FakeDiscovery(write(tmp_path, extra="migState: relative.json\n"))
+
+
+def _make_all(path: str, out: object) -> None:
+    """In a process of its own: a second holder of the same fake cards (the node's DRA driver,
+    say) makes every 1g.10gb it can; ``out`` gets how many it made."""
+    mig = FakeDiscovery(Path(path)).mig
+    assert mig is not None
+    made = 0
+    for start in range(7):
+        try:
+            mig.create(H100, "1g.10gb", start)
+            made += 1
+        except MigRefused as err:
+            assert err.code == INSUFFICIENT_RESOURCES
+    out.put(made)  # type: ignore[attr-defined]
+
+
+def test_two_processes_never_make_one_placement_twice(tmp_path: Path) -> None:
+    import multiprocessing
+
+    f = write(tmp_path, mig="{mode: enabled}")
+    FakeDiscovery(f)  # seeded once
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_make_all, args=(str(f), out)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    assert sum(out.get() for _ in workers) == 7  # each placement made by exactly one of them
+    mig = FakeDiscovery(f).mig
+    assert mig is not None
+    assert sorted(d.placement.start for d in mig.devices(H100)) == list(range(7))
