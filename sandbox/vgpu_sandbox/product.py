@@ -326,6 +326,8 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         gpus_file = root / "gpus.yaml"
         gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
+        # new cards for a new sandbox: their MIG instances start from gpus.yaml (vgpu/plugin/fake_mig.py)
+        (root / "gpus.yaml.mig.json").unlink(missing_ok=True)
         config_file = root / "node-config.yaml"
         config_file.write_text(yaml.safe_dump({"split": spec.split, "migStrategy": spec.mig}))
         sandbox.launch(
