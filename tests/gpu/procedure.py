@@ -27,6 +27,7 @@ PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
             "test_enforce_gpu.py",
             "test_grant_gpu.py",
             "test_plugin_nvml.py",
+            "test_mig_tables_gpu.py",
             "test_plugin_on_gpu.py",
         ),
     ),
