@@ -65,7 +65,12 @@ class Daemon:
         self.server = PluginServer(self.paths, self.state, self.allocator, self.config.resource_name)
         containers_dir = self.paths.containers_dir
         self.reporter = NodeReporter(
-            self.node, self.namespace, self.state, self.client, usage=lambda: region_usage(containers_dir)
+            self.node,
+            self.namespace,
+            self.state,
+            self.client,
+            usage=lambda: region_usage(containers_dir),
+            more=lambda: self.monitor.lease_annotations(),
         )
         self.monitor = NodeMonitor(
             self.node,

@@ -48,6 +48,9 @@ import yaml
 
 from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
+from vgpu.plugin.fake_codec import read_codec
+from vgpu.plugin.fake_memcap import FakeCaps, parse_caps
+from vgpu.plugin.memcap import Limits
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
 KEYS = {
@@ -61,6 +64,7 @@ KEYS = {
     "memoryUsedMiB",
     "utilization",
     "computeCapability",
+    "driverMemoryLimits",  # vgpu/plugin/fake_memcap.py
 }
 _CAPABILITY = re.compile(r"^[0-9]{1,3}\.[0-9]{1,3}$")
 _DRIVER_VERSION = re.compile(r"^[0-9]{1,5}(\.[0-9]{1,5}){1,3}$")
@@ -180,6 +184,7 @@ class FakeDiscovery:
         self._cards, self._usage = parse_fake_gpus(text, str(self.path))
         self.process_dir = parse_process_dir(text, str(self.path))
         self.driver_version = parse_driver_version(text, str(self.path))
+        self.caps = FakeCaps(*parse_caps(yaml.safe_load(text), str(self.path)))  # the driver's cap
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again
@@ -210,15 +215,26 @@ class FakeDiscovery:
             return None
         keys, rows = files
         found: list[GpuProcess] = []
-        for _, pid, lines in rows:
+        for stem, pid, lines in rows:
             held = 0
             for line in lines:
                 key, _, value = line.partition(" ")
                 if key in keys and value.strip().isdigit():
                     held += int(value)
             if held:
-                found.append(GpuProcess(pid, held))
+                assert self.process_dir is not None  # files came from it
+                codec = read_codec(self.process_dir / f"{stem}.codec", keys)
+                found.append(GpuProcess(pid, held, codec=codec))
         return found
+
+    def memory_caps(self, uuid: str) -> bool:
+        return self.caps.memory_caps(uuid)
+
+    def set_memory_limits(self, uuid: str, cgroup: str, soft: int, hard: int) -> None:
+        self.caps.set_memory_limits(uuid, cgroup, soft, hard)
+
+    def get_memory_limits(self, uuid: str, cgroup: str) -> Limits:
+        return self.caps.get_memory_limits(uuid, cgroup)
 
     def sm_samples(self, uuid: str) -> list[SmSample] | None:
         """One sample per live process with GPU time recorded on the card: its share of the time

@@ -1,0 +1,118 @@
+"""The vGPU containers' cgroup folders, found by walking the cgroup v2 tree: what the driver's
+memory cap (``vgpu.plugin.monitor.drivercap``) is set on.
+
+The walk starts at the cgroup root the node monitor sees (``vgpu.plugin.monitor.freezer``'s: the
+host's ``/sys/fs/cgroup``, or the kubelet's part of it mounted under ``/host``), goes down
+through every folder, and stops at a container's folder: one whose path names a container
+(``vgpu.plugin.monitor.cgroup.parse_path``: containerd, CRI-O, Docker, under the systemd and
+cgroupfs drivers). Of a container not seen before it reads one process (``cgroup.procs``, its
+own or a child folder's) and the grant that process runs under (``/proc/<pid>/mountinfo``,
+``vgpu.plugin.monitor.mounts``): the runtime's mount, which the tenant cannot change. Each folder
+is read once (kept by path and inode: a folder made again is read again); a container whose
+processes have not started yet is read again on the next walk. ``populated 0`` in its
+``cgroup.events`` marks a container whose processes all ended: its cgroup goes next.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vgpu.plugin.monitor.cgroup import parse_path
+from vgpu.plugin.monitor.mounts import device_of, process_grant
+
+MAX_DEPTH = 12  # kubepods.slice/kubepods-burstable.slice/...pod.slice/cri-containerd-x.scope is 4
+
+
+@dataclass(frozen=True)
+class CgroupContainer:
+    """A container's cgroup folder (its full path, as NVML's ``nameSpace`` wants it) and its grant."""
+
+    folder: str
+    grant: str
+    populated: bool  # a process is still in it (or below it)
+
+
+def _first_pid(folder: str, depth: int = 2) -> int | None:
+    """A process of the cgroup: its own ``cgroup.procs``, else a child folder's (cgroup v2 keeps
+    processes out of a folder with children that have controllers on)."""
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as procs:
+            for line in procs:
+                if line.strip().isdigit():
+                    return int(line)
+        if depth:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pid = _first_pid(entry.path, depth - 1)
+                        if pid is not None:
+                            return pid
+    except OSError:
+        pass
+    return None
+
+
+def _populated(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "cgroup.events")) as events:
+            for line in events:
+                key, _, value = line.partition(" ")
+                if key == "populated":
+                    return value.strip() != "0"
+    except OSError:
+        return False  # gone
+    return _first_pid(folder) is not None  # no cgroup.events (not v2?): its processes say
+
+
+class CgroupScan:
+    """``scan()``: every container under ``root`` that runs under a grant of ``grants_dir``."""
+
+    def __init__(self, root: Path, grants_dir: Path, proc: Path = Path("/proc")) -> None:
+        self.root = root
+        self.grants_dir = grants_dir
+        self.proc = proc
+        self._known: dict[str, tuple[int, str | None]] = {}  # folder -> (inode, grant; None: none)
+        self._device: tuple[int, int] | None = None
+
+    def _grant(self, folder: str, inode: int) -> str | None:
+        known = self._known.get(folder)
+        if known is not None and known[0] == inode:
+            return known[1]
+        pid = _first_pid(folder)
+        if pid is None:
+            return None  # not started yet (or ended before we saw it): read again next walk
+        if self._device is None:
+            self._device = device_of(self.grants_dir)
+        try:
+            grant = process_grant(pid, self.proc, self._device)
+        except OSError:
+            return None  # the process ended: read again next walk
+        self._known[folder] = (inode, grant)
+        return grant
+
+    def scan(self) -> list[CgroupContainer]:
+        found: list[CgroupContainer] = []
+        seen: set[str] = set()
+        root = str(self.root)
+        stack: list[tuple[str, int]] = [(root, 0)]
+        while stack:
+            folder, depth = stack.pop()
+            try:
+                with os.scandir(folder) as entries:
+                    subs = [(e.path, e.inode()) for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for path, inode in subs:
+                ref = parse_path(os.path.relpath(path, root))
+                if ref is None or ref.container_id not in os.path.basename(path):
+                    if depth < MAX_DEPTH:
+                        stack.append((path, depth + 1))
+                    continue
+                seen.add(path)
+                grant = self._grant(path, inode)
+                if grant is not None:
+                    found.append(CgroupContainer(path, grant, _populated(path)))
+        self._known = {k: v for k, v in self._known.items() if k in seen}
+        return sorted(found, key=lambda c: c.folder)
