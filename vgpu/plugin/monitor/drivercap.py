@@ -214,6 +214,8 @@ class DriverCap:
                 continue
             with self.lock:
                 failed = self.stats.failed.get(key)
+            if failed is None and not self.caps.memory_caps(held.uuid):
+                failed = "missing"  # a driver without the call (or a MIG device): nothing to wait for
             first = self._first_seen.setdefault(key, now)
             if failed is None and now - first < UNKNOWN_GRACE_S:
                 continue  # its cgroup not found yet: the next passes may cap it

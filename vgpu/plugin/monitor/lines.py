@@ -41,7 +41,13 @@ from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
 log = logging.getLogger(__name__)
 
 LINES = ("hook", "driver-cap", "node")
-ENGINES = (("dec", "decoder"), ("enc", "encoder"), ("jpg", "jpeg"), ("ofa", "ofa"))
+# the driver's word per engine, and its family on /metrics
+ENGINES = (
+    ("dec", "vgpu_container_decoder_utilization_ratio", "decoder (NVDEC)"),
+    ("enc", "vgpu_container_encoder_utilization_ratio", "encoder (NVENC)"),
+    ("jpg", "vgpu_container_jpeg_utilization_ratio", "JPEG decoder (NVJPG)"),
+    ("ofa", "vgpu_container_ofa_utilization_ratio", "optical flow (OFA)"),
+)
 
 
 def build_driver_cap(
@@ -124,7 +130,7 @@ def codec_use(enforcer: Enforcer | None) -> dict[str, dict[str, dict[str, int]]]
     for held in view.held if view is not None else []:
         if held.codec is None:
             continue
-        engines = {key: getattr(held.codec, key) for key, _ in ENGINES}
+        engines = {key: getattr(held.codec, key) for key, _, _ in ENGINES}
         out.setdefault(held.owner.folder, {})[held.uuid] = {k: v for k, v in engines.items() if v is not None}
     return out
 
@@ -178,12 +184,12 @@ class LinesCollector(Collector):
         per_card = ["node", "uuid", "namespace", "pod", "pod_uid", "container"]
         engines = {
             key: GaugeMetricFamily(
-                f"vgpu_container_{word}_utilization_ratio",
-                f"Share of the sample period the card's {word} engine(s) worked for the container's "
+                name,
+                f"Share of the sample period the card's {word} engines worked for the container's "
                 "processes, in the driver's latest per-process samples",
                 labels=per_card,
             )
-            for key, word in ENGINES
+            for key, name, word in ENGINES
         }
         for grant, cards in codec_use(self.enforcer).items():
             labels = self._labels(grant, names)
