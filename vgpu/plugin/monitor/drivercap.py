@@ -126,9 +126,7 @@ class DriverCap:
         except CapError as err:
             self._error(grant, uuid, cgroup, err)
             return
-        log.info(
-            "driver cap: %s holds container %s to %d MiB on %s (%s)", "set", grant, hard >> 20, uuid, cgroup
-        )
+        log.info("driver cap: container %s held to %d MiB on %s (%s)", grant, hard >> 20, uuid, cgroup)
         with self.lock:
             self.stats.applied[(cgroup, uuid)] = hard
             self.stats.grants[cgroup] = grant
