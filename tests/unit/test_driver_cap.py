@@ -357,3 +357,20 @@ def test_the_nvml_structs_are_nvml_h_s_and_a_580_driver_reads_as_missing() -> No
         new.set_memory_limits("GPU-a", "/sys/fs/cgroup/x", 0, 5 * MIB)
     assert SEEN == [(b"/sys/fs/cgroup/x", 0, 5 * MIB)]
     assert err.value.code == "no-permission" and "root" in str(err.value)
+
+
+def test_only_a_cgroup_v2_hierarchy_is_walked(tmp_path: Path) -> None:
+    from vgpu.plugin.monitor.cgroupscan import unified_root
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "kubepods").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.shares").write_text("1024\n")
+    assert unified_root(v1) is None
+    assert CgroupScan(None, tmp_path).scan() == []
+    (v1 / "unified").mkdir()
+    (v1 / "unified" / "cgroup.controllers").write_text("cpu memory\n")
+    assert unified_root(v1) == v1 / "unified"  # a hybrid host
+    chart = tmp_path / "host"  # the chart mounts only the kubelet's part
+    (chart / "kubepods.slice").mkdir(parents=True)
+    (chart / "kubepods.slice" / "cgroup.controllers").write_text("cpu memory\n")
+    assert unified_root(chart) == chart

@@ -66,11 +66,27 @@ def _populated(folder: str) -> bool:
     return _first_pid(folder) is not None  # no cgroup.events (not v2?): its processes say
 
 
+def unified_root(root: Path) -> Path | None:
+    """The cgroup v2 hierarchy under ``root`` (the monitor's cgroup folder): ``root`` itself, or its
+    ``unified`` folder on a hybrid host; recognised by ``cgroup.controllers`` in it or in a folder
+    below it (the chart mounts only the kubelet's part, ``kubepods.slice``, there). None: v1 only."""
+    if (root / "unified" / "cgroup.controllers").exists():
+        return root / "unified"  # a hybrid host: v1 controllers beside it
+    try:
+        if (root / "cgroup.controllers").exists() or any(
+            (c / "cgroup.controllers").exists() for c in root.iterdir() if c.is_dir()
+        ):
+            return root
+    except OSError:
+        pass
+    return None
+
+
 class CgroupScan:
     """``scan()``: every container under ``root`` that runs under a grant of ``grants_dir``."""
 
-    def __init__(self, root: Path, grants_dir: Path, proc: Path = Path("/proc")) -> None:
-        self.root = root
+    def __init__(self, root: Path | None, grants_dir: Path, proc: Path = Path("/proc")) -> None:
+        self.root = root  # None: no cgroup v2 hierarchy to walk (the driver caps v2 only)
         self.grants_dir = grants_dir
         self.proc = proc
         self._known: dict[str, tuple[int, str | None]] = {}  # folder -> (inode, grant; None: none)
@@ -95,6 +111,8 @@ class CgroupScan:
     def scan(self) -> list[CgroupContainer]:
         found: list[CgroupContainer] = []
         seen: set[str] = set()
+        if self.root is None:
+            return found
         root = str(self.root)
         stack: list[tuple[str, int]] = [(root, 0)]
         while stack:

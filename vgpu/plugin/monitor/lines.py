@@ -30,7 +30,7 @@ from vgpu.hookabi.grant import GRANT_SUFFIX, GrantError, read_grant
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.memcap import MemoryCaps
-from vgpu.plugin.monitor.cgroupscan import CgroupScan
+from vgpu.plugin.monitor.cgroupscan import CgroupScan, unified_root
 from vgpu.plugin.monitor.claims import claim_labels
 from vgpu.plugin.monitor.collector import NodeCollector
 from vgpu.plugin.monitor.drivercap import DriverCap, wanted
@@ -75,12 +75,12 @@ def build_driver_cap(
             "refusing a container that no line holds needs the driver's per-process list (the node's memory "
             "enforcer): run the monitor on the real NVML, or give the fake GPU file a processDir",
         )
-    root = cgroup_root()
-    if not (root / "cgroup.controllers").exists():
+    root = unified_root(cgroup_root())
+    if root is None:
         log.warning(
-            "driver cap: %s holds no cgroup v2 root (cgroup.controllers); the driver caps cgroup v2 only, "
-            "so no container may be found to cap",
-            root,
+            "driver cap: no cgroup v2 hierarchy under %s (no cgroup.controllers); the driver caps cgroup v2 "
+            "only, so no container is capped here",
+            cgroup_root(),
         )
     return DriverCap(
         node,
