@@ -11,7 +11,10 @@ In the fake GPU file (``vgpu.plugin.fake_nvml``)::
 
 Per call (``calls``, and a line of the log): ``{"op": "set"|"get", "uuid", "cgroup", "soft",
 "hard", "result"}``, ``result`` being ``ok`` or the error's word (``vgpu.plugin.memcap.CODES``).
-The fake refuses as NVML would: ``missing`` on a card without ``driverMemoryLimits``,
+With a ``processDir``, the hard limits set are written where the stub driver holds the cgroup's
+processes to them (``<processDir>/caps/<cgroup folder's name>``, one ``<cgroup> <uuid> <hard>``
+line per card; native/hook/stub/stub_cuda.c): an allocation past the cap then fails there, as it
+would in an r615 driver. The fake refuses as NVML would: ``missing`` on a card without ``driverMemoryLimits``,
 ``not-supported`` on a MIG device (a UUID starting ``MIG-``), ``no-permission`` unless the
 process runs as root, ``not-found`` for a cgroup folder that does not exist (removing the
 cgroup clears its limits, as the driver's do).
@@ -69,10 +72,12 @@ class FakeCaps:
         capped: frozenset[str],
         log: Path | None = None,
         euid: Callable[[], int] = os.geteuid,
+        process_dir: Path | None = None,
     ) -> None:
         self.capped = capped
         self.log = log
         self.euid = euid
+        self.process_dir = process_dir
         self.calls: list[CapCall] = []
         self._limits: dict[tuple[str, str], tuple[int, int]] = {}
         self._lock = threading.Lock()
@@ -103,6 +108,10 @@ class FakeCaps:
         if refused is None and (soft > hard or hard <= 0):
             refused = "invalid-argument"
         self._record(CapCall("set", uuid, cgroup, soft, hard, refused or "ok"))
+        if refused == "not-found":
+            with self._lock:  # a removed cgroup's limits went with it
+                self._limits.pop((uuid, cgroup), None)
+                self._tell_stub(cgroup)
         if refused is not None:
             raise error_of(_CODE[refused], f"setting {uuid}'s limit of {cgroup}")
         with self._lock:
@@ -110,6 +119,23 @@ class FakeCaps:
                 self._limits.pop((uuid, cgroup), None)
             else:
                 self._limits[(uuid, cgroup)] = (soft, hard)
+            self._tell_stub(cgroup)
+
+    def _tell_stub(self, cgroup: str) -> None:
+        """The cgroup's hard limits where the stub driver holds its processes to them
+        (``<processDir>/caps/<the folder's name>``: ``<cgroup> <uuid> <hard>`` lines)."""
+        if self.process_dir is None:
+            return
+        caps = self.process_dir / "caps"
+        caps.mkdir(exist_ok=True)
+        lines = [f"{c} {u} {hard}\n" for (u, c), (_, hard) in sorted(self._limits.items()) if c == cgroup]
+        target = caps / Path(cgroup).name
+        if not lines:
+            target.unlink(missing_ok=True)
+            return
+        tmp = caps / f".{target.name}.tmp"
+        tmp.write_text("".join(lines))
+        tmp.rename(target)
 
     def get_memory_limits(self, uuid: str, cgroup: str) -> Limits:
         refused = self._check(uuid, cgroup)

@@ -184,7 +184,8 @@ class FakeDiscovery:
         self._cards, self._usage = parse_fake_gpus(text, str(self.path))
         self.process_dir = parse_process_dir(text, str(self.path))
         self.driver_version = parse_driver_version(text, str(self.path))
-        self.caps = FakeCaps(*parse_caps(yaml.safe_load(text), str(self.path)))  # the driver's cap
+        capped, caps_log = parse_caps(yaml.safe_load(text), str(self.path))
+        self.caps = FakeCaps(capped, caps_log, process_dir=self.process_dir)  # the driver's cap
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again
