@@ -203,14 +203,18 @@ def test_the_fake_refuses_as_nvml_does_without_root_and_on_a_mig_device(tmp_path
     assert err.value.code == "invalid-argument"
 
 
-def test_an_error_is_counted_and_the_container_not_reported_capped(node: Node) -> None:
+def test_an_error_is_counted_once_per_limit_and_the_container_not_reported_capped(node: Node) -> None:
     node.discovery.caps.euid = lambda: 1000  # the monitor not root
     node.container(UID_A, CID_A, 101, f"{UID_A}_cuda")
     node.grant(f"{UID_A}_cuda", {"GPU-a": 1000})
     cap = node.cap()
     cap.run_pass()
+    cap.run_pass()  # refused once for this limit: not asked again every pass
     assert cap.stats.errors == {"no-permission": 1}
     assert memory_lines(node.paths, cap, None) == {f"{UID_A}_cuda": []}
+    node.grant(f"{UID_A}_cuda", {"GPU-a": 1200})  # a new limit is asked for
+    cap.run_pass()
+    assert cap.stats.errors == {"no-permission": 2} and len(node.calls()) == 2
 
 
 class Recorder:

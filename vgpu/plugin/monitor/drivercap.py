@@ -106,6 +106,7 @@ class DriverCap:
         self.stats = CapStats()
         self.lock = threading.Lock()
         self._told: set[tuple[str, str, str]] = set()
+        self._refused: dict[tuple[str, str], int] = {}  # (cgroup, uuid) -> the limit the driver refused
         self._first_seen: dict[tuple[str, str], float] = {}  # (grant, uuid) on a card, no line yet
         self._evicted: set[str] = set()
         self._service = Service("driver-cap", self._loop)
@@ -125,6 +126,7 @@ class DriverCap:
             self.caps.set_memory_limits(uuid, cgroup, 0, hard)
         except CapError as err:
             self._error(grant, uuid, cgroup, err)
+            self._refused[(cgroup, uuid)] = hard  # not asked again for the same limit
             return
         log.info("driver cap: container %s held to %d MiB on %s (%s)", grant, hard >> 20, uuid, cgroup)
         with self.lock:
@@ -151,7 +153,8 @@ class DriverCap:
 
     def run_pass(self) -> None:
         want: dict[tuple[str, str], int] = {}
-        for found in self.scan.scan():
+        scanned = self.scan.scan()
+        for found in scanned:
             if not found.populated:
                 continue  # its processes ended: cleared below, before its cgroup goes
             try:
@@ -162,7 +165,10 @@ class DriverCap:
                 want[(found.folder, uuid)] = hard
                 with self.lock:
                     self.stats.grants.setdefault(found.folder, found.grant)
-                if self.stats.applied.get((found.folder, uuid)) == hard:
+                if hard in (
+                    self.stats.applied.get((found.folder, uuid)),
+                    self._refused.get((found.folder, uuid)),
+                ):
                     continue
                 if not self.caps.memory_caps(uuid):
                     with self.lock:
@@ -174,12 +180,22 @@ class DriverCap:
             self._clear(
                 cgroup, uuid, "its cgroup is gone" if gone else "its processes ended or its grant changed"
             )
+        self._forget({c.folder for c in scanned}, {c.grant for c in scanned})
         if self.mode == "required" and self.view is not None:
             latest = self.view()
             if latest is not None:
                 self._refuse(latest)
         with self.lock:
             self.stats.passes += 1
+
+    def _forget(self, folders: set[str], grants: set[str]) -> None:
+        """Drop what is kept of containers whose cgroup is gone (nothing applied on it any more)."""
+        self._refused = {k: v for k, v in self._refused.items() if k[0] in folders}
+        self._told = {t for t in self._told if t[0] in folders}
+        with self.lock:
+            kept = folders | {c for c, _ in self.stats.applied}
+            self.stats.grants = {c: g for c, g in self.stats.grants.items() if c in kept}
+            self.stats.failed = {k: v for k, v in self.stats.failed.items() if k[0] in grants}
 
     # -- what holds each container ----------------------------------------------------------------
 
