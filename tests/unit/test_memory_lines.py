@@ -157,3 +157,55 @@ def test_vgpu_status_shows_the_lines_and_the_engines_the_lease_reports() -> None
         reported["metadata"]["annotations"] = {LINES_ANNOTATION: bad, CODEC_ANNOTATION: bad}
         [status] = build_status([node("n1")], [a], [reported], NOW)
         assert "held by" not in render_text([status]) and " dec " not in render_text([status])
+
+
+def test_the_plugins_lease_carries_the_lines_and_engines_of_its_monitor(tmp_path: Path) -> None:
+    from tests.support import FakeKube
+    from vgpu.plugin.daemon import Daemon
+
+    procs = tmp_path / "procs"
+    procs.mkdir()
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(
+        yaml.safe_dump(
+            {
+                "gpus": [{"uuid": "GPU-a", "memoryMiB": 1000, "driverMemoryLimits": True}],
+                "processDir": str(procs),
+            }
+        )
+    )
+    paths = HostPaths(tmp_path / "root")
+    paths.grants_dir.mkdir(parents=True)
+    write_grant(paths.grant(f"{UID_A}_main"), Grant(("GPU-a",), (500 * MIB,)))
+    api = FakeKube()
+    daemon = Daemon("n1", "kube-system", paths, NodeConfig(), FakeDiscovery(gpus), api, None, arbiter=None)
+    assert daemon.monitor.driver_cap is not None and daemon.monitor.enforcer is not None
+    daemon.reporter.renew()
+    [(_, _, annotations)] = api.renewals
+    assert annotations is not None
+    assert json.loads(annotations[LINES_ANNOTATION]) == {
+        f"{UID_A}_main": ["node"]
+    }  # no region, no cgroup yet
+    assert json.loads(annotations[CODEC_ANNOTATION]) == {}
+
+
+def test_required_without_the_drivers_process_list_stops_the_node_at_start_and_off_builds_nothing(
+    tmp_path: Path,
+) -> None:
+    import pytest
+
+    from vgpu.core.errors import ConfigError
+    from vgpu.plugin.monitor.service import NodeMonitor
+
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-a", "memoryMiB": 1000}]}))  # no processDir
+    fake = FakeDiscovery(gpus)
+    paths = HostPaths(tmp_path / "root")
+    for mode, built in (("off", False), ("auto", True)):
+        state = DeviceState(fake.cards(), NodeConfig(driver_cap=mode))
+        assert (NodeMonitor("n1", state, fake, paths, arbiter=None).driver_cap is not None) == built
+    with pytest.raises(ConfigError) as err:
+        NodeMonitor(
+            "n1", DeviceState(fake.cards(), NodeConfig(driver_cap="required")), fake, paths, arbiter=None
+        )
+    assert "enforcement.driverCap" in str(err.value) and "processDir" in str(err.value)

@@ -65,14 +65,16 @@ def build_driver_cap(
     if not isinstance(discovery, MemoryCaps):
         if cfg.driver_cap == "required":
             raise ConfigError(
-                "enforcement.driverCap", "required", "this node's GPU backend cannot set the driver's cap"
+                "node config",
+                "enforcement.driverCap",
+                "required, but this node's GPU backend cannot set the cap",
             )
         return None
     if cfg.driver_cap == "required" and enforcer is None:
         raise ConfigError(
+            "node config",
             "enforcement.driverCap",
-            "required",
-            "refusing a container that no line holds needs the driver's per-process list (the node's memory "
+            "required, but refusing a container that no line holds needs the driver's per-process list (the node's memory "
             "enforcer): run the monitor on the real NVML, or give the fake GPU file a processDir",
         )
     root = unified_root(cgroup_root())
