@@ -74,8 +74,9 @@ def build_driver_cap(
         raise ConfigError(
             "node config",
             "enforcement.driverCap",
-            "required, but refusing a container that no line holds needs the driver's per-process list (the node's memory "
-            "enforcer): run the monitor on the real NVML, or give the fake GPU file a processDir",
+            "required, but refusing a container that no line holds needs the driver's per-process list "
+            "(the node's memory enforcer): run the monitor on the real NVML, or give the fake GPU file a "
+            "processDir",
         )
     root = unified_root(cgroup_root())
     if root is None:
