@@ -128,7 +128,7 @@ class NvmlCaps:
         return fn
 
     def memory_caps(self, uuid: str) -> bool:
-        if uuid in self._mig or uuid not in self._handles:
+        if self._is_mig(uuid) or uuid not in self._handles:
             return False
         try:
             self._fn("nvmlDeviceSetMemoryLimits_v1")
@@ -136,8 +136,11 @@ class NvmlCaps:
             return False
         return True
 
+    def _is_mig(self, uuid: str) -> bool:
+        return uuid in self._mig or uuid.startswith("MIG-")  # NVML refuses MIG handles
+
     def _handle(self, uuid: str, cgroup: str) -> Any:
-        if uuid in self._mig:
+        if self._is_mig(uuid):
             raise error_of(3, f"{uuid} {cgroup}")
         try:
             return self._handles[uuid]
