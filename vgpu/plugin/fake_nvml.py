@@ -13,9 +13,11 @@ The file::
         memoryUsedMiB: 0                                  # what the monitor reports, default 0
         utilization: 0                                    # percent, default 0
         computeCapability: "9.0"                          # major.minor, default unknown
+        driverMemoryLimits: false                         # the driver caps cgroups (fake_memcap.py)
 
     driverVersion: 570.124.06                             # optional: the driver's version (DRA attribute)
     processDir: /var/lib/vgpu-stub/procs                  # optional: per-process memory (below)
+    memoryLimitsLog: /tmp/vgpu-caps.jsonl                 # optional: the driver-cap calls (fake_memcap.py)
 
 The file is watched: edit ``healthy`` and the plugin
 sees a health event within about a second, as it would see an Xid from NVML.
@@ -33,6 +35,8 @@ The stub also records each process's GPU time there (``<pid>@<start time>.sm``: 
 kernel time ever queued and the end of each stream still busy). ``sm_samples(uuid)`` turns it
 into what ``nvmlDeviceGetProcessUtilization`` gives: per live process, the percent of the time
 since the previous call that its kernels ran (a whole percent, as NVML's ``smUtil``).
+A ``<pid>@<start time>.codec`` file beside them gives the process's media-engine samples
+(``vgpu.plugin.fake_codec``), listed with its memory by ``processes(uuid)``.
 """
 
 from __future__ import annotations
