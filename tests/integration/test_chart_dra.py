@@ -163,15 +163,12 @@ def test_the_dra_plugin_has_no_privilege_and_the_monitor_only_kill_where_it_kill
 
 def test_the_dra_monitor_gets_the_host_cgroups_and_kill_where_any_node_throttles_or_kills() -> None:
     """The monitor beside the DRA plugin runs the compute gate too: throttle (the default) needs
-    the host's cgroups for its freezer (and the driver's cap, enforcement.driverCap, the
-    containers' cgroup folders); a node override's kill or evict needs its right."""
+    the host's cgroups for its freezer; a node override's kill or evict needs its right."""
     quiet = (
         "--set",
         "devicePlugin.enforcement.memory=report",
         "--set",
         "devicePlugin.enforcement.compute=report",
-        "--set",
-        "devicePlugin.enforcement.driverCap=off",  # auto (the default) mounts the cgroups too
     )
     override = ("--set", "devicePlugin.nodeOverrides[0].name=gpu-9", "--set")
 

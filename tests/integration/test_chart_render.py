@@ -549,7 +549,6 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
         "devicePlugin.enforcement.memory=report",
         "--set",
         f"devicePlugin.enforcement.compute={action}",
-        *("--set", "devicePlugin.enforcement.driverCap=off"),  # the driver cap mounts the cgroups too
         *UNPRIVILEGED,
     )
     assert node_config(objs, "gpu-node-1").enforce_compute == action
@@ -568,14 +567,15 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
 
 @pytest.mark.parametrize(
     ("cap", "override", "mounted", "kill"),
-    [("auto", None, True, False), ("off", None, False, False), ("off", "required", True, True)],
+    [("auto", None, False, False), ("off", None, False, False), ("off", "required", True, True)],
 )
 def test_the_driver_cap_reaches_the_node_config_and_mounts_the_pods_cgroups(
     cap: str, override: str | None, mounted: bool, kill: bool
 ) -> None:
     """enforcement.driverCap: the node config says it (off quoted: YAML would read a bare off as
-    false), auto and required mount the kubelet's cgroups (the containers' folders the driver
-    caps), required adds KILL (it refuses a container no line holds)."""
+    false); required mounts the kubelet's cgroups (the containers' folders the driver caps) and adds
+    KILL (it refuses a container no line holds); auto mounts nothing of its own (here compute is
+    report: no freezer either), so an upgrade adds no hostPath a node may lack."""
     more = ("--set", "devicePlugin.nodeOverrides[0].name=strict")
     more += ("--set", f"devicePlugin.nodeOverrides[0].enforcement.driverCap={override}") if override else ()
     objs = render(

@@ -181,8 +181,10 @@ vgpu.enforcementActions: every action the node monitors may take, as "a,b,...": 
 devicePlugin.enforcement.memory and .compute and those of each nodeOverrides[].enforcement. The
 DaemonSets and roles are one for all nodes, so each right an action needs (KILL, the host's
 cgroups for throttle, pods/eviction) is given where any node may take it. "cgroups": the host's
-cgroups are mounted (the compute throttle's freezer, the driver's memory cap: enforcement.driverCap
-auto or required); driverCap required adds "kill" (it refuses a container no line holds).
+pod cgroups are mounted, for the compute throttle's freezer and the driver's memory cap
+(enforcement.driverCap: auto uses the mount where throttle makes it, required makes it itself and
+adds "kill": it refuses a container no line holds). auto mounts nothing of its own, so an upgrade
+never adds a hostPath that a node without devicePlugin.hostPaths.podCgroups would lack.
 */}}
 {{- define "vgpu.enforcementActions" -}}
 {{- $d := .Values.devicePlugin -}}
@@ -195,7 +197,7 @@ auto or required); driverCap required adds "kill" (it refuses a container no lin
 {{- if hasKey . "driverCap" }}{{ $caps = append $caps (toString .driverCap) }}{{ end -}}
 {{- end -}}
 {{- end -}}
-{{- if or (has "throttle" $acts) (has "auto" $caps) (has "required" $caps) }}{{ $acts = append $acts "cgroups" }}{{ end -}}
+{{- if or (has "throttle" $acts) (has "required" $caps) }}{{ $acts = append $acts "cgroups" }}{{ end -}}
 {{- if has "required" $caps }}{{ $acts = append $acts "kill" }}{{ end -}}
 {{- $acts | uniq | sortAlpha | join "," -}}
 {{- end -}}
