@@ -36,8 +36,14 @@ img = (torch.rand(3, 1080, 1920) * 255).to(torch.uint8)
 data = [encode_jpeg(img, quality=90)] * 16
 end = time.monotonic() + float(sys.argv[1])
 n = 0
+device = "cuda:" + sys.argv[2]
+try:
+    decode_jpeg(data[:2], device=device)  # a batch (torchvision 0.19+: nvjpegDecodeBatched)
+    batch = True
+except (TypeError, RuntimeError):
+    batch = False  # older torchvision: one image a call
 while time.monotonic() < end:
-    out = decode_jpeg(data, device="cuda:" + sys.argv[2])
+    out = decode_jpeg(data, device=device) if batch else [decode_jpeg(d, device=device) for d in data]
     torch.cuda.synchronize()
     n += len(out)
 print(f"jpeg: decoded {n} images of 1920x1080 (torchvision {torchvision.__version__})", flush=True)
