@@ -107,6 +107,10 @@ def test_the_scan_finds_each_vgpu_containers_cgroup_and_grant_and_only_those(nod
     (b / "cgroup.procs").write_text("")
     (b / "inner").mkdir()
     (b / "inner" / "cgroup.procs").write_text("201\n")
+    # a host's own folders are not walked into (user sessions, services)
+    stray = node.cgroups / "user.slice" / "user-0.slice" / f"cri-containerd-{'d' * 64}.scope"
+    stray.mkdir(parents=True)
+    (stray / "cgroup.procs").write_text("101\n")
     found = node.scan.scan()
     assert [(Path(c.folder), c.grant, c.populated) for c in found] == [
         (a, f"{UID_A}_cuda", True),

@@ -3,19 +3,22 @@ memory cap (``vgpu.plugin.monitor.drivercap``) is set on.
 
 The walk starts at the cgroup root the node monitor sees (``vgpu.plugin.monitor.freezer``'s: the
 host's ``/sys/fs/cgroup``, or the kubelet's part of it mounted under ``/host``), goes down
-through every folder, and stops at a container's folder: one whose path names a container
-(``vgpu.plugin.monitor.cgroup.parse_path``: containerd, CRI-O, Docker, under the systemd and
-cgroupfs drivers). Of a container not seen before it reads one process (``cgroup.procs``, its
-own or a child folder's) and the grant that process runs under (``/proc/<pid>/mountinfo``,
-``vgpu.plugin.monitor.mounts``): the runtime's mount, which the tenant cannot change. Each folder
-is read once (kept by path and inode: a folder made again is read again); a container whose
-processes have not started yet is read again on the next walk. ``populated 0`` in its
-``cgroup.events`` marks a container whose processes all ended: its cgroup goes next.
+through the folders that hold containers (``kubepods*``, ``pod*``, the QoS classes, ``k8s.io``,
+``docker``, ``system.slice``; not a host's services and users), and stops at a container's
+folder: one whose path names a container (``vgpu.plugin.monitor.cgroup.parse_path``: containerd,
+CRI-O, Docker, under the systemd and cgroupfs drivers). Of a container not seen before it reads
+one process (``cgroup.procs``, its own or a child folder's) and the grant that process runs under
+(``/proc/<pid>/mountinfo``, ``vgpu.plugin.monitor.mounts``): the runtime's mount, which the
+tenant cannot change. Each folder is read once (kept by path and inode: a folder made again is
+read again); a container whose processes have not started yet is read again on the next walk.
+``populated 0`` in its ``cgroup.events`` marks a container whose processes all ended: its cgroup
+goes next.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,10 @@ from vgpu.plugin.monitor.cgroup import parse_path
 from vgpu.plugin.monitor.mounts import device_of, process_grant
 
 MAX_DEPTH = 12  # kubepods.slice/kubepods-burstable.slice/...pod.slice/cri-containerd-x.scope is 4
+# the folders that hold containers' folders, at any depth: the kubelet's (kubepods, its QoS classes
+# and pods, both drivers' names), containerd's own (k8s.io), Docker's; a host's other folders
+# (user.slice, a service's) are not walked into
+_PARENT = re.compile(r"^(kubepods.*|pod.*|burstable|besteffort|guaranteed|k8s\.io|docker|system\.slice)$")
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class CgroupScan:
             for path, inode in subs:
                 ref = parse_path(os.path.relpath(path, root))
                 if ref is None or ref.container_id not in os.path.basename(path):
-                    if depth < MAX_DEPTH:
+                    if depth < MAX_DEPTH and _PARENT.match(os.path.basename(path)):
                         stack.append((path, depth + 1))
                     continue
                 seen.add(path)
