@@ -29,6 +29,7 @@ MAX_DEPTH = 12  # kubepods.slice/kubepods-burstable.slice/...pod.slice/cri-conta
 # the folders that hold containers' folders, at any depth: the kubelet's (kubepods, its QoS classes
 # and pods, both drivers' names), containerd's own (k8s.io), Docker's; a host's other folders
 # (user.slice, a service's) are not walked into
+_CONTAINER = re.compile(r"(?:^|-)[0-9a-f]{64}(?:\.scope)?$")  # a name parse_path may take for one
 _PARENT = re.compile(r"^(kubepods.*|pod.*|burstable|besteffort|guaranteed|k8s\.io|docker|system\.slice)$")
 
 
@@ -63,14 +64,19 @@ def _first_pid(folder: str, depth: int = 2) -> int | None:
 
 def _populated(folder: str) -> bool:
     try:
-        with open(os.path.join(folder, "cgroup.events")) as events:
-            for line in events:
-                key, _, value = line.partition(" ")
-                if key == "populated":
-                    return value.strip() != "0"
+        fd = os.open(folder + "/cgroup.events", os.O_RDONLY | os.O_CLOEXEC)  # every pass: no text I/O
+    except FileNotFoundError:
+        return os.path.isdir(folder) and _first_pid(folder) is not None  # no cgroup.events (not v2)
+    except OSError:
+        return False
+    try:
+        data = os.read(fd, 256)
     except OSError:
         return False  # gone
-    return _first_pid(folder) is not None  # no cgroup.events (not v2?): its processes say
+    finally:
+        os.close(fd)
+    found = data.find(b"populated ")
+    return found < 0 or data[found + 10 : found + 11] != b"0"
 
 
 def unified_root(root: Path) -> Path | None:
@@ -130,9 +136,16 @@ class CgroupScan:
             except OSError:
                 continue
             for path, inode in subs:
-                ref = parse_path(os.path.relpath(path, root))
-                if ref is None or ref.container_id not in os.path.basename(path):
-                    if depth < MAX_DEPTH and _PARENT.match(os.path.basename(path)):
+                name = path[path.rfind("/") + 1 :]
+                known = self._known.get(path)
+                if known is not None and known[0] == inode:  # a container seen before
+                    seen.add(path)
+                    if known[1] is not None:
+                        found.append(CgroupContainer(path, known[1], _populated(path)))
+                    continue
+                ref = parse_path(path[len(root) :]) if _CONTAINER.search(name) else None
+                if ref is None or ref.container_id not in name:
+                    if depth < MAX_DEPTH and _PARENT.match(name):
                         stack.append((path, depth + 1))
                     continue
                 seen.add(path)
