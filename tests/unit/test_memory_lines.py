@@ -177,15 +177,16 @@ def test_the_plugins_lease_carries_the_lines_and_engines_of_its_monitor(tmp_path
     paths = HostPaths(tmp_path / "root")
     paths.grants_dir.mkdir(parents=True)
     write_grant(paths.grant(f"{UID_A}_main"), Grant(("GPU-a",), (500 * MIB,)))
+    write_grant(paths.grant(f"{UID_B}_main"), Grant(("GPU-a",), (500 * MIB,)))  # not started: left out
+    (paths.containers_dir / f"{UID_A}_main").mkdir(parents=True)
+    (paths.containers_dir / f"{UID_A}_main" / REGION_FILE_NAME).write_bytes(b"")  # its hook started
     api = FakeKube()
     daemon = Daemon("n1", "kube-system", paths, NodeConfig(), FakeDiscovery(gpus), api, None, arbiter=None)
     assert daemon.monitor.driver_cap is not None and daemon.monitor.enforcer is not None
     daemon.reporter.renew()
     [(_, _, annotations)] = api.renewals
     assert annotations is not None
-    assert json.loads(annotations[LINES_ANNOTATION]) == {
-        f"{UID_A}_main": ["node"]
-    }  # no region, no cgroup yet
+    assert json.loads(annotations[LINES_ANNOTATION]) == {f"{UID_A}_main": ["hook", "node"]}
     assert json.loads(annotations[CODEC_ANNOTATION]) == {}
 
 

@@ -60,6 +60,7 @@ class CapStats:
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (cgroup, uuid) -> hard bytes
     grants: dict[str, str] = field(default_factory=dict)  # cgroup -> grant name
     failed: dict[tuple[str, str], str] = field(default_factory=dict)  # (grant, uuid) -> error word
+    running: set[str] = field(default_factory=set)  # grants whose cgroup holds a process (last scan)
     errors: dict[str, int] = field(default_factory=dict)  # error word -> count
     refusals: dict[str, int] = field(default_factory=dict)  # action -> count
     sets: int = 0
@@ -181,6 +182,8 @@ class DriverCap:
                 cgroup, uuid, "its cgroup is gone" if gone else "its processes ended or its grant changed"
             )
         self._forget({c.folder for c in scanned}, {c.grant for c in scanned})
+        with self.lock:
+            self.stats.running = {c.grant for c in scanned if c.populated}
         if self.mode == "required" and self.view is not None:
             latest = self.view()
             if latest is not None:

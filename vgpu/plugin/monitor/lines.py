@@ -105,9 +105,17 @@ def grant_names(paths: HostPaths) -> list[str]:
 
 
 def memory_lines(paths: HostPaths, cap: DriverCap | None, enforcer: Enforcer | None) -> dict[str, list[str]]:
-    """Per container (its grant's name), the lines that hold it now, in ``LINES`` order."""
+    """Per container (its grant's name) that has started, the lines that hold it now, in ``LINES``
+    order. Started: its hook made its region, the driver lists a process of it on a card, or the
+    driver cap found its cgroup with a process in it; a container not started yet (or on a
+    simulated node, never) holds nothing and is left out."""
     node_line = enforcer is not None and enforcer.action in ("kill", "evict")
     capped = cap.capped_grants() if cap is not None else {}
+    view = enforcer.stats.view if enforcer is not None else None
+    running = {h.owner.folder for h in view.held} if view is not None else set()
+    if cap is not None:
+        with cap.lock:
+            running |= cap.stats.running
     out: dict[str, list[str]] = {}
     for name in grant_names(paths):
         try:
@@ -116,7 +124,10 @@ def memory_lines(paths: HostPaths, cap: DriverCap | None, enforcer: Enforcer | N
             continue
         limited = set(wanted(grant))
         held = []
-        if (paths.containers_dir / name / REGION_FILE_NAME).is_file():
+        hooked = (paths.containers_dir / name / REGION_FILE_NAME).is_file()
+        if not hooked and name not in running:
+            continue
+        if hooked:
             held.append("hook")
         if limited and limited <= capped.get(name, set()):
             held.append("driver-cap")
