@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.references import gunicorn_reads
+from vgpu.commands.status import build_status, render_text
 from vgpu.core import annotations as ann
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, RequestError
@@ -284,6 +285,44 @@ def check_resource_claim(data: bytes) -> None:
         assert config.priority in (None, 0, 1) and config.sm_policy in (None, "cap", "elastic")
 
 
+_INVENTORY = ann.encode_devices(ann.NodeInventory((ann.Device("GPU-0", 0, "m", 81920, 100, 10),)))
+_PLACED = ann.encode_allocation(
+    ann.Allocation("n1", (ann.ContainerAllocation("main", (ann.DeviceAllocation("GPU-0", 1000, 30),)),))
+)
+
+
+def check_lease_view(data: bytes) -> None:
+    """vgpu status over a node whose Lease carries these bytes as its usage, memory-lines and codec
+    annotations (contract 2; the first byte picks which, the rest is the text): a text rendering,
+    never an exception (a malformed report reads as none)."""
+    if not data:
+        return
+    keys = [
+        k
+        for i, k in enumerate((ann.USAGE_ANNOTATION, ann.LINES_ANNOTATION, ann.CODEC_ANNOTATION))
+        if data[0] >> i & 1
+    ]
+    text = data[1:].decode("utf-8", "replace")
+    lease = {
+        "metadata": {"name": ann.lease_name("n1"), "annotations": dict.fromkeys(keys, text)},
+        "spec": {"renewTime": "2026-01-01T12:00:00.000000Z", "leaseDurationSeconds": 40},
+    }
+    node = {"metadata": {"name": "n1", "annotations": {ann.DEVICES_ANNOTATION: _INVENTORY}}}
+    pod = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "uid": "u",
+            "annotations": {ann.ALLOCATION_ANNOTATION: _PLACED},
+        }
+    }
+    [status] = build_status([node], [pod], [lease])
+    [share] = status.cards[0].shares
+    assert share.used_bytes is None or share.used_bytes >= 0
+    assert share.lines is None or all(isinstance(x, str) for x in share.lines)
+    assert isinstance(render_text([status]), str)
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "devices_annotation": check_devices_annotation,
     "allocation_annotation": check_allocation_annotation,
@@ -293,4 +332,5 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "region_file": check_region_file,
     "grant_file": check_grant_file,
     "resource_claim": check_resource_claim,
+    "lease_view": check_lease_view,
 }

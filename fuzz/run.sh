@@ -22,6 +22,7 @@ HARNESSES=(
   region_hook:fuzz_region:
   grant_file:py:
   resource_claim:py:json
+  lease_view:py:json
   grant_hook:fuzz_grant:
 )
 

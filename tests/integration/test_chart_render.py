@@ -567,6 +567,40 @@ def test_the_compute_enforcement_reaches_the_node_config_with_only_the_rights_it
     assert (("pods/eviction", "create") in granted) == (action == "evict")
 
 
+@pytest.mark.parametrize(
+    ("cap", "override", "mounted", "kill"),
+    [("auto", None, False, False), ("off", None, False, False), ("off", "required", True, True)],
+)
+def test_the_driver_cap_reaches_the_node_config_and_mounts_the_pods_cgroups(
+    cap: str, override: str | None, mounted: bool, kill: bool
+) -> None:
+    """enforcement.driverCap: the node config says it (off quoted: YAML would read a bare off as
+    false); required mounts the kubelet's cgroups (the containers' folders the driver caps) and adds
+    KILL (it refuses a container no line holds); auto mounts nothing of its own (here compute is
+    report: no freezer either), so an upgrade adds no hostPath a node may lack."""
+    more = ("--set", "devicePlugin.nodeOverrides[0].name=strict")
+    more += ("--set", f"devicePlugin.nodeOverrides[0].enforcement.driverCap={override}") if override else ()
+    objs = render(
+        *(
+            "--set",
+            "devicePlugin.enforcement.memory=report",
+            "--set",
+            "devicePlugin.enforcement.compute=report",
+        ),
+        *("--set", f"devicePlugin.enforcement.driverCap={cap}"),
+        *more,
+        *UNPRIVILEGED,
+    )
+    assert node_config(objs, "gpu-node-1").driver_cap == cap
+    assert node_config(objs, "strict").driver_cap == (override or cap)
+    pod = find(objs, "DaemonSet", "vgpu-device-plugin")["spec"]["template"]["spec"]
+    plugin = container(pod, "device-plugin")
+    assert (
+        "/host/sys/fs/cgroup/kubepods.slice" in {m["mountPath"] for m in plugin["volumeMounts"]}
+    ) == mounted
+    assert plugin["securityContext"]["capabilities"].get("add") == (["KILL"] if kill else None)
+
+
 def test_a_node_override_changes_enforcement_on_its_node_only_and_the_pods_get_every_right_it_needs() -> None:
     """One DaemonSet and one role serve every node, so a right one node's action needs (KILL, the
     host's cgroups, pods/eviction) is given where any node may take that action."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.commands.status_dra import CLAIMS_PATH, SLICES_PATH, dra_cards, dra_shares
+from vgpu.commands.status_lines import NodeExtras, extras_text, node_extras
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
@@ -57,6 +58,8 @@ class Share:
     init: bool = False  # an init container: runs before the app containers, which reuse its room
     finished: bool = False  # the pod finished (Succeeded or Failed): it holds nothing any more
     card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
+    lines: list[str] | None = None  # what holds its device memory, as the Lease says (status_lines)
+    codec: dict[str, int] | None = None  # its media engines' use on the card, percent
 
 
 @dataclass
@@ -113,6 +116,7 @@ def build_status(
     by_lease = {lease["metadata"]["name"]: lease for lease in leases}
     usage: dict[str, dict[str, Any]] = {}  # node -> the usage its Lease reports
     inventories: dict[str, dict[str, Device]] = {}  # node -> its cards by UUID
+    extras: dict[str, NodeExtras] = {}  # node -> the lines and media engines its Lease reports
     existing = {node["metadata"]["name"] for node in nodes}
     out: dict[str, NodeStatus] = {}
     for node in nodes:
@@ -123,6 +127,7 @@ def build_status(
         lease = by_lease.get(lease_name(name))
         status = NodeStatus(name, _lease_state(lease, now))
         usage[name] = _usage(lease)
+        extras[name] = node_extras(lease)
         try:
             inv = decode_devices(annotations[DEVICES_ANNOTATION])
             inventories[name] = {d.uuid: d for d in inv.devices}
@@ -178,9 +183,11 @@ def build_status(
                     init=c.name in inits,
                     finished=done,
                 )
-                per_card = usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}")
+                folder = f"{meta.get('uid', '')}_{c.name}"
+                per_card = usage.get(alloc.node, {}).get(folder)
                 used = per_card.get(d.uuid) if isinstance(per_card, dict) else None
                 share.used_bytes = used if isinstance(used, int) and used >= 0 else None
+                share.lines, share.codec = extras.get(alloc.node, NodeExtras()).of(folder, d.uuid)
                 card = cards.get(d.uuid)
                 if card is None:
                     share.card = d.uuid
@@ -318,6 +325,7 @@ def _share_line(s: Share) -> str:
     text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}" + (f"  on {s.card}" if s.card else "")
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
+    text += extras_text(s.lines, s.codec)
     if s.reason:
         text += f" ({s.reason})"
     if s.env:

@@ -55,6 +55,10 @@ ROOM_FREED_ANNOTATION = PREFIX + "room-freed"
 # On the node's Lease, renewed with it: device memory each container holds, from its region,
 # {"<pod-uid>_<container>": {"<gpu uuid>": bytes}} (vgpu status shows it).
 USAGE_ANNOTATION = PREFIX + "usage"
+# also on the Lease (contract 2): per container folder, the lines that hold its device memory
+# (["hook", "driver-cap", "node"]) and its media engines' use per card ({uuid: {"dec": 12, ...}})
+LINES_ANNOTATION = PREFIX + "memory-lines"
+CODEC_ANNOTATION = PREFIX + "codec"
 
 # contract 1 (docs/contracts.md): what a user may write on a pod
 USE_GPUTYPE_ANNOTATION = "nvidia.com/use-gputype"

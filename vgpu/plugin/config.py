@@ -29,6 +29,9 @@ The file (``--config``; every key optional)::
                                # freezer), evict, kill (its process with the most GPU time) or report
       memoryToleranceMiB: 256  # allowed past the grant per process on a card (driver context memory)
       intervalMs: 100          # how often the driver's per-process memory is read (10..500)
+      driverCap: auto          # the driver's own cap on each container's cgroup (r615+, cgroup v2):
+                               # auto (where the driver has it), off, or required (refuse a container
+                               # that no line holds: no hook region and no driver cap)
     nodes:                     # per-node overrides of the keys above, by node name
       gpu-node-7: {split: 4, enforcement: {memory: report}}
 
@@ -67,6 +70,7 @@ class NodeConfig:
     memory_tolerance_mib: int = 256  # enforcement.memoryToleranceMiB
     enforce_interval_ms: int = 100  # enforcement.intervalMs
     enforce_compute: str = "throttle"  # enforcement.compute
+    driver_cap: str = "auto"  # enforcement.driverCap (vgpu/plugin/monitor/drivercap.py)
     default_mem: int = 0  # the scheduler's defaultMem (MiB per vGPU when a container gives none)
     default_cores: int = 0  # the scheduler's defaultCores
     container_folder: str = "directory"  # containerFolder: tmpfs or directory (vgpu/plugin/folders.py)
@@ -97,18 +101,20 @@ SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("plugin", "cdi", "runtime")
 MEMORY_ACTIONS = ("kill", "evict", "report")
 COMPUTE_ACTIONS = ("throttle", "evict", "kill", "report")
+DRIVER_CAP_MODES = ("auto", "off", "required")
 _ENFORCEMENT = {
     "memory": "enforce_memory",
     "compute": "enforce_compute",
     "memoryToleranceMiB": "memory_tolerance_mib",
     "intervalMs": "enforce_interval_ms",
+    "driverCap": "driver_cap",
 }
 
 
 def _enforcement(cfg: NodeConfig, doc: Any, source: str, prefix: str) -> NodeConfig:
     if not isinstance(doc, dict):
         raise ConfigError(
-            source, prefix, "must be a mapping of memory, compute, memoryToleranceMiB, intervalMs"
+            source, prefix, "must be a mapping of memory, compute, memoryToleranceMiB, intervalMs, driverCap"
         )
     for key, value in doc.items():
         path = f"{prefix}.{key}"
@@ -128,6 +134,16 @@ def _enforcement(cfg: NodeConfig, doc: Any, source: str, prefix: str) -> NodeCon
                 f"must be throttle (freeze the container's cgroup for part of the time), evict (the "
                 f"Eviction API), kill (SIGKILL its process with the most GPU time) or report (an Event, a "
                 f"log line and a metric only), got {value!r}",
+            )
+        if key == "driverCap" and value is False:
+            value = "off"  # YAML 1.1 reads a bare off as false
+        if key == "driverCap" and value not in DRIVER_CAP_MODES:
+            raise ConfigError(
+                source,
+                path,
+                f"must be auto (the driver's cap on each container's cgroup where the driver has it), off, "
+                f"or required (refuse a container no line can hold: no hook region and no driver cap), "
+                f"got {value!r}",
             )
         if key == "memoryToleranceMiB" and (
             isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65536

@@ -78,7 +78,12 @@ class Daemon:
         self.server = self.servers[0]
         containers_dir = self.paths.containers_dir
         self.reporter = NodeReporter(
-            self.node, self.namespace, self.state, self.client, usage=lambda: region_usage(containers_dir)
+            self.node,
+            self.namespace,
+            self.state,
+            self.client,
+            usage=lambda: region_usage(containers_dir),
+            more=lambda: self.monitor.lease_annotations(),
         )
         self.monitor = NodeMonitor(
             self.node,

@@ -47,12 +47,36 @@ class CardUsage:
 
 
 @dataclass(frozen=True)
+class Codec:
+    """A process's use of the card's media engines in the driver's latest samples, in percent of
+    the sample period: NVDEC (``dec``), NVENC (``enc``) and, where the driver gives them
+    (``nvmlDeviceGetProcessesUtilizationInfo``), NVJPG (``jpg``) and the optical-flow engine
+    (``ofa``); None: the driver does not say."""
+
+    dec: int = 0
+    enc: int = 0
+    jpg: int | None = None
+    ofa: int | None = None
+
+    def __add__(self, other: Codec) -> Codec:
+        """Two processes' use together (a container's); an engine either does not say stays unsaid."""
+
+        def both(a: int | None, b: int | None) -> int | None:
+            return None if a is None or b is None else a + b
+
+        return Codec(
+            self.dec + other.dec, self.enc + other.enc, both(self.jpg, other.jpg), both(self.ofa, other.ofa)
+        )
+
+
+@dataclass(frozen=True)
 class GpuProcess:
     """One process on a card as the driver sees it (the host's view; the hook plays no part)."""
 
     pid: int  # in the host's PID namespace
     memory_bytes: int  # device memory the driver says it holds, its context included
     sm_percent: int | None = None  # its share of the card's SMs in the driver's latest samples
+    codec: Codec | None = None  # its media engines' share in the same samples; None: not sampled
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ The file::
         utilization: 0                                    # percent, default 0
         computeCapability: "9.0"                          # major.minor, default unknown
         mig: {mode: enabled, instances: [{profile: 1g.10gb, start: 0}]}   # optional: MIG (below)
+        driverMemoryLimits: false                         # the driver caps cgroups (fake_memcap.py)
 
     driverVersion: 570.124.06                             # optional: the driver's version (DRA attribute)
     processDir: /var/lib/vgpu-stub/procs                  # optional: per-process memory (below)
     migState: /var/lib/vgpu-fake/mig.json                 # optional: MIG state, default <file>.mig.json
+    memoryLimitsLog: /tmp/vgpu-caps.jsonl                 # optional: the driver-cap calls (fake_memcap.py)
 
 A card with a ``mig:`` section is in MIG as an H100 80GB or H200 141GB would be (its ``model``
 picks the profile table): ``mode`` (enabled, disabled, pending-enable, pending-disable) and the
@@ -40,6 +42,8 @@ The stub also records each process's GPU time there (``<pid>@<start time>.sm``: 
 kernel time ever queued and the end of each stream still busy). ``sm_samples(uuid)`` turns it
 into what ``nvmlDeviceGetProcessUtilization`` gives: per live process, the percent of the time
 since the previous call that its kernels ran (a whole percent, as NVML's ``smUtil``).
+A ``<pid>@<start time>.codec`` file beside them gives the process's media-engine samples
+(``vgpu.plugin.fake_codec``), listed with its memory by ``processes(uuid)``.
 """
 
 from __future__ import annotations
@@ -55,7 +59,10 @@ import yaml
 
 from vgpu.core.errors import ConfigError
 from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
+from vgpu.plugin.fake_codec import read_codec
+from vgpu.plugin.fake_memcap import FakeCaps, parse_caps
 from vgpu.plugin.fake_mig import FakeMig, parse_mig_sections, parse_state_path
+from vgpu.plugin.memcap import Limits
 
 MAX_UUID_LEN = 58  # device IDs are "<uuid>::<n>" and kubelet allows 63 characters
 KEYS = {
@@ -70,6 +77,7 @@ KEYS = {
     "utilization",
     "computeCapability",
     "mig",
+    "driverMemoryLimits",  # vgpu/plugin/fake_memcap.py
 }
 _CAPABILITY = re.compile(r"^[0-9]{1,3}\.[0-9]{1,3}$")
 _DRIVER_VERSION = re.compile(r"^[0-9]{1,5}(\.[0-9]{1,5}){1,3}$")
@@ -189,6 +197,8 @@ class FakeDiscovery:
         self._cards, self._usage = parse_fake_gpus(text, str(self.path))
         self.process_dir = parse_process_dir(text, str(self.path))
         self.driver_version = parse_driver_version(text, str(self.path))
+        capped, caps_log = parse_caps(yaml.safe_load(text), str(self.path))
+        self.caps = FakeCaps(capped, caps_log, process_dir=self.process_dir)  # the driver's cap
         self.proc = Path("/proc")
         self._host_pids: dict[str, int] = {}  # a process file's name -> the host's PID of it
         self._gone: set[str] = set()  # files of processes found gone: never looked up again
@@ -227,15 +237,26 @@ class FakeDiscovery:
             return None
         keys, rows = files
         found: list[GpuProcess] = []
-        for _, pid, lines in rows:
+        for stem, pid, lines in rows:
             held = 0
             for line in lines:
                 key, _, value = line.partition(" ")
                 if key in keys and value.strip().isdigit():
                     held += int(value)
             if held:
-                found.append(GpuProcess(pid, held))
+                assert self.process_dir is not None  # files came from it
+                codec = read_codec(self.process_dir / f"{stem}.codec", keys)
+                found.append(GpuProcess(pid, held, codec=codec))
         return found
+
+    def memory_caps(self, uuid: str) -> bool:
+        return self.caps.memory_caps(uuid)
+
+    def set_memory_limits(self, uuid: str, cgroup: str, soft: int, hard: int) -> None:
+        self.caps.set_memory_limits(uuid, cgroup, soft, hard)
+
+    def get_memory_limits(self, uuid: str, cgroup: str) -> Limits:
+        return self.caps.get_memory_limits(uuid, cgroup)
 
     def sm_samples(self, uuid: str) -> list[SmSample] | None:
         """One sample per live process with GPU time recorded on the card: its share of the time

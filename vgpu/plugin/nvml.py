@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.discovery import Card, CardUsage, GpuProcess, HealthEvent, SmSample
+from vgpu.plugin.discovery import Card, CardUsage, Codec, GpuProcess, HealthEvent, SmSample
+from vgpu.plugin.memcap import Limits, NvmlCaps
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ PERIOD_US = 166_667  # the driver's usual gap between utilization samples, until
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _mean_codec(rows: list[tuple[int, ...]]) -> Codec:
+    """A process's media engines over its samples (each row dec, enc and maybe jpg, ofa)."""
+    means = [sum(col) // len(rows) for col in zip(*rows, strict=False)]
+    return Codec(means[0], means[1], *means[2:4]) if len(means) >= 4 else Codec(means[0], means[1])
 
 
 class NvmlDiscovery:
@@ -74,6 +81,9 @@ class NvmlDiscovery:
             self.driver_version = ""
         self._samples_at = [0] * len(self._handles)  # the newest utilization sample seen, per card (us)
         self._sm: list[dict[int, int]] = [{} for _ in self._handles]  # pid -> SM percent, per card
+        self._codec: list[dict[int, Codec]] = [{} for _ in self._handles]  # pid -> media engines, per card
+        self._info_call = True  # nvmlDeviceGetProcessesUtilizationInfo answers (jpg, ofa too)
+        self.caps = NvmlCaps(pynvml, dict(zip(self._uuids, self._handles, strict=True)))
         self._sampled = [0.0] * len(self._handles)  # when the samples were last read (monotonic s)
         self._no_memory_told = False
         self._sm_cursor = [0] * len(self._handles)  # sm_samples: the newest sample time seen (us)
@@ -179,7 +189,29 @@ class NvmlDiscovery:
                 self._no_memory_told = True
                 log.warning("NVML does not give per-process memory on %s; memory is not enforced", uuid)
             found[int(p.pid)] = found.get(int(p.pid), 0) + int(used or 0)  # one entry per context
-        return [GpuProcess(pid, used, sm.get(pid)) for pid, used in found.items()]
+        codec = self._codec[index]
+        return [GpuProcess(pid, used, sm.get(pid), codec.get(pid)) for pid, used in found.items()]
+
+    def memory_caps(self, uuid: str) -> bool:
+        return self.caps.memory_caps(uuid)
+
+    def set_memory_limits(self, uuid: str, cgroup: str, soft: int, hard: int) -> None:
+        self.caps.set_memory_limits(uuid, cgroup, soft, hard)
+
+    def get_memory_limits(self, uuid: str, cgroup: str) -> Limits:
+        return self.caps.get_memory_limits(uuid, cgroup)
+
+    def _samples(self, index: int) -> list[Any]:
+        """The card's per-process samples since the last read: the newer call where the driver
+        has it (NVJPG and OFA too), else the older one (NVDEC and NVENC)."""
+        nv = self._nvml
+        handle, since = self._handles[index], self._samples_at[index]
+        if self._info_call:
+            try:
+                return list(nv.nvmlDeviceGetProcessesUtilizationInfo(handle, since))
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported, AttributeError):
+                self._info_call = False
+        return list(nv.nvmlDeviceGetProcessUtilization(handle, since))
 
     def _mig_processes(self, uuid: str) -> list[GpuProcess] | None:
         """The processes on one MIG device, from NVML on the MIG device's own handle (its memory
@@ -202,14 +234,20 @@ class NvmlDiscovery:
             return self._sm[index]
         self._sampled[index] = now
         try:
-            samples = nv.nvmlDeviceGetProcessUtilization(self._handles[index], self._samples_at[index])
+            samples = self._samples(index)
         except nv.NVMLError:
             samples = []  # NOT_FOUND: no sample since the last read
         sm: dict[int, list[int]] = {}
+        media: dict[int, list[tuple[int, ...]]] = {}
         for s in samples:
             sm.setdefault(int(s.pid), []).append(int(s.smUtil))
+            row: tuple[int, ...] = (int(s.decUtil), int(s.encUtil))
+            if hasattr(s, "jpgUtil"):
+                row += (int(s.jpgUtil), int(s.ofaUtil))
+            media.setdefault(int(s.pid), []).append(row)
             self._samples_at[index] = max(self._samples_at[index], int(s.timeStamp))
         self._sm[index] = {pid: sum(v) // len(v) for pid, v in sm.items()}
+        self._codec[index] = {pid: _mean_codec(rows) for pid, rows in media.items()}
         return self._sm[index]
 
     def sm_samples(self, uuid: str) -> list[SmSample] | None:

@@ -47,6 +47,7 @@ class NodeReporter:
         lease_duration_s: int = 40,
         renew_s: float = 10.0,
         usage: Callable[[], dict[str, dict[str, int]]] | None = None,
+        more: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.node = node
         self.namespace = namespace
@@ -55,6 +56,7 @@ class NodeReporter:
         self.lease_duration_s = lease_duration_s
         self.renew_s = renew_s
         self.usage = usage
+        self.more = more  # further Lease annotations (the node monitor's: lines, media engines)
         self._service = Service("dp-report", lambda _stop: self._loop())
         self._stop = self._service.stopping
         self._published: str | None = None
@@ -102,6 +104,11 @@ class NodeReporter:
                 }
             except OSError as err:  # the state folder unreadable: renew without the report
                 log.warning("could not read the containers' usage for the Lease: %s", err)
+        if self.more is not None:
+            try:
+                annotations = {**(annotations or {}), **self.more()}
+            except OSError as err:
+                log.warning("could not read the containers' lines for the Lease: %s", err)
         self.api.renew_lease(
             self.namespace,
             lease_name(self.node),

@@ -180,17 +180,25 @@ each of them; without any, it is the one term.
 vgpu.enforcementActions: every action the node monitors may take, as "a,b,...": the cluster-wide
 devicePlugin.enforcement.memory and .compute and those of each nodeOverrides[].enforcement. The
 DaemonSets and roles are one for all nodes, so each right an action needs (KILL, the host's
-cgroups for throttle, pods/eviction) is given where any node may take it.
+cgroups for throttle, pods/eviction) is given where any node may take it. "cgroups": the host's
+pod cgroups are mounted, for the compute throttle's freezer and the driver's memory cap
+(enforcement.driverCap: auto uses the mount where throttle makes it, required makes it itself and
+adds "kill": it refuses a container no line holds). auto mounts nothing of its own, so an upgrade
+never adds a hostPath that a node without devicePlugin.hostPaths.podCgroups would lack.
 */}}
 {{- define "vgpu.enforcementActions" -}}
 {{- $d := .Values.devicePlugin -}}
 {{- $acts := list $d.enforcement.memory $d.enforcement.compute -}}
+{{- $caps := list (toString (dig "driverCap" "auto" $d.enforcement)) -}}
 {{- range $d.nodeOverrides -}}
 {{- with .enforcement -}}
 {{- with .memory }}{{ $acts = append $acts . }}{{ end -}}
 {{- with .compute }}{{ $acts = append $acts . }}{{ end -}}
+{{- if hasKey . "driverCap" }}{{ $caps = append $caps (toString .driverCap) }}{{ end -}}
 {{- end -}}
 {{- end -}}
+{{- if or (has "throttle" $acts) (has "required" $caps) }}{{ $acts = append $acts "cgroups" }}{{ end -}}
+{{- if has "required" $caps }}{{ $acts = append $acts "kill" }}{{ end -}}
 {{- $acts | uniq | sortAlpha | join "," -}}
 {{- end -}}
 

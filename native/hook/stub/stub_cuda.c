@@ -18,6 +18,9 @@
  * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free;
  * and its GPU time in <pid>@<start time>.sm (stub_launch.c), as the driver samples it for
  * nvmlDeviceGetProcessUtilization.
+ * With STUB_CUDA_PROCESS_DIR, an allocation past the driver's cap on the process's cgroup, as the fake
+ * NVML's nvmlDeviceSetMemoryLimits_v1 wrote it there (caps/, see over_cgroup_cap), fails with
+ * CUDA_ERROR_OUT_OF_MEMORY, as an r615 driver's does.
  * STUB_CUDA_CONTEXTS_MAX=N with STUB_CUDA_CONTEXT_DIR: the driver makes at most N contexts at
  * once per device, across processes, and refuses the next with CUDA_ERROR_OUT_OF_MEMORY, as an
  * H200 (driver 580.159.04, in a VM) made 31 of 200 with 143 GB free. A context takes the flock of
@@ -26,6 +29,7 @@
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -124,12 +128,69 @@ static void record_usage(void) {
     if (fclose(f) == 0) rename(tmp, path);
 }
 
+/* What process pid (in this PID namespace) holds on the device named key, from its file in dir
+ * (<pid>@<start time>); 0 when it has none. */
+static unsigned long long held_by(const char *dir, const char *pid, const char *key) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    unsigned long long held = 0;
+    size_t n = strlen(pid);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, pid, n) != 0 || e->d_name[n] != '@' || strchr(e->d_name + n, '.')) continue;
+        char path[600], k[96];
+        unsigned long long bytes;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        while (f && fscanf(f, "%95s %llu", k, &bytes) == 2)
+            if (strcmp(k, key) == 0) held += bytes;
+        if (f) fclose(f);
+    }
+    closedir(d);
+    return held;
+}
+
+/* The driver's cap on this process's cgroup (r615's nvmlDeviceSetMemoryLimits_v1), as the fake NVML
+ * writes it (vgpu/plugin/fake_memcap.py): STUB_CUDA_PROCESS_DIR/caps/<name of the cgroup's folder>,
+ * "<cgroup folder> <uuid or index> <hard bytes>" per line. 1 when taking size more on dev would take
+ * the cgroup's processes (its cgroup.procs, each one's file beside ours; ours from memory) past it. */
+static int over_cgroup_cap(int dev, unsigned long long size) {
+    const char *dir = getenv("STUB_CUDA_PROCESS_DIR");
+    if (!dir || !*dir) return 0;
+    char line[1024], cap[1200], key[96];
+    FILE *cg = fopen("/proc/self/cgroup", "r"), *f = NULL;
+    while (cg && !f && fgets(line, sizeof line, cg)) {
+        line[strcspn(line, "\n")] = 0;
+        const char *base = strrchr(line, '/');
+        if (base && base[1]) snprintf(cap, sizeof cap, "%s/caps/%s", dir, base + 1), f = fopen(cap, "r");
+    }
+    if (cg) fclose(cg);
+    if (!f) return 0;
+    device_key(dev, key, sizeof key);
+    char folder[800], k[96], self[32];
+    unsigned long long hard, total = dev_used[dev] + size;
+    int over = 0;
+    snprintf(self, sizeof self, "%d", (int)getpid());
+    while (!over && fscanf(f, "%799s %95s %llu", folder, k, &hard) == 3) {
+        if (strcmp(k, key) != 0) continue;
+        snprintf(cap, sizeof cap, "%s/cgroup.procs", folder);
+        FILE *procs = fopen(cap, "r");
+        char pid[32];
+        while (procs && fscanf(procs, "%31s", pid) == 1)
+            if (strcmp(pid, self) != 0) total += held_by(dir, pid, key);
+        if (procs) fclose(procs);
+        over = total > hard;
+    }
+    fclose(f);
+    return over;
+}
+
 static CUresult take(int dev, unsigned long long size, int kind, unsigned long long *key) {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
     if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
-    if (dev_used[dev] + size > dev_mem) {
+    if (dev_used[dev] + size > dev_mem || over_cgroup_cap(dev, size)) {
         pthread_mutex_unlock(&mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

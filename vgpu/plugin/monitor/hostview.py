@@ -38,7 +38,7 @@ from typing import Any
 
 from vgpu.core.errors import KubeError
 from vgpu.hookabi.grant import GRANT_SUFFIX, Grant, GrantError, read_grant
-from vgpu.plugin.discovery import ProcessSource
+from vgpu.plugin.discovery import Codec, ProcessSource
 from vgpu.plugin.monitor.cgroup import ContainerRef, container_of, start_time
 from vgpu.plugin.monitor.mounts import claim_of, device_of, process_grant
 from vgpu.plugin.paths import HostPaths
@@ -79,6 +79,7 @@ class Held:
     granted: int  # device bytes granted on this card; 0: no limit
     pids: dict[int, int] = field(default_factory=dict)  # host PID -> bytes
     sm_percent: int = 0  # the processes' SM shares in the driver's latest samples, summed
+    codec: Codec | None = None  # their media engines' shares, summed; None: no process sampled
 
     @property
     def total(self) -> int:
@@ -280,6 +281,8 @@ class HostView:
                     entry = held[(owner.folder, uuid)] = Held(owner, uuid, granted)
                 entry.pids[proc.pid] = entry.pids.get(proc.pid, 0) + proc.memory_bytes
                 entry.sm_percent += proc.sm_percent or 0
+                if proc.codec is not None:
+                    entry.codec = proc.codec if entry.codec is None else entry.codec + proc.codec
         self._refs = {pid: v for pid, v in self._refs.items() if pid in live}
         return View(list(held.values()), unattributed, time.monotonic() - started)
 

@@ -18,6 +18,7 @@ from vgpu.plugin.monitor.compute import ComputeEnforcer
 from vgpu.plugin.monitor.compute_metrics import ComputeCollector
 from vgpu.plugin.monitor.enforce import MIB, Enforcer, HostCollector, PodActions
 from vgpu.plugin.monitor.hostview import HostView
+from vgpu.plugin.monitor.lines import LinesCollector, build_driver_cap, lease_annotations
 from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,15 @@ class NodeMonitor:
                     interval_s=cfg.enforce_interval_ms / 1000,
                     actions=actions,
                 )
+        # the third line: the driver's own cap on each container's cgroup (enforcement.driverCap)
+        self.driver_cap = build_driver_cap(node, state.config, discovery, paths, self.enforcer, actions)
         self._http: WSGIServer | None = None
         self.port: int | None = None
+
+    def lease_annotations(self) -> dict[str, str]:
+        """What the node's Lease carries for ``vgpu status``: the lines holding each container
+        and its media engines' use (contract 2)."""
+        return lease_annotations(self.collector.paths, self.driver_cap, self.enforcer)
 
     def start(self) -> None:
         if self.arbiter is not None:
@@ -95,6 +103,11 @@ class NodeMonitor:
         if self.compute is not None:
             self.compute.start()
             log.info("compute gate: on; past it, enforcement.compute is %s", self.compute.action)
+        if self.driver_cap is not None:
+            self.driver_cap.start()
+            log.info(
+                "driver cap: %s, on the cgroups under %s", self.driver_cap.mode, self.driver_cap.scan.root
+            )
         if self.listen is not None:
             host, port = self.listen
             registry = make_registry(self.collector)
@@ -102,6 +115,7 @@ class NodeMonitor:
                 registry.register(HostCollector(self.enforcer))
             if self.compute is not None:
                 registry.register(ComputeCollector(self.compute))
+            registry.register(LinesCollector(self.collector, self.driver_cap, self.enforcer))
             self._http = serve_metrics(host, port, registry)
             self.port = self._http.server_port
             log.info("node monitor on http://%s:%d/metrics", host, self.port)
@@ -113,5 +127,7 @@ class NodeMonitor:
             self.enforcer.stop()
         if self.compute is not None:
             self.compute.stop()
+        if self.driver_cap is not None:
+            self.driver_cap.stop()
         if self.arbiter is not None:
             self.arbiter.stop()
