@@ -35,7 +35,22 @@ DEVICE_CLASS: dict[str, Any] = {
     "apiVersion": "resource.k8s.io/v1",
     "kind": "DeviceClass",
     "metadata": {"name": DRIVER},
-    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    "spec": {
+        "selectors": [
+            {"cel": {"expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'}}
+        ]
+    },
+}
+# A MIG slice, as the chart makes it (docs/mig.md#mig-with-dra: dra-plugin --mig dynamic).
+MIG_DEVICE_CLASS: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": f"mig.{DRIVER}"},
+    "spec": {
+        "selectors": [
+            {"cel": {"expression": f'device.driver == "{DRIVER}" && !device.allowMultipleAllocations'}}
+        ]
+    },
 }
 
 
@@ -80,6 +95,7 @@ def start_plugin(
     """Label the node, make the DeviceClass, start the plugin; returns once the node's slice is there."""
     sandbox.kubectl("label", "node", node, f"{MODE_LABEL}=dra", "--overwrite")
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(MIG_DEVICE_CLASS))
     sandbox.launch(COMPONENT, argv(sandbox, spec, node, node_root, kubelet_root, gpus_file))
 
     def published() -> bool:

@@ -14,6 +14,7 @@ import yaml
 from chart_support import CHART, REPO, container, find, helm, render, template
 
 from vgpu.core.claimconfig import VgpuConfig, check_entries
+from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, SHARED_SELECTOR
 from vgpu.plugin.monitor import cli as monitor_cli
 
 K134 = "1.34.0"
@@ -83,7 +84,9 @@ def test_the_webhook_checks_dra_configuration_only_with_dra_and_never_blocks_on_
 def test_the_device_class_selects_the_driver_by_cel() -> None:
     dc = find(render(*DRA, kube_version=K136), "DeviceClass", "vgpu.openaios.io")
     assert dc["apiVersion"] == "resource.k8s.io/v1"
-    assert dc["spec"]["selectors"] == [{"cel": {"expression": 'device.driver == "vgpu.openaios.io"'}}]
+    assert dc["spec"]["selectors"] == [{"cel": {"expression": SHARED_SELECTOR}}]
+    mig = find(render(*DRA, kube_version=K136), "DeviceClass", MIG_CLASS)
+    assert mig["spec"]["selectors"] == [{"cel": {"expression": MIG_SELECTOR}}]
 
 
 # NVIDIA's runtime gives the plugins their cards, and the claims' folders are plain: nothing
@@ -106,6 +109,7 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
         "--cdi-dir=/var/run/cdi",
         "--state-dir=/var/lib/vgpu",
         "--config=/etc/vgpu/device-plugin/node-config.yaml",
+        "--mig=off",
         "--fake-nvml=/etc/fake/gpus.yaml",
     ]
     # the kubelet dials the socket and the runtime reads the CDI specs by the paths the plugin

@@ -42,6 +42,10 @@ MEDIA_COUNTER = "media-extensions"
 COUNTER_SETS_PER_SLICE = 8
 DEVICES_PER_SLICE = 64  # where a device consumes counters
 MIG_TYPE = "mig"
+# The DeviceClasses (charts/vgpu/templates/dra-deviceclass.yaml): shares of whole cards, MIG slices.
+SHARED_SELECTOR = f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+MIG_CLASS = f"mig.{DRIVER}"
+MIG_SELECTOR = f'device.driver == "{DRIVER}" && !device.allowMultipleAllocations'
 
 
 def memory_counter(i: int) -> str:
@@ -102,12 +106,14 @@ def counter_set(index: int) -> dict[str, Any]:
 
 def slots(card: Card, table: MigTable, blocked: Iterable[Placement] = ()) -> list[MigSlot]:
     """Every placement of every profile of the card, less those overlapping ``blocked`` (GPU
-    instances on the card that no prepared claim holds: another's, or waiting to be reclaimed)."""
+    instances on the card that no prepared claim holds: another's, or waiting to be reclaimed).
+    A profile's placements go highest start first: the allocator takes the first free device, and
+    small slices from the top keep the low starts for the large profiles (the driver's own habit)."""
     taken = [*blocked]
     return [
         MigSlot(device_name(card.index, p.name, pl.start), card, p, pl)
         for p in table.profiles
-        for pl in p.placements
+        for pl in sorted(p.placements, key=lambda pl: -pl.start)  # the highest first: the allocator
         if not any(pl.overlaps(b) for b in taken)
     ]
 
