@@ -3,10 +3,10 @@ allocated ResourceClaims (docs/dra.md), in the same per-card form as the device 
 
 A DRA node publishes one ResourceSlice of driver ``vgpu.openaios.io`` (pool = the node's name;
 a node with MIG cards, several: docs/mig.md#mig-with-dra, each MIG card shown once, a claim on a
-placement as a share of it), one device per healthy card with the attributes ``uuid``, ``productName``, ``index`` and the
-capacities ``memory`` (bytes) and ``cores`` (100). A claim's allocation names the pool and device
-of each request and, where the card is shared (consumable capacity, 1.36), what it consumes; a
-claim allocated without ``consumedCapacity`` (1.34 and 1.35) holds the whole card. The pods a
+placement as a share of it), one device per healthy card with the attributes ``uuid``,
+``productName``, ``index`` and the capacities ``memory`` (bytes) and ``cores`` (100). A claim's
+allocation names the pool and device of each request and, where the card is shared (consumable
+capacity, 1.36), what it consumes; a claim allocated without ``consumedCapacity`` (1.34 and 1.35) holds the whole card. The pods a
 claim serves are its ``status.reservedFor``. Anything malformed is skipped: status never fails
 on what a cluster holds.
 """
