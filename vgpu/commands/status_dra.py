@@ -6,9 +6,9 @@ a node with MIG cards, several: docs/mig.md#mig-with-dra, each MIG card shown on
 placement as a share of it), one device per healthy card with the attributes ``uuid``,
 ``productName``, ``index`` and the capacities ``memory`` (bytes) and ``cores`` (100). A claim's
 allocation names the pool and device of each request and, where the card is shared (consumable
-capacity, 1.36), what it consumes; a claim allocated without ``consumedCapacity`` (1.34 and 1.35) holds the whole card. The pods a
-claim serves are its ``status.reservedFor``. Anything malformed is skipped: status never fails
-on what a cluster holds.
+capacity, 1.36), what it consumes; a claim allocated without ``consumedCapacity`` (1.34 and 1.35)
+holds the whole card. The pods a claim serves are its ``status.reservedFor``. Anything malformed
+is skipped: status never fails on what a cluster holds.
 """
 
 from __future__ import annotations
