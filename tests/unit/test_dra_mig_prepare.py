@@ -188,3 +188,15 @@ def test_a_result_naming_a_placement_the_node_does_not_have_is_refused(tmp_path:
     p, _ = preparer(tmp_path, Claims(mig_claim({"a": "gpu-0-mig-1g-10gb-7"})))
     with pytest.raises(ClaimError, match="not a healthy card"):
         p.prepare("ns", UID, "c")
+
+
+def test_an_instance_at_the_placement_with_processes_no_claim_holds_is_not_handed_out(tmp_path: Path) -> None:
+    gpus(tmp_path, "[{profile: 1g.10gb, start: 6}]")
+    p, mig = preparer(tmp_path, Claims(mig_claim({"a": "gpu-0-mig-1g-10gb-6"})))
+    (dev,) = mig.devices(H100)
+    proc = busy(tmp_path, dev.uuid)
+    with pytest.raises(ClaimError, match="processes no claim accounts for"):
+        p.prepare("ns", UID, "c")
+    proc.unlink()
+    assert [a["deviceName"] for a in p.prepare("ns", UID, "c")] == ["gpu-0-mig-1g-10gb-6"]
+    assert [d.uuid for d in mig.devices(H100)] == [dev.uuid]  # found, not made again

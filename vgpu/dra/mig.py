@@ -162,6 +162,13 @@ class MigNode:
                             "",
                             f"MIG {slot.profile.name} at {slot.placement.start} is held by claim {owner}",
                         )
+                    if not owner and self.control.processes(found.uuid):
+                        raise ClaimError(
+                            f"node card {slot.card.uuid}",
+                            "",
+                            f"MIG {slot.profile.name} at {slot.placement.start} ({found.uuid}) has processes "
+                            "no claim accounts for; the kubelet retries once they end",
+                        )
                     got.append((slot, found))
                     continue
                 try:
