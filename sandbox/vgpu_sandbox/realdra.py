@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,15 @@ MIG_DEVICE_CLASS: dict[str, Any] = {
 }
 
 
+# ``--mig``: the first of the stub driver's cards as the fake NVML's H100 80GB in MIG mode, with
+# no GPU instance (the plugin makes them as claims are prepared).
+MIG_CARD: dict[str, Any] = {
+    "model": "NVIDIA H100 80GB HBM3",
+    "memoryMiB": 81559,
+    "mig": {"mode": "enabled", "instances": []},
+}
+
+
 def state_dir(node_root: Path) -> Path:
     """The plugin's ``--state-dir``: grants, region folders, hook versions, checkpoint, records."""
     return node_root / "vgpu-dra"
@@ -85,6 +96,7 @@ def argv(
         f"--config={config_file}",
         f"--hook-library={hook}",
         "--slice-interval=2",
+        *(["--mig=dynamic"] if spec.mig else []),
         *([] if spec.real_gpu else [f"--fake-nvml={gpus_file}"]),
     ]
 
@@ -123,3 +135,31 @@ def forget_specs(node_root: Path, cdi_dir: Path = CDI_DIR) -> list[Path]:
             path.unlink()
             removed.append(path)
     return removed
+
+
+def kill_and_restart(sandbox: Handle) -> None:
+    """SIGKILL the DRA plugin (no clean-up at all, as a crash) and start it again with the same
+    command line; returns once it serves its socket again."""
+    state = sandbox.state()
+    if state is None:
+        raise SandboxError(f"no sandbox in {sandbox.state_dir}")
+    found = [c for c in state.components if c.name == COMPONENT]
+    if not found:
+        raise SandboxError(
+            "this sandbox runs no DRA plugin: start it with `vgpu sandbox up --real-node --dra`"
+        )
+    old = found[-1]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(old.pid, signal.SIGKILL)
+    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30, [COMPONENT])
+    sandbox.adopt(state)
+    state.components.remove(old)
+    sandbox.launch(COMPONENT, old.argv, old.port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
