@@ -118,3 +118,16 @@ def test_turning_mig_off_leaves_one_slice_counted_alone(tmp_path: Path) -> None:
     main = store.slices[BASE]
     assert main["spec"]["pool"] == {"name": NODE, "generation": 2, "resourceSliceCount": 1}
     assert [d["name"] for d in main["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+
+
+def test_the_health_stream_names_each_placement_of_a_mig_card(tmp_path: Path) -> None:
+    from vgpu.dra.server import HealthService
+
+    store = PoolStore()
+    pub, _ = publisher(tmp_path, store)
+    pub.sync()
+    _, cards = pub.health()
+    answer = HealthService(NODE, pub).answer(cards)
+    names = [d.device.device_name for d in answer.devices]
+    assert len(names) == 26 and "gpu-1" in names and "gpu-0" not in names
+    assert "gpu-0-mig-3g-40gb-4" in names  # what a claim on that placement holds

@@ -26,7 +26,7 @@ from vgpu.core.service import Service
 from vgpu.dra.mig import MigView
 from vgpu.dra.migslices import fingerprint as mig_fingerprint
 from vgpu.dra.migslices import mig_slices
-from vgpu.dra.slices import DRIVER, build_slice, fingerprint, slice_name
+from vgpu.dra.slices import DRIVER, build_slice, device_name, fingerprint, slice_name
 from vgpu.kube.resourceapi import ResourceClient
 from vgpu.plugin.discovery import Card, Discovery
 
@@ -59,6 +59,7 @@ class SlicePublisher:
         self._cards = list(discovery.cards())
         self._reasons: dict[str, str] = {}  # card uuid -> why its health last changed
         self._health_version = 0
+        self._mig_names: dict[str, list[str]] = {}  # MIG card uuid -> its devices' names (the last view)
         self._kick = threading.Event()
         self._node_uid: str | None = None
         self.generation: int | None = None  # the pool's generation as last written or read
@@ -75,6 +76,11 @@ class SlicePublisher:
         changed, "" when it never did)."""
         with self._lock:
             return self._health_version, [(c, self._reasons.get(c.uuid, "")) for c in self._cards]
+
+    def devices_of(self, card: Card) -> list[str]:
+        """The pool's devices of ``card``: ``gpu-<index>``, or a MIG card's placements."""
+        with self._lock:
+            return list(self._mig_names.get(card.uuid) or [device_name(card.index)])
 
     def wait_health(self, version: int, timeout_s: float, done: Callable[[], bool] = lambda: False) -> None:
         """Until the health changes past ``version``, ``done()`` holds after a ``wake``, or ``timeout_s``."""
@@ -150,6 +156,11 @@ class SlicePublisher:
             else None
         )
         partitioned = view.partitioned if view else frozenset()
+        names: dict[str, list[str]] = {}
+        for slot in view.slots.values() if view else ():
+            names.setdefault(slot.card.uuid, []).append(slot.device)
+        with self._lock:
+            self._mig_names = names
         shared = build_slice(
             self.node,
             [c for c in cards if c.uuid not in partitioned],
