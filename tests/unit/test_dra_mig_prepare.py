@@ -200,3 +200,33 @@ def test_an_instance_at_the_placement_with_processes_no_claim_holds_is_not_hande
     proc.unlink()
     assert [a["deviceName"] for a in p.prepare("ns", UID, "c")] == ["gpu-0-mig-1g-10gb-6"]
     assert [d.uuid for d in mig.devices(H100)] == [dev.uuid]  # found, not made again
+
+
+def test_under_driver_inject_plugin_the_spec_carries_the_instances_capability_nodes(tmp_path: Path) -> None:
+    from vgpu.plugin.driver import DriverFiles
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidiactl"):
+        (dev / name).touch()
+    d = FakeDiscovery(gpus(tmp_path))
+    assert d.mig is not None
+    p = Preparer(
+        NODE,
+        StatePaths(Path("/"), tmp_path / "state"),
+        tmp_path / "cdi",
+        NodeConfig(driver_inject="plugin"),
+        Claims(mig_claim({"gpu": "gpu-0-mig-3g-40gb-4"})),
+        d.cards,
+        driver=DriverFiles((), (), dev),
+        mig=MigNode(d.mig),
+    )
+    p.prepare("ns", UID, "c")
+    (made,) = d.mig.devices(H100)
+    spec = json.loads(cdi.spec_path(tmp_path / "cdi", UID).read_text())
+    nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert nodes[-3:] == [
+        "/dev/nvidia0",  # the parent card
+        f"/dev/nvidia-caps/nvidia-cap{made.gi_minor}",  # the GPU instance's access
+        f"/dev/nvidia-caps/nvidia-cap{made.ci_minor}",  # the compute instance's
+    ]
