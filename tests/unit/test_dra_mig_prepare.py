@@ -230,3 +230,13 @@ def test_under_driver_inject_plugin_the_spec_carries_the_instances_capability_no
         f"/dev/nvidia-caps/nvidia-cap{made.gi_minor}",  # the GPU instance's access
         f"/dev/nvidia-caps/nvidia-cap{made.ci_minor}",  # the compute instance's
     ]
+
+
+def test_a_card_that_left_mig_mode_took_its_instances_and_unprepare_finishes(tmp_path: Path) -> None:
+    p, mig = preparer(tmp_path, Claims(mig_claim({"gpu": "gpu-0-mig-1g-10gb-6"})))
+    p.prepare("ns", UID, "c")
+    state = json.loads(mig.state_path.read_text())
+    state["cards"][H100].update(current=False, pending=False)  # reset out of MIG mode
+    mig.state_path.write_text(json.dumps(state))
+    p.unprepare(UID)
+    assert UID not in p.prepared() and not cdi.spec_path(tmp_path / "cdi", UID).exists()

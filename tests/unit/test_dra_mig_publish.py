@@ -118,6 +118,7 @@ def test_turning_mig_off_leaves_one_slice_counted_alone(tmp_path: Path) -> None:
     main = store.slices[BASE]
     assert main["spec"]["pool"] == {"name": NODE, "generation": 2, "resourceSliceCount": 1}
     assert [d["name"] for d in main["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+    assert list(store.slices) == [BASE]  # the MIG slices gone with it
 
 
 def test_the_health_stream_names_each_placement_of_a_mig_card(tmp_path: Path) -> None:

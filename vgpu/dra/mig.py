@@ -29,7 +29,7 @@ from vgpu.core.mig import MigError, MigTable
 from vgpu.dra.claims import ClaimError
 from vgpu.dra.migslices import MigSlot, slots
 from vgpu.plugin.discovery import Card
-from vgpu.plugin.mig import IN_USE, NOT_FOUND, MigControl, MigDevice, MigRefused
+from vgpu.plugin.mig import IN_USE, NOT_FOUND, NOT_SUPPORTED, MigControl, MigDevice, MigRefused
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,12 @@ class MigNode:
     def __init__(self, control: MigControl) -> None:
         self.control = control
 
+    def _in_mig_mode(self, parent: str) -> bool:
+        try:
+            return self.control.mode(parent).current
+        except MigRefused:
+            return False
+
     def _table(self, card: Card) -> MigTable | None:
         """The card's table when it is in MIG mode now; None for a card used whole."""
         try:
@@ -132,9 +138,13 @@ class MigNode:
             if not self.control.mode(card.uuid).enabled:
                 offered.append((card, []))  # a mode change waits for a reset: nothing can be made
                 continue
-            foreign = [
-                g.placement for g in self.control.gpu_instances(card.uuid) if (card.uuid, g.id) not in held
-            ]
+            try:
+                instances = self.control.gpu_instances(card.uuid)
+            except MigRefused as err:
+                log.warning("cannot list the MIG instances of %s (%s): offering none of it", card.uuid, err)
+                offered.append((card, []))
+                continue
+            foreign = [g.placement for g in instances if (card.uuid, g.id) not in held]
             offered.append((card, slots(card, table, foreign)))
         return MigView(frozenset(partitioned), tuple(offered), every)
 
@@ -146,12 +156,14 @@ class MigNode:
         made: list[MigDevice] = []
         try:
             for slot in wanted:
+                try:
+                    on_card = self.control.devices(slot.card.uuid)
+                except MigRefused as err:
+                    raise ClaimError(
+                        f"node card {slot.card.uuid}", "", f"cannot list its MIG devices: {err}"
+                    ) from err
                 found = next(
-                    (
-                        d
-                        for d in self.control.devices(slot.card.uuid)
-                        if d.placement == slot.placement and d.profile == slot.profile.name
-                    ),
+                    (d for d in on_card if d.placement == slot.placement and d.profile == slot.profile.name),
                     None,
                 )
                 if found is not None:
@@ -191,8 +203,8 @@ class MigNode:
         try:
             self.control.destroy(parent, gpu_instance)
         except MigRefused as err:
-            if err.code == NOT_FOUND:
-                return True
+            if err.code == NOT_FOUND or (err.code == NOT_SUPPORTED and not self._in_mig_mode(parent)):
+                return True  # gone; or the card left MIG mode (a reset), which took its instances
             if quiet:
                 log.warning("cannot destroy GPU instance %d of %s: %s", gpu_instance, parent, err)
                 return False
@@ -203,7 +215,12 @@ class MigNode:
 
     def release(self, held: Iterable[Held], claim: str) -> None:
         """Destroy a claim's instances; ClaimError while a process is on one (the kubelet retries)."""
-        busy = [h for h in held if not self._destroy(h.parent, h.gpu_instance)]
+        try:
+            busy = [h for h in held if not self._destroy(h.parent, h.gpu_instance)]
+        except MigRefused as err:
+            raise ClaimError(
+                claim, "", f"cannot destroy its MIG instance: {err}; the kubelet retries"
+            ) from err
         if busy:
             raise ClaimError(
                 claim,

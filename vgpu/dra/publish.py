@@ -127,6 +127,10 @@ class SlicePublisher:
                 if owners:
                     desired["metadata"]["ownerReferences"] = copy.deepcopy(owners)
             self.client.replace_resource_slice(desired)
+            if _pool(existing).get("resourceSliceCount", 1) != 1:  # MIG turned off: its slices go
+                for other in self.client.list_resource_slices(self.node, DRIVER):
+                    if (other.get("metadata") or {}).get("name") != name:
+                        self.client.delete_resource_slice(str(other["metadata"]["name"]))
         self.generation = desired["spec"]["pool"]["generation"]
         self.writes += 1
         log.info(
