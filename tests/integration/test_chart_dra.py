@@ -335,3 +335,12 @@ def test_values_say_which_kubernetes_each_path_needs() -> None:
     for words in ("device plugin (devicePlugin) 1.33", "resource.k8s.io/v1) 1.34", "1.36 and newer"):
         assert words in dra.replace("\n# ", " "), words
     assert Path(REPO / "docs" / "dra.md").exists()
+
+
+def test_dra_mig_dynamic_reaches_the_plugin_and_a_bad_value_is_refused() -> None:
+    pod = _pod(render(*DRA, "--set", "dra.mig=dynamic", kube_version=K136), "vgpu-dra-plugin")
+    assert "--mig=dynamic" in container(pod, "dra-plugin")["command"]
+    refused = template(*DRA, "--set", "dra.mig=static", kube_version=K136)
+    assert refused.returncode != 0 and "/dra/mig" in refused.stderr and "dynamic" in refused.stderr, (
+        refused.stderr
+    )
