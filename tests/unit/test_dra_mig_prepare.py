@@ -240,3 +240,16 @@ def test_a_card_that_left_mig_mode_took_its_instances_and_unprepare_finishes(tmp
     mig.state_path.write_text(json.dumps(state))
     p.unprepare(UID)
     assert UID not in p.prepared() and not cdi.spec_path(tmp_path / "cdi", UID).exists()
+
+
+def test_a_slice_of_an_unhealthy_card_is_not_made(tmp_path: Path) -> None:
+    f = gpus(tmp_path)
+    f.write_text(
+        f.read_text().replace(
+            "memoryMiB: 81559\n    mig:", "memoryMiB: 81559\n    healthy: false\n    mig:", 1
+        )
+    )
+    p, mig = preparer(tmp_path, Claims(mig_claim({"gpu": "gpu-0-mig-1g-10gb-6"})))
+    with pytest.raises(ClaimError, match="unhealthy"):
+        p.prepare("ns", UID, "c")
+    assert mig.devices(H100) == []

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra import cdi
-from vgpu.dra.claims import ClaimError, ClaimPlan, Share, plan
+from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.mig import Held, MigNode, MigView, held_of
 from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
@@ -180,6 +180,14 @@ class Preparer:
         shares (the grant: the slice's memory, all its compute)."""
         assert self.mig is not None
         wanted = [view.slots[device] for _, device in claim_plan.mig]
+        for slot in wanted:
+            if not slot.card.healthy:
+                raise ClaimError(
+                    f"ResourceClaim {claim_plan.namespace}/{claim_plan.name}",
+                    RESULTS,
+                    f"{slot.device} is on card {slot.card.uuid}, which is unhealthy: delete the pod and "
+                    "its claim so that the scheduler allocates again",
+                )
         got = self.mig.take(wanted, self._held(), claim_plan.uid)
         shares = tuple(
             Share(
