@@ -70,6 +70,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "through ResourceClaims of the DeviceClass vgpu.openaios.io (docs/dra.md)",
     )
     up.add_argument(
+        "--mig",
+        action="store_true",
+        help="with --dra: the stub driver's first card an H100 80GB in MIG mode, offered as MIG slices "
+        "(`vgpu dra-plugin --mig dynamic`); pods ask through the DeviceClass mig.vgpu.openaios.io "
+        "(docs/mig.md#mig-with-dra, examples/dra-mig.yaml)",
+    )
+    up.add_argument(
         "--scheduler-in-cluster",
         action="store_true",
         help="with --real-node: no local extender, kube-scheduler or webhook; the chart's scheduler "
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 real_node=args.real_node,
                 real_gpu=args.real_gpu,
                 dra=args.dra,
+                mig=args.mig,
                 local_scheduler=not args.scheduler_in_cluster,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,31 @@ DEVICE_CLASS: dict[str, Any] = {
     "apiVersion": "resource.k8s.io/v1",
     "kind": "DeviceClass",
     "metadata": {"name": DRIVER},
-    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    "spec": {
+        "selectors": [
+            {"cel": {"expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'}}
+        ]
+    },
+}
+# A MIG slice, as the chart makes it (docs/mig.md#mig-with-dra: dra-plugin --mig dynamic).
+MIG_DEVICE_CLASS: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": f"mig.{DRIVER}"},
+    "spec": {
+        "selectors": [
+            {"cel": {"expression": f'device.driver == "{DRIVER}" && !device.allowMultipleAllocations'}}
+        ]
+    },
+}
+
+
+# ``--mig``: the first of the stub driver's cards as the fake NVML's H100 80GB in MIG mode, with
+# no GPU instance (the plugin makes them as claims are prepared).
+MIG_CARD: dict[str, Any] = {
+    "model": "NVIDIA H100 80GB HBM3",
+    "memoryMiB": 81559,
+    "mig": {"mode": "enabled", "instances": []},
 }
 
 
@@ -70,6 +96,7 @@ def argv(
         f"--config={config_file}",
         f"--hook-library={hook}",
         "--slice-interval=2",
+        *(["--mig=dynamic"] if spec.mig else []),
         *([] if spec.real_gpu else [f"--fake-nvml={gpus_file}"]),
     ]
 
@@ -80,6 +107,7 @@ def start_plugin(
     """Label the node, make the DeviceClass, start the plugin; returns once the node's slice is there."""
     sandbox.kubectl("label", "node", node, f"{MODE_LABEL}=dra", "--overwrite")
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(MIG_DEVICE_CLASS))
     sandbox.launch(COMPONENT, argv(sandbox, spec, node, node_root, kubelet_root, gpus_file))
 
     def published() -> bool:
@@ -107,3 +135,31 @@ def forget_specs(node_root: Path, cdi_dir: Path = CDI_DIR) -> list[Path]:
             path.unlink()
             removed.append(path)
     return removed
+
+
+def kill_and_restart(sandbox: Handle) -> None:
+    """SIGKILL the DRA plugin (no clean-up at all, as a crash) and start it again with the same
+    command line; returns once it serves its socket again."""
+    state = sandbox.state()
+    if state is None:
+        raise SandboxError(f"no sandbox in {sandbox.state_dir}")
+    found = [c for c in state.components if c.name == COMPONENT]
+    if not found:
+        raise SandboxError(
+            "this sandbox runs no DRA plugin: start it with `vgpu sandbox up --real-node --dra`"
+        )
+    old = found[-1]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(old.pid, signal.SIGKILL)
+    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30, [COMPONENT])
+    sandbox.adopt(state)
+    state.components.remove(old)
+    sandbox.launch(COMPONENT, old.argv, old.port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -57,6 +57,9 @@ class Spec:
     # The real node in DRA mode: ``vgpu dra-plugin`` (vgpu_sandbox.realdra) instead of a device
     # plugin, on the real cards with real_gpu, on the stub driver's fake NVML without.
     dra: bool = False
+    # With dra: the stub driver's first card is an H100 80GB in MIG mode, and the plugin offers
+    # it as MIG slices (``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
+    mig: bool = False
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
@@ -72,6 +75,11 @@ class Spec:
             (self.real_node or not self.real_gpu, "--real-gpu needs --real-node"),
             (self.real_node or not self.dra, "--dra needs --real-node: the DRA plugin serves the real node"),
             (self.local_scheduler or not self.dra, "--dra runs no chart: leave out --scheduler-in-cluster"),
+            (self.dra or not self.mig, "--mig needs --dra: MIG slices are offered through DRA here"),
+            (
+                not (self.mig and self.real_gpu),
+                "--mig runs on the stub driver's fake card: leave out --real-gpu",
+            ),
             (self.nodes <= 2000, "--nodes must be at most 2000"),
             (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
             (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),

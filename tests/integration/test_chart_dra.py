@@ -14,6 +14,7 @@ import yaml
 from chart_support import CHART, REPO, container, find, helm, render, template
 
 from vgpu.core.claimconfig import VgpuConfig, check_entries
+from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, SHARED_SELECTOR
 from vgpu.plugin.monitor import cli as monitor_cli
 
 K134 = "1.34.0"
@@ -83,7 +84,9 @@ def test_the_webhook_checks_dra_configuration_only_with_dra_and_never_blocks_on_
 def test_the_device_class_selects_the_driver_by_cel() -> None:
     dc = find(render(*DRA, kube_version=K136), "DeviceClass", "vgpu.openaios.io")
     assert dc["apiVersion"] == "resource.k8s.io/v1"
-    assert dc["spec"]["selectors"] == [{"cel": {"expression": 'device.driver == "vgpu.openaios.io"'}}]
+    assert dc["spec"]["selectors"] == [{"cel": {"expression": SHARED_SELECTOR}}]
+    mig = find(render(*DRA, kube_version=K136), "DeviceClass", MIG_CLASS)
+    assert mig["spec"]["selectors"] == [{"cel": {"expression": MIG_SELECTOR}}]
 
 
 # NVIDIA's runtime gives the plugins their cards, and the claims' folders are plain: nothing
@@ -106,6 +109,7 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
         "--cdi-dir=/var/run/cdi",
         "--state-dir=/var/lib/vgpu",
         "--config=/etc/vgpu/device-plugin/node-config.yaml",
+        "--mig=off",
         "--fake-nvml=/etc/fake/gpus.yaml",
     ]
     # the kubelet dials the socket and the runtime reads the CDI specs by the paths the plugin
@@ -331,3 +335,12 @@ def test_values_say_which_kubernetes_each_path_needs() -> None:
     for words in ("device plugin (devicePlugin) 1.33", "resource.k8s.io/v1) 1.34", "1.36 and newer"):
         assert words in dra.replace("\n# ", " "), words
     assert Path(REPO / "docs" / "dra.md").exists()
+
+
+def test_dra_mig_dynamic_reaches_the_plugin_and_a_bad_value_is_refused() -> None:
+    pod = _pod(render(*DRA, "--set", "dra.mig=dynamic", kube_version=K136), "vgpu-dra-plugin")
+    assert "--mig=dynamic" in container(pod, "dra-plugin")["command"]
+    refused = template(*DRA, "--set", "dra.mig=static", kube_version=K136)
+    assert refused.returncode != 0 and "/dra/mig" in refused.stderr and "dynamic" in refused.stderr, (
+        refused.stderr
+    )

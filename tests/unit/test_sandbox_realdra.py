@@ -98,3 +98,23 @@ def test_specs_of_claims_left_prepared_are_removed_and_no_others(tmp_path: Path)
     assert realdra.forget_specs(root, cdi) == [cdi / "vgpu.openaios.io-claim_uid-1.json"]
     assert sorted(p.name for p in cdi.iterdir()) == ["other-vendor.json"]
     assert realdra.forget_specs(tmp_path / "nothing", cdi) == []
+
+
+def test_mig_needs_dra_on_the_stub_and_turns_the_plugins_mig_on(tmp_path: Path, hook: Path) -> None:
+    with pytest.raises(SandboxError, match="--mig needs --dra"):
+        Spec(nodes=0, real_node=True, mig=True).validate()
+    with pytest.raises(SandboxError, match="leave out --real-gpu"):
+        Spec(nodes=0, real_node=True, real_gpu=True, dra=True, mig=True).validate()
+    root = tmp_path / "real-node"
+    root.mkdir()
+    spec = Spec(nodes=0, real_node=True, dra=True, mig=True)
+    spec.validate()
+    argv = realdra.argv(Sandbox(tmp_path / "sb"), spec, "n", root, root / "kubelet", root / "gpus.yaml")
+    assert _flags(argv)["mig"] == "dynamic"
+    plain = Spec(nodes=0, real_node=True, dra=True)
+    assert "mig" not in _flags(
+        realdra.argv(Sandbox(tmp_path / "sb"), plain, "n", root, root / "k", root / "g")
+    )
+    parser = argparse.ArgumentParser()
+    register(parser)
+    assert parser.parse_args("up --real-node --dra --mig --nodes 0".split()).mig

@@ -399,3 +399,24 @@ def test_status_reads_the_dra_objects_and_a_dra_node_may_be_named(
     assert doc["cards"][0]["memoryUsedMiB"] == 2048
     assert main(["status", f"--kubeconfig={tmp_path / 'kc'}", "--node", "n1"]) == 0
     assert "d1" not in capsys.readouterr().out  # only the nodes asked for
+
+
+def test_a_mig_card_on_the_dra_path_is_shown_once_with_each_claims_slice() -> None:
+    from vgpu.core.mig import H100_80GB
+    from vgpu.dra.migslices import device, mig_slices, slots
+    from vgpu.plugin.discovery import Card
+
+    card = Card(uuid="GPU-m", index=0, model="NVIDIA H100 80GB HBM3", memory_mib=81559)
+    pool = mig_slices("d2-vgpu.openaios.io", "d2", [(card, slots(card, H100_80GB))])
+    assert device(slots(card, H100_80GB)[0])["attributes"]["type"] == {"string": "mig"}
+    claims = [
+        dra_claim("big", "d2", "gpu-0-mig-3g-40gb-0", None, ["trainer"]),
+        dra_claim("small", "d2", "gpu-0-mig-1g-10gb-6", None, []),
+    ]
+    [status] = build_status([], [], [], NOW, slices=[dra_slice("d2", []), *pool], claims=claims)
+    [m] = status.cards
+    assert (m.uuid, m.model, m.memory_mib) == ("GPU-m", "NVIDIA H100 80GB HBM3 (MIG)", 81152)
+    assert [(s.claim, s.memory_mib, s.cores) for s in m.shares] == [
+        ("big/gpu", 40448, 42),
+        ("small/gpu", 9984, 14),
+    ]

@@ -234,6 +234,7 @@ def _add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: l
         out[node].cards = [
             CardStatus(c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True)
             for c in sorted(cards.values(), key=lambda c: c["index"])
+            if "slice_of" not in c  # a MIG placement: its card is listed once
         ]
     for share in dra_shares(claims):
         node_status = out.get(share["node"])

@@ -1,13 +1,14 @@
 """``vgpu status`` for DRA nodes: the cards from the nodes' ResourceSlices and the shares from the
 allocated ResourceClaims (docs/dra.md), in the same per-card form as the device plugin's nodes.
 
-A DRA node publishes one ResourceSlice of driver ``vgpu.openaios.io`` (pool = the node's name),
-one device per healthy card with the attributes ``uuid``, ``productName``, ``index`` and the
-capacities ``memory`` (bytes) and ``cores`` (100). A claim's allocation names the pool and device
-of each request and, where the card is shared (consumable capacity, 1.36), what it consumes; a
-claim allocated without ``consumedCapacity`` (1.34 and 1.35) holds the whole card. The pods a
-claim serves are its ``status.reservedFor``. Anything malformed is skipped: status never fails
-on what a cluster holds.
+A DRA node publishes one ResourceSlice of driver ``vgpu.openaios.io`` (pool = the node's name;
+a node with MIG cards, several: docs/mig.md#mig-with-dra, each MIG card shown once, a claim on a
+placement as a share of it), one device per healthy card with the attributes ``uuid``,
+``productName``, ``index`` and the capacities ``memory`` (bytes) and ``cores`` (100). A claim's
+allocation names the pool and device of each request and, where the card is shared (consumable
+capacity, 1.36), what it consumes; a claim allocated without ``consumedCapacity`` (1.34 and 1.35)
+holds the whole card. The pods a claim serves are its ``status.reservedFor``. Anything malformed
+is skipped: status never fails on what a cluster holds.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str,
         if spec.get("driver") != DRA_DRIVER or not isinstance(node, str):
             continue
         for d in spec.get("devices") or []:
+            if _attr(d, "type", "string") == "mig":
+                _mig_device(out.setdefault(node, {}), d)
+                continue
             memory, cores = _capacity(d, "memory"), _capacity(d, "cores")
             if not isinstance(d.get("name"), str) or memory is None:
                 continue
@@ -60,6 +64,28 @@ def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str,
                 "cores": cores if cores is not None else 100,
             }
     return out
+
+
+def _mig_device(cards: dict[str, dict[str, Any]], d: dict[str, Any]) -> None:
+    """A MIG placement (docs/mig.md#mig-with-dra): its card once (``gpu-<parentIndex>``, its memory
+    the whole card's slices), and the placement itself, marked ``slice_of`` that card, for the
+    claims allocated on it (the slice's memory and compute share)."""
+    index, memory = _attr(d, "parentIndex", "int"), _capacity(d, "memory")
+    if not isinstance(d.get("name"), str) or not isinstance(index, int) or memory is None:
+        return
+    compute = _attr(d, "computeSlices", "int")
+    parent = f"gpu-{index}"
+    entry = {
+        "index": index,
+        "uuid": str(_attr(d, "parentUUID", "string") or ""),
+        "model": f"{_attr(d, 'productName', 'string') or ''} (MIG)",
+        "memory_mib": memory // MIB,
+        "cores": 100,
+    }
+    card = cards.setdefault(parent, entry)
+    card["memory_mib"] = max(card["memory_mib"], memory // MIB)
+    share = compute * 100 // 7 if isinstance(compute, int) else 100
+    cards[d["name"]] = {**entry, "cores": share, "slice_of": parent}
 
 
 def dra_shares(claims: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ scheduler writes a claim's status; this checks it did so for this claim.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ class ClaimPlan:
     shares: tuple[Share, ...]
     reserved_for: tuple[dict[str, str], ...]  # the pods the claim is reserved for (resource, name, uid)
     configs: tuple[Entry, ...] = ()  # this driver's configuration entries, the class's then the claim's
+    mig: tuple[tuple[str, str], ...] = ()  # (request, device) of the results naming MIG devices
 
     def config(self, request: str) -> VgpuConfig:
         """What the claim and its class configure ``request`` with (contract 8)."""
@@ -150,11 +151,11 @@ def _check_asked(share: Share, spec: Any, card: Card, scaling: float, at: str, s
             )
 
 
-def _check_counts(shares: Sequence[Share], spec: Any, source: str) -> None:
+def _check_counts(requests: Sequence[str], spec: Any, source: str) -> None:
     """As many results per request as its spec's ``count`` (ExactCount, the default)."""
     per: dict[str, int] = {}
-    for s in shares:
-        per[s.request] = per.get(s.request, 0) + 1
+    for r in requests:
+        per[r] = per.get(r, 0) + 1
     for request, n in per.items():
         found = _asked(spec, request)
         if found is None:
@@ -230,12 +231,33 @@ def _share(result: Mapping[str, Any], i: int, cards: Mapping[str, Card], node: s
     )
 
 
+def _mig_result(result: Mapping[str, Any], i: int, node: str, source: str) -> tuple[str, str]:
+    """A result naming a MIG device (vgpu/dra/migslices.py): the whole device, no capacity."""
+    at = f"{RESULTS}[{i}]"
+    request = result.get("request")
+    if not isinstance(request, str) or not request:
+        raise ClaimError(source, f"{at}.request", "missing: the result names no request of the claim")
+    if result.get("pool") != node:
+        raise ClaimError(
+            source,
+            f"{at}.pool",
+            f"is {result.get('pool')!r}, a device of another node: this is node {node!r}",
+        )
+    return request, str(result["device"])
+
+
 def plan(
-    claim: Mapping[str, Any], uid: str, cards: Mapping[str, Card], node: str, memory_scaling: float = 1.0
+    claim: Mapping[str, Any],
+    uid: str,
+    cards: Mapping[str, Card],
+    node: str,
+    memory_scaling: float = 1.0,
+    mig_devices: Collection[str] = (),
 ) -> ClaimPlan:
     """The shares this driver prepares for ``claim`` on ``node``; ``cards`` maps the slice's device
     names to the node's healthy cards (their memory offered at ``memory_scaling``, as the slice
-    offers it). ``ClaimError`` naming the field for anything else."""
+    offers it), ``mig_devices`` names the MIG devices of the node's pool (given whole: results
+    naming them go to ``ClaimPlan.mig``). ``ClaimError`` naming the field for anything else."""
     meta = _mapping(claim.get("metadata"))
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
     source = f"ResourceClaim {namespace}/{name}"
@@ -252,14 +274,20 @@ def plan(
     results = _mapping(allocation.get("devices")).get("results") or []
     if not isinstance(results, list):
         raise ClaimError(source, RESULTS, "must be a list")
-    ours = [(i, r) for i, r in enumerate(results) if isinstance(r, Mapping) and r.get("driver") == DRIVER]
+    mine = [(i, r) for i, r in enumerate(results) if isinstance(r, Mapping) and r.get("driver") == DRIVER]
+    whole = {i for i, r in mine if isinstance(r.get("device"), str) and r["device"] in mig_devices}
+    ours = [(i, r) for i, r in mine if i not in whole]
+    migs = tuple(_mig_result(r, i, node, source) for i, r in mine if i in whole)
     shares = tuple(_share(r, i, cards, node, source) for i, r in ours)
-    if not shares:
+    if not shares and not migs:
         raise ClaimError(source, RESULTS, f"has no device of driver {DRIVER}")
     spec = _mapping(_mapping(claim.get("spec")).get("devices")).get("requests")
     for (i, _), share in zip(ours, shares, strict=True):
         _check_asked(share, spec, cards[share.device], memory_scaling, f"{RESULTS}[{i}]", source)
-    _check_counts(shares, spec, source)
+    for request, _ in migs:
+        if _asked(spec, request) is None:
+            raise ClaimError(source, RESULTS, f"{request!r} is not a request of the claim's spec ({SPEC})")
+    _check_counts([s.request for s in shares] + [r for r, _ in migs], spec, source)
     try:
         configs = tuple(check_entries(_mapping(allocation.get("devices")).get("config"), CONFIG, source))
     except ConfigEntryError as err:
@@ -272,4 +300,4 @@ def plan(
         for ref in (refs if isinstance(refs, list) else [])
         if isinstance(ref, Mapping)
     )
-    return ClaimPlan(namespace, name, uid, shares, reserved, configs)
+    return ClaimPlan(namespace, name, uid, shares, reserved, configs, migs)

@@ -54,6 +54,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often the node's ResourceSlice is checked against its cards (default 10)",
     )
+    parser.add_argument(
+        "--mig",
+        choices=("off", "dynamic"),
+        default="off",
+        help="dynamic: cards in MIG mode are offered as partitionable devices, one per profile placement, "
+        "their instances made at prepare and reclaimed after (docs/mig.md#mig-with-dra); default off",
+    )
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 
@@ -72,6 +79,7 @@ def settings(args: argparse.Namespace) -> DraSettings:
         driver_root=args.driver_root,
         driver_host_root=args.driver_host_root,
         slice_interval_s=args.slice_interval,
+        mig=args.mig,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.core.errors import ConfigError
+from vgpu.dra.mig import MIG_MODES, MigNode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
 from vgpu.dra.server import DraServer, HealthService
@@ -40,6 +41,7 @@ class DraSettings:
     driver_root: Path = Path("/")
     driver_host_root: str = "/"
     slice_interval_s: float = 10.0
+    mig: str = "off"  # dynamic: cards in MIG mode offered as partitionable devices (docs/mig.md)
 
 
 class DraPlugin:
@@ -54,6 +56,7 @@ class DraPlugin:
         self.preparer = preparer
 
     def start(self) -> None:
+        self.preparer.mig_view()  # reclaim the MIG instances no prepared claim holds, first
         self.publisher.start()
         self.server.start()
 
@@ -90,6 +93,12 @@ def build(settings: DraSettings) -> DraPlugin:
             "--node-name", "", "must name this node (the Node object; the pool is named after it)"
         )
     _check_dirs(settings)
+    if settings.mig not in MIG_MODES:
+        raise ConfigError(
+            "--mig",
+            "",
+            f"must be off or dynamic (cards in MIG mode as partitionable devices), got {settings.mig!r}",
+        )
     node_settings = NodeSettings(
         node=settings.node,
         config=settings.config,
@@ -109,9 +118,20 @@ def build(settings: DraSettings) -> DraPlugin:
     publisher = SlicePublisher(
         settings.node, discovery, client, config.device_memory_scaling, settings.slice_interval_s
     )
+    mig = MigNode(open_mig(discovery)) if settings.mig == "dynamic" else None
     preparer = Preparer(
-        settings.node, paths, settings.cdi_dir, config, client, publisher.cards, hook=hook, driver=driver
+        settings.node,
+        paths,
+        settings.cdi_dir,
+        config,
+        client,
+        publisher.cards,
+        hook=hook,
+        driver=driver,
+        mig=mig,
     )
+    if mig is not None:
+        publisher.mig = preparer.mig_view
     health = HealthService(settings.node, publisher)
     server = DraServer(
         preparer, settings.plugin_dir, settings.registry_dir, on_registered=publisher.kick, health=health

@@ -26,14 +26,15 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra import cdi
-from vgpu.dra.claims import ClaimError, ClaimPlan, Share, plan
+from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
+from vgpu.dra.mig import Held, MigNode, MigView, held_of
 from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
 from vgpu.hookabi.grant import GRANT_SUFFIX
@@ -90,6 +91,7 @@ class Preparer:
         hook: HookInstall | None = None,
         driver: DriverFiles | None = None,
         checkpoint: Checkpoint | None = None,
+        mig: MigNode | None = None,
     ) -> None:
         self.node = node
         self.paths = paths
@@ -100,11 +102,27 @@ class Preparer:
         self.hook = hook
         self.driver = driver
         self.checkpoint = checkpoint or Checkpoint(paths.state_dir)
+        self.mig = mig  # --mig dynamic: the cards in MIG mode, as partitionable devices (dra/mig.py)
         self._lock = threading.Lock()
+        self._caps: dict[str, list[str]] = {}  # MIG device uuid -> its /dev/nvidia-caps nodes
         self.writes = 0  # claims prepared from the API server (not from the checkpoint): tests, logs
 
-    def _healthy(self) -> dict[str, Card]:
-        return {device_name(c.index): c for c in self.cards() if c.healthy}
+    def _healthy(self, partitioned: Collection[str] = ()) -> dict[str, Card]:
+        return {device_name(c.index): c for c in self.cards() if c.healthy and c.uuid not in partitioned}
+
+    def _held(self) -> dict[tuple[str, int], str]:
+        return held_of({**e, "uid": uid} for uid, e in self.prepared().items())
+
+    def mig_view(self) -> MigView | None:
+        """Reclaim the MIG instances no prepared claim holds, then what the MIG cards offer
+        (the publisher's view of them); None without ``--mig dynamic``."""
+        if self.mig is None:
+            return None
+        with self._lock:
+            cards = self.cards()
+            held = self._held()
+            self.mig.reconcile(cards, held)
+            return self.mig.view(cards, held)
 
     def prepare(self, namespace: str, uid: str, name: str) -> list[dict[str, Any]]:
         """The claim's devices for the kubelet (``requestNames``, ``poolName``, ``deviceName``,
@@ -116,11 +134,33 @@ class Preparer:
             claim = self.claims.get_resource_claim(namespace, name)
             if claim is None:
                 raise ClaimError(f"ResourceClaim {namespace}/{name}", "", "not found in the API server")
-            claim_plan = plan(claim, uid, self._healthy(), self.node, self.config.device_memory_scaling)
-            devices, folders = self._write(claim_plan)
-            self.checkpoint.put(
-                uid, {"namespace": namespace, "name": name, "devices": devices, "folders": folders}
+            view = self.mig.view(self.cards(), self._held()) if self.mig is not None else None
+            claim_plan = plan(
+                claim,
+                uid,
+                self._healthy(view.partitioned if view else ()),
+                self.node,
+                self.config.device_memory_scaling,
+                view.slots.keys() if view else (),
             )
+            held: list[Held] = []
+            if claim_plan.mig and view is not None and self.mig is not None:
+                claim_plan, held = self._take_mig(claim_plan, view)
+            try:
+                devices, folders = self._write(claim_plan)
+            except BaseException:
+                if held and self.mig is not None:
+                    self.mig.release(held, f"ResourceClaim {namespace}/{name}")
+                raise
+            entry: dict[str, Any] = {
+                "namespace": namespace,
+                "name": name,
+                "devices": devices,
+                "folders": folders,
+            }
+            if held:
+                entry["mig"] = [h.as_json() for h in held]
+            self.checkpoint.put(uid, entry)
             self.writes += 1
             log.info(
                 "prepared ResourceClaim %s/%s (%s): %s",
@@ -134,6 +174,44 @@ class Preparer:
                 ),
             )
             return devices
+
+    def _take_mig(self, claim_plan: ClaimPlan, view: MigView) -> tuple[ClaimPlan, list[Held]]:
+        """The claim's MIG instances found or made, its MIG results turned into whole-slice
+        shares (the grant: the slice's memory, all its compute)."""
+        assert self.mig is not None
+        wanted = [view.slots[device] for _, device in claim_plan.mig]
+        for slot in wanted:
+            if not slot.card.healthy:
+                raise ClaimError(
+                    f"ResourceClaim {claim_plan.namespace}/{claim_plan.name}",
+                    RESULTS,
+                    f"{slot.device} is on card {slot.card.uuid}, which is unhealthy: delete the pod and "
+                    "its claim so that the scheduler allocates again",
+                )
+        got = self.mig.take(wanted, self._held(), claim_plan.uid)
+        shares = tuple(
+            Share(
+                request=request,
+                device=slot.device,
+                uuid=d.uuid,
+                index=slot.card.index,
+                minor=slot.card.minor if slot.card.minor >= 0 else slot.card.index,
+                memory_mib=d.memory_mib,
+                cores=100,
+            )
+            for (request, _), (slot, d) in zip(claim_plan.mig, got, strict=True)
+        )
+        self._caps.update(
+            {
+                d.uuid: [f"/dev/nvidia-caps/nvidia-cap{m}" for m in (d.gi_minor, d.ci_minor) if m >= 0]
+                for _, d in got
+            }
+        )
+        held = [
+            Held(slot.card.uuid, d.gpu_instance, d.uuid, slot.device, slot.profile.name, slot.placement.start)
+            for slot, d in got
+        ]
+        return dataclasses.replace(claim_plan, shares=claim_plan.shares + shares), held
 
     def _write(self, claim_plan: ClaimPlan) -> tuple[list[dict[str, Any]], list[str]]:
         uid = claim_plan.uid
@@ -205,6 +283,7 @@ class Preparer:
         if self.driver is not None:
             try:
                 nodes = [d.container_path for d in self.driver.devices([s.minor for s in shares])]
+                nodes += [c for s in shares for c in self._caps.get(s.uuid, [])]  # a MIG device's caps
             except FileNotFoundError as err:
                 raise ClaimError(
                     f"node {self.node}",
@@ -238,6 +317,9 @@ class Preparer:
         """Remove what prepare made for the claim (nothing to remove is no error); ``OSError``."""
         with self._lock:
             entry = self.checkpoint.get(uid)
+            held = [h for doc in (entry or {}).get("mig") or [] if (h := Held.from_json(doc)) is not None]
+            if entry is not None and held and self.mig is not None:  # first: a slice in use stays prepared
+                self.mig.release(held, f"ResourceClaim {entry['namespace']}/{entry['name']}")
             prefix = f"{DRA_PREFIX}_{uid}_"
             names = set(entry["folders"] if entry else [])
             for where in (self.paths.containers_dir, self.paths.grants_dir):

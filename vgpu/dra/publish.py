@@ -19,14 +19,23 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from vgpu.core.errors import ConflictError, KubeError
 from vgpu.core.service import Service
-from vgpu.dra.slices import build_slice, fingerprint, slice_name
+from vgpu.dra.mig import MigView
+from vgpu.dra.migslices import fingerprint as mig_fingerprint
+from vgpu.dra.migslices import mig_slices
+from vgpu.dra.slices import DRIVER, build_slice, device_name, fingerprint, slice_name
 from vgpu.kube.resourceapi import ResourceClient
 from vgpu.plugin.discovery import Card, Discovery
 
 log = logging.getLogger(__name__)
+
+
+def _pool(slice_obj: dict[str, Any]) -> dict[str, Any]:
+    pool = (slice_obj.get("spec") or {}).get("pool")
+    return pool if isinstance(pool, dict) else {}
 
 
 class SlicePublisher:
@@ -37,17 +46,20 @@ class SlicePublisher:
         client: ResourceClient,
         memory_scaling: float = 1.0,
         interval_s: float = 10.0,
+        mig: Callable[[], MigView | None] | None = None,
     ) -> None:
         self.node = node
         self.discovery = discovery
         self.client = client
         self.memory_scaling = memory_scaling
         self.interval_s = interval_s
+        self.mig = mig  # --mig dynamic: the MIG cards' view (Preparer.mig_view): a pool of slices
         self.driver_version = str(getattr(discovery, "driver_version", "") or "")
         self._lock = threading.Condition()  # notified when a card's health changes (health watchers)
         self._cards = list(discovery.cards())
         self._reasons: dict[str, str] = {}  # card uuid -> why its health last changed
         self._health_version = 0
+        self._mig_names: dict[str, list[str]] = {}  # MIG card uuid -> its devices' names (the last view)
         self._kick = threading.Event()
         self._node_uid: str | None = None
         self.generation: int | None = None  # the pool's generation as last written or read
@@ -64,6 +76,11 @@ class SlicePublisher:
         changed, "" when it never did)."""
         with self._lock:
             return self._health_version, [(c, self._reasons.get(c.uuid, "")) for c in self._cards]
+
+    def devices_of(self, card: Card) -> list[str]:
+        """The pool's devices of ``card``: ``gpu-<index>``, or a MIG card's placements."""
+        with self._lock:
+            return list(self._mig_names.get(card.uuid) or [device_name(card.index)])
 
     def wait_health(self, version: int, timeout_s: float, done: Callable[[], bool] = lambda: False) -> None:
         """Until the health changes past ``version``, ``done()`` holds after a ``wake``, or ``timeout_s``."""
@@ -83,6 +100,8 @@ class SlicePublisher:
         """One check: the slice on the server offers the healthy cards. True when it was written."""
         if self._node_uid is None:
             self._node_uid = self.client.node_uid(self.node)
+        if self.mig is not None:
+            return self._sync_pool(self.mig())
         name = slice_name(self.node)
         existing = self.client.get_resource_slice(name)
         generation = 1
@@ -91,7 +110,11 @@ class SlicePublisher:
         desired = build_slice(
             self.node, self.cards(), generation, self.driver_version, self.memory_scaling, self._node_uid
         )
-        if existing is not None and fingerprint(existing) == fingerprint(desired):
+        if (
+            existing is not None
+            and fingerprint(existing) == fingerprint(desired)
+            and _pool(existing).get("resourceSliceCount", 1) == 1  # not left from a pool of several
+        ):
             self.generation = generation
             return False
         if existing is None:
@@ -104,6 +127,10 @@ class SlicePublisher:
                 if owners:
                     desired["metadata"]["ownerReferences"] = copy.deepcopy(owners)
             self.client.replace_resource_slice(desired)
+            if _pool(existing).get("resourceSliceCount", 1) != 1:  # MIG turned off: its slices go
+                for other in self.client.list_resource_slices(self.node, DRIVER):
+                    if (other.get("metadata") or {}).get("name") != name:
+                        self.client.delete_resource_slice(str(other["metadata"]["name"]))
         self.generation = desired["spec"]["pool"]["generation"]
         self.writes += 1
         log.info(
@@ -111,6 +138,84 @@ class SlicePublisher:
             name,
             len(desired["spec"]["devices"]),
             self.generation,
+        )
+        return True
+
+    def _sync_pool(self, view: MigView | None) -> bool:
+        """The pool of several slices (vgpu/dra/migslices.py): the shared cards' slice, the MIG
+        cards' counters and devices; all rewritten at one generation higher when one changed."""
+        base = slice_name(self.node)
+        cards = self.cards()
+        owner = (
+            [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": self.node,
+                    "uid": self._node_uid,
+                    "controller": True,
+                }
+            ]
+            if self._node_uid
+            else None
+        )
+        partitioned = view.partitioned if view else frozenset()
+        names: dict[str, list[str]] = {}
+        for slot in view.slots.values() if view else ():
+            names.setdefault(slot.card.uuid, []).append(slot.device)
+        with self._lock:
+            self._mig_names = names
+        shared = build_slice(
+            self.node,
+            [c for c in cards if c.uuid not in partitioned],
+            0,
+            self.driver_version,
+            self.memory_scaling,
+            self._node_uid,
+        )
+        extra = mig_slices(base, self.node, list(view.offered) if view else [], self.driver_version, owner)
+        desired = [shared, *extra]
+        existing = {
+            (s.get("metadata") or {}).get("name"): s
+            for s in self.client.list_resource_slices(self.node, DRIVER)
+        }
+        generations = {int(_pool(s).get("generation") or 0) for s in existing.values()}
+        generation = max(generations, default=0)
+        same = (
+            set(existing) == {d["metadata"]["name"] for d in desired}
+            and len(generations) == 1
+            and all(_pool(s).get("resourceSliceCount") == len(desired) for s in existing.values())
+            and fingerprint(existing[base]) == fingerprint(shared)
+            and all(mig_fingerprint(existing[d["metadata"]["name"]]) == mig_fingerprint(d) for d in extra)
+        )
+        if same:
+            self.generation = generation
+            return False
+        generation += 1
+        for d in desired:
+            d["spec"]["pool"] = {
+                "name": self.node,
+                "generation": generation,
+                "resourceSliceCount": len(desired),
+            }
+            old = existing.get(d["metadata"]["name"])
+            if old is None:
+                self.client.create_resource_slice(d)
+                continue
+            d["metadata"]["resourceVersion"] = (old.get("metadata") or {}).get("resourceVersion")
+            if not self._node_uid and (old.get("metadata") or {}).get("ownerReferences"):
+                d["metadata"]["ownerReferences"] = copy.deepcopy(old["metadata"]["ownerReferences"])
+            self.client.replace_resource_slice(d)
+        for stale in set(existing) - {d["metadata"]["name"] for d in desired}:
+            self.client.delete_resource_slice(str(stale))
+        self.generation = generation
+        self.writes += 1
+        log.info(
+            "ResourceSlices of %s: %d slice(s), %d MIG device(s), at pool generation %d",
+            self.node,
+            len(desired),
+            sum(len(d["spec"].get("devices") or []) for d in extra),
+            generation,
         )
         return True
 

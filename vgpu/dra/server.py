@@ -41,7 +41,7 @@ from vgpu.dra.api import (
     registration_pb2_grpc,
 )
 from vgpu.dra.prepare import Preparer
-from vgpu.dra.slices import DRIVER, device_name
+from vgpu.dra.slices import DRIVER
 from vgpu.plugin.discovery import Card
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class HealthSource(Protocol):
     """The node's cards' health (``SlicePublisher``)."""
 
     def health(self) -> tuple[int, list[tuple[Card, str]]]: ...
+    def devices_of(self, card: Card) -> list[str]: ...
     def wait_health(self, version: int, timeout_s: float, done: Callable[[], bool] = ...) -> None: ...
     def wake(self) -> None: ...
 
@@ -132,15 +133,14 @@ class HealthService(dra_health_pb2_grpc.DRAResourceHealthServicer):
             message = reason if not card.healthy else ""
             if not card.healthy and not message:
                 message = "unhealthy"
-            out.devices.add(
-                device=dra_health_pb2.DeviceIdentifier(
-                    pool_name=self.node, device_name=device_name(card.index)
-                ),
-                health=dra_health_pb2.HEALTHY if card.healthy else dra_health_pb2.UNHEALTHY,
-                last_updated_time=now,
-                health_check_timeout_seconds=TIMEOUT_S,
-                message=message[:MESSAGE_MAX],
-            )
+            for name in self.source.devices_of(card):  # a MIG card: each placement, as the card
+                out.devices.add(
+                    device=dra_health_pb2.DeviceIdentifier(pool_name=self.node, device_name=name),
+                    health=dra_health_pb2.HEALTHY if card.healthy else dra_health_pb2.UNHEALTHY,
+                    last_updated_time=now,
+                    health_check_timeout_seconds=TIMEOUT_S,
+                    message=message[:MESSAGE_MAX],
+                )
         return out
 
     def NodeWatchResources(

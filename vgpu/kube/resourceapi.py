@@ -51,6 +51,15 @@ class ResourceClient(Kube):
     def get_resource_slice(self, name: str) -> Obj | None:
         return self._or_none(f"{RESOURCE_API}/resourceslices/{_q(name)}", f"read ResourceSlice {name}")
 
+    def list_resource_slices(self, node: str, driver: str) -> list[Obj]:
+        """The slices of ``driver`` on ``node`` (a pool of several slices: MIG, docs/mig.md)."""
+        selector = quote(f"spec.nodeName={node},spec.driver={driver}", safe="")
+        doc = self._json(
+            "GET", f"{RESOURCE_API}/resourceslices?fieldSelector={selector}", f"list ResourceSlices of {node}"
+        )
+        items = doc.get("items")
+        return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
     def create_resource_slice(self, slice_obj: Obj) -> Obj:
         name = slice_obj["metadata"]["name"]
         return self._json("POST", f"{RESOURCE_API}/resourceslices", f"create ResourceSlice {name}", slice_obj)
