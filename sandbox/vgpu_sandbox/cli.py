@@ -37,11 +37,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--split", type=int, default=defaults.split, help="vGPUs per card (default %(default)s)")
     up.add_argument(
         "--mig",
-        choices=("single", "mixed"),
+        choices=("single", "mixed", "dynamic"),
         default=None,
         help="the simulated nodes' cards as H100 80GB in MIG mode, offered with this migStrategy "
         "(single: seven 1g.10gb a card as nvidia.com/gpu; mixed: 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb "
-        "a card as nvidia.com/mig-<profile>; docs/mig.md)",
+        "a card as nvidia.com/mig-<profile>; docs/mig.md); with --real-node --dra, dynamic: the stub "
+        "driver's first card in MIG mode, offered as MIG slices (`vgpu dra-plugin --mig dynamic`, "
+        "the DeviceClass mig.vgpu.openaios.io, examples/dra-mig.yaml)",
     )
     up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"
@@ -68,13 +70,6 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="with --real-node: the node in DRA mode, `vgpu dra-plugin` there instead of a device plugin "
         "(on the real cards with --real-gpu, on the stub driver's fake cards without); pods ask "
         "through ResourceClaims of the DeviceClass vgpu.openaios.io (docs/dra.md)",
-    )
-    up.add_argument(
-        "--mig",
-        action="store_true",
-        help="with --dra: the stub driver's first card an H100 80GB in MIG mode, offered as MIG slices "
-        "(`vgpu dra-plugin --mig dynamic`); pods ask through the DeviceClass mig.vgpu.openaios.io "
-        "(docs/mig.md#mig-with-dra, examples/dra-mig.yaml)",
     )
     up.add_argument(
         "--scheduler-in-cluster",
@@ -110,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
                 real_node=args.real_node,
                 real_gpu=args.real_gpu,
                 dra=args.dra,
-                mig=args.mig,
                 local_scheduler=not args.scheduler_in_cluster,
             )
             seconds = sandbox.up(spec, progress=lambda m: print(f"sandbox: {m}", file=sys.stderr))

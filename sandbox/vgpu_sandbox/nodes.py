@@ -39,6 +39,7 @@ MIG_LAYOUTS: dict[str, list[dict[str, Any]]] = {
         {"profile": "2g.20gb", "start": 2},
         {"profile": "3g.40gb", "start": 4},
     ],
+    "dynamic": [],  # cut on demand: no instance until a pod needs one
 }
 
 

@@ -96,7 +96,7 @@ def argv(
         f"--config={config_file}",
         f"--hook-library={hook}",
         "--slice-interval=2",
-        *(["--mig=dynamic"] if spec.mig else []),
+        *(["--mig=dynamic"] if spec.mig == "dynamic" else []),
         *([] if spec.real_gpu else [f"--fake-nvml={gpus_file}"]),
     ]
 

@@ -690,8 +690,8 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
     lay.stub_procs.mkdir(exist_ok=True)
     lay.stub_procs.chmod(0o1777)  # a sample pod's process may run as any user
     gpus = nodes.fake_gpus(NAME, gpu)
-    if spec.mig:
-        gpus[0].update(realdra.MIG_CARD)  # the fake NVML's H100 in MIG mode (--dra --mig)
+    if spec.dra and spec.mig == "dynamic":
+        gpus[0].update(realdra.MIG_CARD)  # the fake NVML's H100 in MIG mode (--dra --mig dynamic)
     described = {"gpus": gpus, "processDir": f"{FAKE_NVML_MOUNT}/{lay.stub_procs.name}"}
     lay.gpus_file.write_text(yaml.safe_dump(described, sort_keys=False))
     lay.gpus_file.chmod(0o644)

@@ -57,15 +57,14 @@ class Spec:
     # The real node in DRA mode: ``vgpu dra-plugin`` (vgpu_sandbox.realdra) instead of a device
     # plugin, on the real cards with real_gpu, on the stub driver's fake NVML without.
     dra: bool = False
-    # With dra: the stub driver's first card is an H100 80GB in MIG mode, and the plugin offers
-    # it as MIG slices (``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
-    mig: bool = False
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
-    # The simulated nodes' cards as H100 80GB in MIG mode, offered by the device plugin's
-    # migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed, 1g.10gb, 1g.10gb+me,
-    # 2g.20gb, 3g.40gb)
+    # MIG ("none": off). On the simulated nodes: their cards as H100 80GB in MIG mode, offered
+    # by the device plugin's migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed,
+    # 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb). On the real node, "dynamic" with dra only: the stub
+    # driver's first card an H100 80GB in MIG mode, offered as MIG slices (the DRA plugin's
+    # ``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
     mig: str = "none"
 
     def validate(self) -> None:
@@ -75,9 +74,19 @@ class Spec:
             (self.real_node or not self.real_gpu, "--real-gpu needs --real-node"),
             (self.real_node or not self.dra, "--dra needs --real-node: the DRA plugin serves the real node"),
             (self.local_scheduler or not self.dra, "--dra runs no chart: leave out --scheduler-in-cluster"),
-            (self.dra or not self.mig, "--mig needs --dra: MIG slices are offered through DRA here"),
+            (self.mig in ("none", "single", "mixed", "dynamic"), "--mig must be single, mixed or dynamic"),
+            (self.mig != "dynamic" or self.real_node, "--mig dynamic on simulated nodes: not yet"),
             (
-                not (self.mig and self.real_gpu),
+                self.mig in ("none", "dynamic") or not self.real_node,
+                "--mig single or mixed is for the simulated nodes: leave out --real-node "
+                "(the real node takes --dra --mig dynamic)",
+            ),
+            (
+                self.mig != "dynamic" or not self.real_node or self.dra,
+                "--mig dynamic on the real node needs --dra: MIG slices are offered through DRA there",
+            ),
+            (
+                self.mig != "dynamic" or not self.real_gpu,
                 "--mig runs on the stub driver's fake card: leave out --real-gpu",
             ),
             (self.nodes <= 2000, "--nodes must be at most 2000"),
@@ -85,11 +94,6 @@ class Spec:
             (self.gpu_memory_mib >= 256, "--gpu-memory is in MiB and must be at least 256"),
             (bool(self.gpu_model.strip()), "--gpu-model must not be empty"),
             (1 <= self.split <= 100, "--split must be between 1 and 100"),
-            (self.mig in ("none", "single", "mixed"), "--mig must be single or mixed"),
-            (
-                self.mig == "none" or not self.real_node,
-                "--mig is for the simulated nodes: leave out --real-node",
-            ),
             (0 <= self.apiserver_port <= 65535, "--apiserver-port must be between 0 and 65535"),
             (
                 self.local_scheduler or self.real_node,

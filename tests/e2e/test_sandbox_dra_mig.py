@@ -45,7 +45,7 @@ def node() -> Iterator[Sandbox]:
     top = Path(tempfile.mkdtemp(prefix="vgpu-sbx-mig-", dir="/tmp"))
     sb = Sandbox(top / "sandbox")
     try:
-        sb.up(Spec(nodes=0, real_node=True, dra=True, mig=True))  # as docs/mig.md has it
+        sb.up(Spec(nodes=0, real_node=True, dra=True, mig="dynamic"))  # as docs/mig.md has it
         yield sb
     finally:
         sb.down()

@@ -101,13 +101,15 @@ def test_specs_of_claims_left_prepared_are_removed_and_no_others(tmp_path: Path)
 
 
 def test_mig_needs_dra_on_the_stub_and_turns_the_plugins_mig_on(tmp_path: Path, hook: Path) -> None:
-    with pytest.raises(SandboxError, match="--mig needs --dra"):
-        Spec(nodes=0, real_node=True, mig=True).validate()
+    with pytest.raises(SandboxError, match="--mig dynamic on the real node needs --dra"):
+        Spec(nodes=0, real_node=True, mig="dynamic").validate()
+    with pytest.raises(SandboxError, match="--mig single or mixed is for the simulated nodes"):
+        Spec(nodes=0, real_node=True, dra=True, mig="mixed").validate()
     with pytest.raises(SandboxError, match="leave out --real-gpu"):
-        Spec(nodes=0, real_node=True, real_gpu=True, dra=True, mig=True).validate()
+        Spec(nodes=0, real_node=True, real_gpu=True, dra=True, mig="dynamic").validate()
     root = tmp_path / "real-node"
     root.mkdir()
-    spec = Spec(nodes=0, real_node=True, dra=True, mig=True)
+    spec = Spec(nodes=0, real_node=True, dra=True, mig="dynamic")
     spec.validate()
     argv = realdra.argv(Sandbox(tmp_path / "sb"), spec, "n", root, root / "kubelet", root / "gpus.yaml")
     assert _flags(argv)["mig"] == "dynamic"
@@ -117,4 +119,4 @@ def test_mig_needs_dra_on_the_stub_and_turns_the_plugins_mig_on(tmp_path: Path, 
     )
     parser = argparse.ArgumentParser()
     register(parser)
-    assert parser.parse_args("up --real-node --dra --mig --nodes 0".split()).mig
+    assert parser.parse_args("up --real-node --dra --mig dynamic --nodes 0".split()).mig == "dynamic"
