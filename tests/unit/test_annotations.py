@@ -82,7 +82,7 @@ def test_inventory_accepts_null_numa_as_unknown() -> None:
     ("doc", "field"),
     [
         ({"devices": []}, "version"),
-        ({"version": 2, "devices": []}, "version"),
+        ({"version": 3, "devices": []}, "version"),
         ({"version": "1", "devices": []}, "version"),
         ({"version": True, "devices": []}, "version"),
         ({"version": 1}, "devices"),

@@ -35,6 +35,10 @@ PREFIX = "vgpu.openaios.io/"
 # contract 2 (docs/contracts.md): node inventory
 DEVICES_ANNOTATION = PREFIX + "devices"
 DEVICES_VERSION = 1
+# version 2: a device may be a MIG device or, under migStrategy: dynamic, a card cut on demand
+# (``migDynamic``); written only by a node that has such a device, so an older reader refuses
+# that node alone
+DEVICES_VERSION_MIG = 2
 
 # contract 3 (docs/contracts.md): placement
 ALLOCATION_ANNOTATION = PREFIX + "allocation"
@@ -80,6 +84,26 @@ def lease_name(node: str) -> str:
 
 
 @dataclass(frozen=True)
+class MigInstance:
+    """A GPU instance on a card cut on demand: its profile, memory slices and the pod whose
+    allocation names it (``""``: none, a leftover the node reclaims)."""
+
+    profile: str
+    start: int
+    size: int
+    pod: str = ""
+
+
+@dataclass(frozen=True)
+class MigDynamic:
+    """A card in MIG mode that the node cuts on demand (``migStrategy: dynamic``): the profile
+    table it follows (:data:`vgpu.core.mig.TABLES`' ``product``) and the instances it holds."""
+
+    table: str
+    instances: tuple[MigInstance, ...] = ()
+
+
+@dataclass(frozen=True)
 class Device:
     """One physical GPU as the device plugin advertises it.
 
@@ -97,6 +121,7 @@ class Device:
     numa: int = -1
     healthy: bool = True
     links: Mapping[str, str] = field(default_factory=dict)
+    mig_dynamic: MigDynamic | None = None  # cut into MIG instances on demand (docs/mig.md)
 
 
 @dataclass(frozen=True)
@@ -119,18 +144,47 @@ def encode_devices(inventory: NodeInventory) -> str:
                 "numa": d.numa,
                 "healthy": d.healthy,
                 "links": dict(d.links),
+                **_encode_dynamic(d.mig_dynamic),
             }
             for d in inventory.devices
         ],
     }
+    if any(d.mig_dynamic is not None for d in inventory.devices):
+        doc["version"] = DEVICES_VERSION_MIG
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _encode_dynamic(m: MigDynamic | None) -> dict[str, Any]:
+    if m is None:
+        return {}
+    instances = [{"profile": i.profile, "start": i.start, "size": i.size, "pod": i.pod} for i in m.instances]
+    return {"migDynamic": {"table": m.table, "instances": instances}}
+
+
+def _decode_dynamic(r: _Reader, obj: Mapping[str, Any], path: str) -> MigDynamic:
+    where = f"{path}.migDynamic"
+    m = r.obj(obj["migDynamic"], where)
+    instances = []
+    for k, item in enumerate(r.array(m, "instances", f"{where}.instances")):
+        ipath = f"{where}.instances[{k}]"
+        i = r.obj(item, ipath)
+        instances.append(
+            MigInstance(
+                profile=r.string(i, "profile", ipath),
+                start=r.integer(i, "start", ipath, minimum=0),
+                size=r.integer(i, "size", ipath, minimum=1),
+                pod=r.string(i, "pod", ipath, allow_empty=True),
+            )
+        )
+    return MigDynamic(table=r.string(m, "table", where), instances=tuple(instances))
 
 
 def decode_devices(text: str | bytes | None) -> NodeInventory:
     """Decode a node's ``vgpu.openaios.io/devices`` annotation; raises AnnotationError."""
     r = _Reader(DEVICES_ANNOTATION)
     doc = r.load(text)
-    r.version(doc, DEVICES_VERSION)
+    r.version(doc, DEVICES_VERSION, DEVICES_VERSION_MIG)
+    v2 = doc["version"] == DEVICES_VERSION_MIG
     items = r.array(doc, "devices", "devices")
     devices: list[Device] = []
     seen: set[str] = set()
@@ -160,9 +214,10 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 numa=-1 if numa_raw is None else r.integer(obj, "numa", path, minimum=-1),
                 healthy=r.boolean(obj, "healthy", path),
                 links=dict(links_raw),
+                mig_dynamic=_decode_dynamic(r, obj, path) if v2 and "migDynamic" in obj else None,
             )
         )
-    return NodeInventory(devices=tuple(devices))
+    return NodeInventory(devices=tuple(devices), version=doc["version"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,12 +225,24 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
 
 
 @dataclass(frozen=True)
+class MigGrant:
+    """The MIG instance the node creates for one vGPU on a card cut on demand: its profile and
+    its first memory slice (the size is the profile's)."""
+
+    profile: str
+    start: int
+
+
+@dataclass(frozen=True)
 class DeviceAllocation:
-    """The share of one card that one vGPU of a container holds."""
+    """The share of one card that one vGPU of a container holds; ``mig``: as a MIG instance
+    made on demand (migStrategy: dynamic), ``memory_mib`` and ``cores`` then being what the pod
+    asked."""
 
     uuid: str
     memory_mib: int
     cores: int
+    mig: MigGrant | None = None
 
 
 @dataclass(frozen=True)
@@ -206,12 +273,26 @@ def encode_allocation(allocation: Allocation) -> str:
         "containers": [
             {
                 "name": c.name,
-                "devices": [{"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices],
+                "devices": [_encode_share(d) for d in c.devices],
             }
             for c in allocation.containers
         ],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _encode_share(d: DeviceAllocation) -> dict[str, Any]:
+    out: dict[str, Any] = {"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores}
+    if d.mig is not None:  # added within version 1: a reader that does not know it passes over it
+        out["mig"] = {"profile": d.mig.profile, "start": d.mig.start}
+    return out
+
+
+def _decode_grant(r: _Reader, dobj: Mapping[str, Any], dpath: str) -> MigGrant | None:
+    if "mig" not in dobj:
+        return None
+    m = r.obj(dobj["mig"], f"{dpath}.mig")
+    return MigGrant(r.string(m, "profile", f"{dpath}.mig"), r.integer(m, "start", f"{dpath}.mig", minimum=0))
 
 
 def decode_allocation(text: str | bytes | None) -> Allocation:
@@ -234,6 +315,7 @@ def decode_allocation(text: str | bytes | None) -> Allocation:
                     uuid=r.string(dobj, "uuid", dpath),
                     memory_mib=r.integer(dobj, "memoryMiB", dpath, minimum=0),
                     cores=r.integer(dobj, "cores", dpath, minimum=0),
+                    mig=_decode_grant(r, dobj, dpath),
                 )
             )
         containers.append(ContainerAllocation(name=name, devices=tuple(devs)))
@@ -276,14 +358,15 @@ class _Reader:
             raise self.fail("", f"must be a JSON object, got {type(doc).__name__}")
         return doc
 
-    def version(self, doc: Mapping[str, Any], expected: int) -> None:
+    def version(self, doc: Mapping[str, Any], expected: int, *also: int) -> None:
+        known = " and ".join(str(v) for v in (expected, *also))
         if "version" not in doc:
-            raise self.fail("version", f"missing; this reader understands version {expected}")
+            raise self.fail("version", f"missing; this reader understands version {known}")
         got = doc["version"]
-        if isinstance(got, bool) or not isinstance(got, int) or got != expected:
+        if isinstance(got, bool) or not isinstance(got, int) or got not in (expected, *also):
             raise self.fail(
                 "version",
-                f"unsupported version {got!r}; this reader understands version {expected} "
+                f"unsupported version {got!r}; this reader understands version {known} "
                 "(upgrade the component that reads it, or the one that wrote it, so both match)",
             )
 
