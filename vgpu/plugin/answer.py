@@ -10,7 +10,8 @@ of the folder, the grant and the hook library.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, hand_out
+from vgpu.plugin.mig import MigDevice
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HostPaths
 
 
@@ -41,13 +43,17 @@ def container_response(
     container: ContainerAllocation,
     priority: str,
     driver: DriverFiles | None = None,
+    made: Mapping[str, MigDevice] | None = None,
 ) -> api_pb2.ContainerAllocateResponse:
     """The answer for ``container`` of pod ``pod_uid`` (its grant written on the host); raises
     ``PodFailure`` for a card that is gone or unhealthy, ``OSError`` for a host folder.
 
     With ``driver`` (``driverInject: plugin``) the answer also carries the driver's device nodes
-    and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit."""
+    and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit.
+    ``made``: the MIG devices made on demand for the container's vGPUs, by card (migdynamic.py)."""
     minors = []
+    caps: list[str] = []  # a MIG device's GI and CI access files under /dev/nvidia-caps
+    shares = []
     for d in container.devices:
         card = state.card(d.uuid)
         if card is None:
@@ -55,10 +61,15 @@ def container_response(
         if not card.healthy:
             raise PodFailure(f"card {d.uuid} of container {container.name} is unhealthy")
         minors.append(card.minor if card.minor >= 0 else card.index)
+        m = (made or {}).get(d.uuid)
+        if m is not None:  # the MIG device: the memory asked within its own; its SMs are the cap
+            caps += [f"nvidia-caps/nvidia-cap{n}" for n in (m.gi_minor, m.ci_minor) if n >= 0]
+            d = replace(d, uuid=m.uuid, memory_mib=min(d.memory_mib, m.memory_mib), cores=0, mig=None)
+        shares.append(d)
     devices: list[api_pb2.DeviceSpec] = []
     if driver is not None:
         try:
-            devices = driver.devices(minors)
+            devices = driver.devices(minors) + [_cap(driver, name) for name in caps]
         except FileNotFoundError as err:
             raise PodFailure(
                 f"driverInject is plugin but {err} of a card of container {container.name} is missing on "
@@ -70,7 +81,7 @@ def container_response(
     # folder is open to all; its parent is closed (0700), so on the host only root reaches it; a
     # tmpfs of its own with containerFolder: tmpfs (vgpu/plugin/folders.py).
     folders.make(host_dir, config.container_folder)
-    envs, grant = limits(container.devices, config, f"{inside}/{REGION_FILE_NAME}", priority)
+    envs, grant = limits(shares, config, f"{inside}/{REGION_FILE_NAME}", priority)
     record = write_grant_file(paths, host_dir.name, grant)
     # Which hook version the container gets, where it cannot reach: the version stays on the
     # host while the record does (vgpu/plugin/hooklib.py).
@@ -86,7 +97,7 @@ def container_response(
         ]
     if driver is not None:
         mounts += driver.mounts()
-    uuids = [d.uuid for d in container.devices]
+    uuids = [d.uuid for d in shares]
     cdi_devices: list[api_pb2.CDIDevice] = []
     if config.driver_inject == "runtime":  # NVIDIA's toolkit, by volume mounts (vgpu/plugin/inject.py)
         mounts += [
@@ -98,6 +109,12 @@ def container_response(
     return api_pb2.ContainerAllocateResponse(
         envs=envs, mounts=mounts, devices=devices, cdi_devices=cdi_devices
     )
+
+
+def _cap(driver: DriverFiles, name: str) -> api_pb2.DeviceSpec:
+    if not (driver.dev_dir / name).exists():
+        raise FileNotFoundError(f"/dev/{name}")
+    return api_pb2.DeviceSpec(container_path=f"/dev/{name}", host_path=f"/dev/{name}", permissions="rw")
 
 
 def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:

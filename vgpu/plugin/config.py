@@ -19,6 +19,9 @@ The file (``--config``; every key optional)::
                                # of the node's CDI spec; runtime: NVIDIA's toolkit, told the cards by
                                # volume mounts (/var/run/nvidia-container-devices/<uuid>)
     cdiKind: nvidia.com/gpu    # the CDI kind of the node's spec (driverInject: cdi)
+    migStrategy: none          # cards in MIG mode (docs/mig.md): none (offer the card, as before) or
+                               # dynamic (MIG on demand: each vGPU a MIG instance of the smallest
+                               # profile that holds it, made at Allocate, reclaimed after)
     enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
       memory: kill             # a container holding more device memory than granted: kill (SIGKILL
                                # its process holding the most), evict (the Eviction API) or report
@@ -67,6 +70,7 @@ class NodeConfig:
     default_mem: int = 0  # the scheduler's defaultMem (MiB per vGPU when a container gives none)
     default_cores: int = 0  # the scheduler's defaultCores
     container_folder: str = "directory"  # containerFolder: tmpfs or directory (vgpu/plugin/folders.py)
+    mig_strategy: str = "none"  # migStrategy: none or dynamic (docs/mig.md)
 
     @cached_property
     def request_settings(self) -> SchedulerConfig:
@@ -86,7 +90,9 @@ _FIELDS = {
     "defaultMem": "default_mem",
     "defaultCores": "default_cores",
     "containerFolder": "container_folder",
+    "migStrategy": "mig_strategy",
 }
+MIG_STRATEGIES = ("none", "dynamic")
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("plugin", "cdi", "runtime")
 MEMORY_ACTIONS = ("kill", "evict", "report")
@@ -197,6 +203,13 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                 f"must be plugin (the plugin hands containers the cards' device nodes and the driver's "
                 f"libraries itself), cdi (the node's CDI spec, by device name) or runtime (NVIDIA's "
                 f"container toolkit, told the cards by volume mounts), got {value!r}",
+            )
+        elif key == "migStrategy" and value not in MIG_STRATEGIES:
+            raise ConfigError(
+                source,
+                path,
+                f"must be none (cards in MIG mode offered whole, as without MIG) or dynamic (MIG on demand: "
+                f"each vGPU a MIG instance made at Allocate and reclaimed after), got {value!r}",
             )
         elif key == "cdiKind" and (not isinstance(value, str) or not _RESOURCE.match(value)):
             raise ConfigError(source, path, f"must be a CDI kind like nvidia.com/gpu, got {value!r}")

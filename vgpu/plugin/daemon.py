@@ -20,6 +20,8 @@ from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, collect
+from vgpu.plugin.mig import MigControl
+from vgpu.plugin.migdynamic import DynamicMig
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.enforce import PodActions
@@ -49,12 +51,22 @@ class Daemon:
     arbiter: tuple[float, float] | None = (DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S)
     # driverInject: plugin: the driver files Allocate hands out (vgpu/plugin/driver.py); None: the runtime's
     driver: DriverFiles | None = None
+    # migStrategy: dynamic: the cards' MIG control (vgpu/plugin/mig.py); None: no MIG on demand
+    dynamic_mig: MigControl | None = None
 
     def __post_init__(self) -> None:
         self.state = DeviceState(self.discovery.cards(), self.config)
         self.arrivals = Arrivals()
         self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
         self.allocator.driver = self.driver
+        self.dynamic: DynamicMig | None = None
+        if self.dynamic_mig is not None:
+            self.dynamic = DynamicMig(
+                self.node, self.dynamic_mig, self.state.cards(), self.client.list_node_pods, self.state.kick
+            )
+            self.state.mig_dynamic = self.dynamic.describe
+            self.allocator.dynamic = self.dynamic
+        self.reclaim_s = 5.0  # how often instances no live pod names are reclaimed
         # The order pods arrive on the node is kubelet's admission order: watch it where the
         # client can (vgpu.kube.client can; the tests' in-memory clients cannot, and lists stand in).
         self.arrival_watch = (
@@ -82,6 +94,11 @@ class Daemon:
             "dp-health", lambda stop: watch_health(self.discovery, self.state, stop), self._stop
         )
         self._sweeper = Service("dp-sweep", lambda _stop: self._sweep(), self._stop)
+        self._reclaimer = Service(
+            "dp-mig-reclaim",
+            lambda stop: self.dynamic.run(stop, self.reclaim_s) if self.dynamic else None,
+            self._stop,
+        )
         self.sweep_s = 60.0
         self.sweep_min_age_s = 300.0
 
@@ -95,6 +112,15 @@ class Daemon:
         self._collect_hooks()  # versions left by earlier plugins that no container uses any more
         if self.arrival_watch is not None:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
+        if self.dynamic is not None:  # reconcile before the first Allocate: leftovers reclaimed
+            done = self.dynamic.reclaim()
+            log.info(
+                "MIG on demand: %d instance(s) kept for their pods, %d reclaimed, %d busy",
+                done.kept,
+                len(done.destroyed),
+                len(done.busy),
+            )
+            self._reclaimer.start()
         self.reporter.start()
         self.server.start()
         self._health.start()
@@ -133,4 +159,6 @@ class Daemon:
         self.reporter.stop()
         self._health.stop()  # joins it: it may be blocked in the discovery's wait, closed next
         self._sweeper.stop(timeout_s=None)
+        if self.dynamic is not None:
+            self._reclaimer.stop()
         self.discovery.close()

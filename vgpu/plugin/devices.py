@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
-from vgpu.core.annotations import Device, NodeInventory
+from vgpu.core.annotations import Device, MigDynamic, NodeInventory
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.discovery import Card, Discovery
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 ID_SEPARATOR = "::"
+MAX_INSTANCES = 7  # MIG instances on one card (seven compute slices)
 
 
 def device_id(uuid: str, n: int) -> str:
@@ -79,6 +81,8 @@ class DeviceState:
         self.version = 0
         # why the node's cards are not offered at all (one mode per node: a DRA node), or None
         self.withheld: str | None = None
+        # migStrategy: dynamic: a card cut on demand, as the inventory lists it (migdynamic.py)
+        self.mig_dynamic: Callable[[str], MigDynamic | None] = lambda _uuid: None
 
     def cards(self) -> list[Card]:
         with self._cond:
@@ -146,16 +150,18 @@ class DeviceState:
     def offered(self, c: Card) -> Device:
         """The card as it is offered to vGPUs: the node config's scaling and split applied."""
         cfg = self.config
+        dynamic = self.mig_dynamic(c.uuid)
         return Device(
             uuid=c.uuid,
             index=c.index,
             model=c.model,
             memory_mib=int(c.memory_mib * cfg.device_memory_scaling),
             cores=int(100 * cfg.device_core_scaling),
-            split=cfg.split,
+            split=cfg.split if dynamic is None else min(cfg.split, MAX_INSTANCES),
             numa=c.numa,
             healthy=c.healthy,
             links=dict(c.links),
+            mig_dynamic=dynamic,
         )
 
     def inventory(self) -> NodeInventory:

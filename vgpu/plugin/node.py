@@ -32,6 +32,7 @@ from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles, find_driver
 from vgpu.plugin.hooklib import HookInstall, install_hook
+from vgpu.plugin.mig import MigControl
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import PodLister
 from vgpu.plugin.monitor.service import NodeMonitor
@@ -130,6 +131,22 @@ def driver_files(settings: NodeSettings, config: NodeConfig) -> DriverFiles | No
     return found
 
 
+def dynamic_mig(config: NodeConfig, discovery: Discovery) -> MigControl | None:
+    """The cards' MIG control under ``migStrategy: dynamic``: the fake file's, else NVML's."""
+    if config.mig_strategy != "dynamic":
+        return None
+    fake: MigControl | None = getattr(discovery, "mig", None)
+    if fake is not None:
+        return fake
+    from vgpu.core.mig import MigError
+    from vgpu.plugin.mig import NvmlMig  # pynvml: loaded only on a node that uses it
+
+    try:
+        return NvmlMig()
+    except MigError as err:
+        raise ConfigError("migStrategy", "", str(err)) from err
+
+
 def build_plugin(settings: NodeSettings) -> Daemon:
     """The whole device plugin of the node, every setting checked, nothing started."""
     from vgpu.kube.agent import NodeAgentClient
@@ -156,6 +173,7 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         settings.listen,
         settings.arbiter,
         driver,
+        dynamic_mig(config, discovery),
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
     return daemon

@@ -1,0 +1,239 @@
+"""MIG on demand on the node (vgpu/plugin/migdynamic.py) against the fake NVML's MIG: Allocate
+makes the booked instance (or finds it after a restart), refuses a busy card or a taken
+placement, and reclaim destroys what no live pod names, never an instance with processes."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.support import FakeKube, bound_pod
+from vgpu.core.annotations import (
+    PHASE_ANNOTATION,
+    REASON_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    DeviceAllocation,
+    MigGrant,
+    encode_allocation,
+)
+from vgpu.core.mig import Placement
+from vgpu.plugin.allocate import AllocateError, Allocator
+from vgpu.plugin.config import NodeConfig
+from vgpu.plugin.devices import DeviceState
+from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.plugin.migdynamic import DynamicMig
+from vgpu.plugin.paths import HostPaths
+
+NODE = "node-a"
+A = "GPU-aaaaaaaa-0000-4000-8000-000000000000"
+B = "GPU-bbbbbbbb-0000-4000-8000-000000000000"
+
+
+def gpus(tmp_path: Path, instances: str = "[]") -> Path:
+    procs = tmp_path / "procs"
+    procs.mkdir(exist_ok=True)
+    f = tmp_path / "gpus.yaml"
+    f.write_text(
+        textwrap.dedent(f"""\
+        gpus:
+          - {{uuid: {A}, index: 0, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559,
+              mig: {{mode: enabled, instances: {instances}}}}}
+          - {{uuid: {B}, index: 1, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, mig: {{mode: enabled}}}}
+        processDir: {procs}
+        """)
+    )
+    return f
+
+
+def process_on(tmp_path: Path, key: str) -> Path:
+    """A stub-driver process file for this test's own process, holding memory on ``key``."""
+    stat = Path("/proc/self/stat").read_text()
+    started = stat[stat.rindex(")") + 2 :].split()[19]
+    f = tmp_path / "procs" / f"{os.getpid()}@{started}"
+    f.write_text(f"{key} 1048576\n")
+    return f
+
+
+class Node:
+    """One node's plugin parts over the fake file (a new Node over the same file: a restart)."""
+
+    def __init__(self, tmp_path: Path, kube: FakeKube) -> None:
+        self.discovery = FakeDiscovery(tmp_path / "gpus.yaml")
+        assert self.discovery.mig is not None
+        self.mig = self.discovery.mig
+        self.state = DeviceState(self.discovery.cards(), NodeConfig(split=7, mig_strategy="dynamic"))
+        self.dynamic = DynamicMig(NODE, self.mig, self.state.cards(), kube.list_node_pods, self.state.kick)
+        self.state.mig_dynamic = self.dynamic.describe
+        self.allocator = Allocator(NODE, kube, self.state, HostPaths(tmp_path / "root"), None)
+        self.allocator.dynamic = self.dynamic
+
+    def instances(self, card: str = A) -> list[tuple[str, int]]:
+        return [(g.profile, g.placement.start) for g in self.mig.gpu_instances(card)]
+
+
+def add_pod(kube: FakeKube, name: str, grants: list[tuple[str, str, int]], mem: int = 5000) -> str:
+    uid = f"uid-{name}"
+    created = f"2026-01-01T00:00:{len(kube.pods):02d}Z"  # kubelet's order: creation
+    alloc = Allocation(
+        NODE,
+        (
+            ContainerAllocation(
+                "main", tuple(DeviceAllocation(u, mem, 0, MigGrant(p, s)) for u, p, s in grants)
+            ),
+        ),
+    )
+    kube.pods.append(
+        bound_pod(
+            name,
+            NODE,
+            {"main": [(u, mem, 0) for u, _, _ in grants]},
+            annotation=encode_allocation(alloc),
+            uid=uid,
+            created=created,
+        )
+    )
+    return uid
+
+
+def phase(kube: FakeKube, name: str) -> tuple[str | None, str | None]:
+    pod = next(p for p in kube.pods if p["metadata"]["name"] == name)
+    a = pod["metadata"]["annotations"]
+    return a.get(PHASE_ANNOTATION), a.get(REASON_ANNOTATION)
+
+
+def test_allocate_makes_the_booked_instance_and_hands_its_mig_device(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    uid = add_pod(kube, "p", [(A, "1g.10gb", 6)])
+    node = Node(tmp_path, kube)
+    served = node.allocator.allocate_container([f"{A}::0"])
+    (dev,) = [d for d in node.mig.devices(A) if d.placement == Placement(6, 1)]
+    envs = dict(served.response.envs)
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == dev.uuid and dev.uuid.startswith("MIG-")
+    assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "5000m" and envs["CUDA_DEVICE_SM_LIMIT_0"] == "0"
+    assert node.instances() == [("1g.10gb", 6)] and node.instances(B) == []
+    # the inventory lists the instance and whose it is, for the extender
+    (card,) = [d for d in node.state.inventory().devices if d.uuid == A]
+    assert card.mig_dynamic is not None and card.mig_dynamic.table == "H100 80GB"
+    assert [(i.profile, i.start, i.pod) for i in card.mig_dynamic.instances] == [("1g.10gb", 6, uid)]
+    assert card.split == 7
+    assert phase(kube, "p")[0] == "allocated"
+
+    # a restart of the plugin (a new node over the same card state): the pod's instance is reused,
+    # never made twice, and reconcile keeps it
+    again = Node(tmp_path, kube)
+    assert again.dynamic.reclaim().kept == 1
+    made = again.dynamic.provide(uid, _container(A, "1g.10gb", 6))
+    assert made[A].uuid == dev.uuid
+    assert again.instances() == [("1g.10gb", 6)]
+
+
+def _container(card: str, profile: str, start: int) -> ContainerAllocation:
+    return ContainerAllocation("main", (DeviceAllocation(card, 5000, 0, MigGrant(profile, start)),))
+
+
+def test_a_card_with_processes_outside_mig_is_never_cut(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "3g.40gb", 4)])
+    node = Node(tmp_path, kube)
+    process_on(tmp_path, A)
+    with pytest.raises(AllocateError) as err:
+        node.allocator.allocate_container([f"{A}::0"])
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "GPU busy: 1 process(es)" in str(err.value) and "3g.40gb at slice 4" in str(err.value)
+    assert node.instances() == []
+    got, reason = phase(kube, "p")
+    assert got == "failed" and reason is not None and "GPU busy" in reason
+
+
+def test_a_taken_placement_is_refused_naming_what_holds_it(tmp_path: Path) -> None:
+    gpus(tmp_path, "[{profile: 4g.40gb, start: 0}]")
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "3g.40gb", 0)])
+    node = Node(tmp_path, kube)
+    with pytest.raises(AllocateError, match=r"placement taken by instance\(s\) 4g.40gb at 0"):
+        node.allocator.allocate_container([f"{A}::0"])
+    assert node.instances() == [("4g.40gb", 0)]
+
+
+def test_an_instance_another_live_pod_holds_is_never_handed_out(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    first = add_pod(kube, "first", [(A, "1g.10gb", 6)])
+    node = Node(tmp_path, kube)
+    node.allocator.allocate_container([f"{A}::0"])
+    add_pod(kube, "second", [(A, "1g.10gb", 6)])  # a placement no extender would write twice
+    with pytest.raises(AllocateError, match=f"placement taken by pod uid {first}"):
+        node.allocator.allocate_container([f"{A}::1"])
+    assert node.instances() == [("1g.10gb", 6)]
+
+
+def test_a_grant_the_cards_table_does_not_have_is_refused(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "3g.40gb", 2)])
+    node = Node(tmp_path, kube)
+    with pytest.raises(AllocateError, match=r"3g.40gb starts only at \[0, 4\]"):
+        node.allocator.allocate_container([f"{A}::0"])
+    assert node.instances() == []
+
+
+def test_reclaim_destroys_what_no_live_pod_names_but_never_an_instance_in_use(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "2g.20gb", 4)])
+    add_pod(kube, "q", [(B, "1g.10gb", 6)])
+    node = Node(tmp_path, kube)
+    node.allocator.allocate_container([f"{A}::0"])
+    node.allocator.allocate_container([f"{B}::0"])
+    (dev,) = node.mig.devices(A)
+    assert node.dynamic.reclaim().kept == 2  # both pods live: nothing goes
+    # p leaves while its process still runs on the instance: NVML's IN_USE, tried again later
+    kube.pods = [p for p in kube.pods if p["metadata"]["name"] != "p"]
+    running = process_on(tmp_path, dev.uuid)
+    done = node.dynamic.reclaim()
+    assert len(done.busy) == 1 and done.destroyed == [] and node.instances() == [("2g.20gb", 4)]
+    running.unlink()
+    done = node.dynamic.reclaim()
+    assert len(done.destroyed) == 1 and node.instances() == [] and node.instances(B) == [("1g.10gb", 6)]
+    # a pod that finished no longer holds its instance
+    next(p for p in kube.pods if p["metadata"]["name"] == "q")["status"] = {"phase": "Succeeded"}
+    assert len(node.dynamic.reclaim().destroyed) == 1 and node.instances(B) == []
+    (card,) = [d for d in node.state.inventory().devices if d.uuid == A]
+    assert card.mig_dynamic is not None and card.mig_dynamic.instances == ()
+
+
+def test_reconcile_at_start_keeps_the_pods_instances_and_reclaims_leftovers(tmp_path: Path) -> None:
+    # the card holds three instances when the plugin starts: one a live pod names, one a pod
+    # that finished names, one nobody names (a crash between create and the pod's failure)
+    gpus(
+        tmp_path, "[{profile: 3g.40gb, start: 0}, {profile: 2g.20gb, start: 4}, {profile: 1g.10gb, start: 6}]"
+    )
+    kube = FakeKube()
+    live = add_pod(kube, "live", [(A, "3g.40gb", 0)], mem=30000)
+    add_pod(kube, "done", [(A, "2g.20gb", 4)])
+    next(p for p in kube.pods if p["metadata"]["name"] == "done")["status"] = {"phase": "Failed"}
+    node = Node(tmp_path, kube)
+    done = node.dynamic.reclaim()
+    assert (done.kept, len(done.destroyed)) == (1, 2)
+    assert node.instances() == [("3g.40gb", 0)]
+    (card,) = [d for d in node.state.inventory().devices if d.uuid == A]
+    assert card.mig_dynamic is not None
+    assert [(i.profile, i.start, i.pod) for i in card.mig_dynamic.instances] == [("3g.40gb", 0, live)]
+
+
+def test_a_node_not_in_dynamic_mode_refuses_a_mig_placement(tmp_path: Path) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "1g.10gb", 6)])
+    node = Node(tmp_path, kube)
+    node.allocator.dynamic = None
+    node.state.config = NodeConfig(split=7)
+    with pytest.raises(AllocateError, match="placed as MIG on demand but this node's migStrategy is none"):
+        node.allocator.allocate_container([f"{A}::0"])
