@@ -36,6 +36,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--gpu-model", default=defaults.gpu_model, help="model name (default %(default)r)")
     up.add_argument("--split", type=int, default=defaults.split, help="vGPUs per card (default %(default)s)")
     up.add_argument(
+        "--mig-strategy",
+        default=defaults.mig_strategy,
+        help="none, or dynamic: every card in MIG mode, cut on demand (needs an H100 80GB or H200 --gpu-model)",
+    )
+    up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"
     )
     up.add_argument(
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 gpu_memory_mib=args.gpu_memory,
                 gpu_model=args.gpu_model,
                 split=args.split,
+                mig_strategy=args.mig_strategy,
                 apiserver_port=args.apiserver_port,
                 product=not args.control_plane_only,
                 real_node=args.real_node,

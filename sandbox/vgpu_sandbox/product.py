@@ -323,9 +323,14 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         root = layout.node_root(name)
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         gpus_file = root / "gpus.yaml"
-        gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
+        cards = nodes.fake_gpus(name, gpu)
+        config: dict[str, object] = {"split": spec.split}
+        if spec.mig_strategy == "dynamic":  # MIG on demand: every card in MIG mode, none cut yet
+            cards = [{**card, "mig": {"mode": "enabled"}} for card in cards]
+            config["migStrategy"] = "dynamic"
+        gpus_file.write_text(yaml.safe_dump({"gpus": cards}, sort_keys=False))
         config_file = root / "node-config.yaml"
-        config_file.write_text(yaml.safe_dump({"split": spec.split}))
+        config_file.write_text(yaml.safe_dump(config))
         sandbox.launch(
             f"kubelet-{name}",
             [

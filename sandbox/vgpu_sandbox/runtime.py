@@ -60,9 +60,14 @@ class Spec:
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
     # them in a pod on the real node (needs real_node; realnode.scheduler_values).
     local_scheduler: bool = True
+    # the simulated nodes' cards in MIG: "dynamic" puts every card in MIG mode (the fake NVML's
+    # ``mig:``) and the node config's ``migStrategy: dynamic`` (MIG on demand, docs/mig.md);
+    # give an H100 80GB or H200 model (--gpu-model) so the cards have a profile table
+    mig_strategy: str = "none"
 
     def validate(self) -> None:
         checks = [
+            (self.mig_strategy in ("none", "dynamic"), "--mig-strategy must be none or dynamic"),
             (self.nodes >= 1 or self.real_node, "--nodes must be at least 1 (0 only with --real-node)"),
             (self.nodes >= 0, "--nodes must not be negative"),
             (self.real_node or not self.real_gpu, "--real-gpu needs --real-node"),

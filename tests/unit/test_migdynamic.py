@@ -153,13 +153,34 @@ def test_a_card_with_processes_outside_mig_is_never_cut(tmp_path: Path) -> None:
 
 
 def test_a_taken_placement_is_refused_naming_what_holds_it(tmp_path: Path) -> None:
+    # a 4g a live pod holds, where the scheduler (wrongly) booked a 3g
     gpus(tmp_path, "[{profile: 4g.40gb, start: 0}]")
+    kube = FakeKube()
+    add_pod(kube, "holder", [(A, "4g.40gb", 0)], mem=30000)
+    kube.pods[0]["metadata"]["annotations"][PHASE_ANNOTATION] = "allocated"
+    add_pod(kube, "p", [(A, "3g.40gb", 0)])
+    node = Node(tmp_path, kube)
+    with pytest.raises(
+        AllocateError, match=r"placement taken by instance\(s\) 4g.40gb at 0, which a live pod"
+    ):
+        node.allocator.allocate_container([f"{A}::0"])
+    assert node.instances() == [("4g.40gb", 0)]
+
+
+def test_a_leftover_in_the_way_is_reclaimed_at_allocate_unless_in_use(tmp_path: Path) -> None:
+    gpus(tmp_path, "[{profile: 4g.40gb, start: 0}]")  # no pod names it: a leftover
     kube = FakeKube()
     add_pod(kube, "p", [(A, "3g.40gb", 0)])
     node = Node(tmp_path, kube)
+    (left,) = node.mig.devices(A)
+    running = process_on(tmp_path, left.uuid)
     with pytest.raises(AllocateError, match=r"placement taken by instance\(s\) 4g.40gb at 0"):
         node.allocator.allocate_container([f"{A}::0"])
-    assert node.instances() == [("4g.40gb", 0)]
+    assert node.instances() == [("4g.40gb", 0)]  # never destroyed under a process
+    running.unlink()
+    add_pod(kube, "q", [(A, "3g.40gb", 0)])
+    node.allocator.allocate_container([f"{A}::1"])
+    assert node.instances() == [("3g.40gb", 0)]
 
 
 def test_an_instance_another_live_pod_holds_is_never_handed_out(tmp_path: Path) -> None:

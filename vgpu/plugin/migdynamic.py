@@ -207,11 +207,30 @@ class DynamicMig:
             log.info("pod uid %s: reusing MIG device %s (%s)", pod_uid, found.uuid, where)
             return found
         clash = [g for g in gis if g.placement.overlaps(place)]
+        for g in [g for g in clash if (d.uuid, g.profile, g.placement.start) not in named]:
+            try:  # a leftover no live pod names (not reclaimed yet): it goes now
+                self.mig.destroy(d.uuid, g.id)
+                clash.remove(g)
+                log.info(
+                    "reclaimed leftover MIG instance %s at %d on card %s for pod uid %s",
+                    g.profile,
+                    g.placement.start,
+                    d.uuid,
+                    pod_uid,
+                )
+            except MigRefused as err:
+                log.info(
+                    "leftover MIG instance %s at %d on card %s stays: %s",
+                    g.profile,
+                    g.placement.start,
+                    d.uuid,
+                    err,
+                )
         if clash:
             held = ", ".join(f"{g.profile} at {g.placement.start}" for g in clash)
             raise PodFailure(
-                f"{where}: placement taken by instance(s) {held} (a leftover is reclaimed once no pod "
-                f"holds it and no process runs on it; the scheduler then places the pod again)"
+                f"{where}: placement taken by instance(s) {held}, which a live pod holds or a process "
+                f"still runs on (a leftover is reclaimed once no process runs on it)"
             )
         busy = self.mig.processes(d.uuid)
         if busy:
