@@ -38,7 +38,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--mig-strategy",
         default=defaults.mig_strategy,
-        help="none, or dynamic: every card in MIG mode, cut on demand (needs an H100 80GB or H200 --gpu-model)",
+        help="none, or dynamic: every card in MIG mode, cut on demand (an H100 80GB or H200 --gpu-model)",
     )
     up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"
