@@ -9,7 +9,11 @@ import pytest
 
 from tests.unit.test_fit import ctr, pod
 from vgpu.core.annotations import (
+    ALLOCATION_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
     Device,
+    DeviceAllocation,
     MigDynamic,
     MigGrant,
     MigInstance,
@@ -177,3 +181,28 @@ def test_the_fast_paths_leave_a_dynamic_node_to_the_fit() -> None:
     (c,) = pod(ctr(gpumem=5000)).containers
     full = NodeInventory((mig_card(0, ("7g.80gb", 0, "pod-a")),))
     assert not quick_fits(full, {}, c, pod(ctr(gpumem=5000)).selection)
+
+
+def test_a_restarted_extenders_state_books_the_placements_before_any_instance_exists() -> None:
+    """Two pods bound, their instances not made yet (the node reports none): the state rebuilt from
+    the pods' allocations alone keeps a third pod off their placements."""
+    from tests.unit.test_extender_state import alloc_pod, state
+
+    inv = NodeInventory((mig_card(0),))
+    st = state()
+    pods = []
+    for n, (profile, start) in enumerate((("3g.40gb", 4), ("2g.20gb", 0))):
+        grant = MigGrant(profile, start)
+        doc = alloc_pod(f"u{n}", 5 + n)
+        alloc = Allocation("a", (ContainerAllocation("main", (DeviceAllocation("GPU-0", 3000, 10, grant),)),))
+        doc["metadata"]["annotations"][ALLOCATION_ANNOTATION] = encode_allocation(alloc)
+        pods.append(doc)
+    st.replace_pods(pods)
+    usage = st.ledger.usage("a")
+    assert usage[mig_key("GPU-0", MigGrant("3g.40gb", 4))] == BOOKED
+    (g,) = grants(fit_node("a", inv, usage, pod(ctr(gpumem=15000))))
+    assert g[1] == "1g.20gb" and g[2] == 2  # the one two-slice placement left
+    assert isinstance(fit_node("a", inv, usage, pod(ctr(gpumem=30000))), Rejection)
+    st.apply_pod(pods[0], deleted=True)  # a pod leaves: its placement is free again
+    (g,) = grants(fit_node("a", inv, st.ledger.usage("a"), pod(ctr(gpumem=30000))))
+    assert g[1:] == ("3g.40gb", 4)
