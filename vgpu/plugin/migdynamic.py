@@ -42,7 +42,7 @@ from vgpu.core.annotations import (
 from vgpu.core.errors import AnnotationError, KubeError
 from vgpu.core.mig import MigError, MigTable, Placement
 from vgpu.plugin.answer import PodFailure
-from vgpu.plugin.discovery import Card
+from vgpu.plugin.discovery import Card, GpuProcess
 from vgpu.plugin.mig import IN_USE, INSUFFICIENT_RESOURCES, NOT_FOUND, MigControl, MigDevice, MigRefused
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class DynamicMig:
                 f"{where}: placement taken by instance(s) {held}, which a live pod holds or a process "
                 f"still runs on (a leftover is reclaimed once no process runs on it)"
             )
-        busy = self.mig.processes(d.uuid)
+        busy = self._outside_mig(d.uuid)
         if busy:
             pids = ", ".join(str(p.pid) for p in busy[:5])
             raise PodFailure(
@@ -246,6 +246,13 @@ class DynamicMig:
             raise PodFailure(f"{where}: {what}: {err}") from err
         log.info("pod uid %s: made MIG device %s (%s)", pod_uid, made.uuid, where)
         return made
+
+    def _outside_mig(self, card: str) -> list[GpuProcess]:
+        """The card's processes that run on none of its MIG devices (NVML may list a MIG
+        device's processes on its parent card too: those are the pods', not in the way)."""
+        on_card = self.mig.processes(card) or []
+        inside = {p.pid for m in self.mig.devices(card) for p in self.mig.processes(m.uuid) or []}
+        return [p for p in on_card if p.pid not in inside]
 
     # -- reclaim ------------------------------------------------------------------------------
 
