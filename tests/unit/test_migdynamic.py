@@ -258,4 +258,3 @@ def test_a_node_not_in_dynamic_mode_refuses_a_mig_placement(tmp_path: Path) -> N
     node.state.config = NodeConfig(split=7)
     with pytest.raises(AllocateError, match="placed as MIG on demand but this node's migStrategy is none"):
         node.allocator.allocate_container([f"{A}::0"])
-
