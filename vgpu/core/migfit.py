@@ -116,6 +116,7 @@ def _place(
     """Each vGPU of ``c`` on its own card; fewer than ``c.count`` when the node runs short."""
     chosen: list[tuple[Device, Profile, Placement]] = []
     for _ in range(c.count):
+        reasons.clear()  # why the last vGPU found no card: the one that falls short
         best: tuple[tuple[object, ...], Device, Profile, Placement] | None = None
         for card in cards:
             table = table_of(card)

@@ -176,6 +176,8 @@ class DynamicMig:
             try:
                 for d in wanted:
                     out[d.uuid] = self._one(pod_uid, container.name, d, named)
+            except MigRefused as err:  # NVML failed past the checks (a card gone, its mode changed)
+                raise PodFailure(f"container {container.name}: MIG on card {d.uuid}: {err}") from err
             finally:
                 self._refresh()
         return out
