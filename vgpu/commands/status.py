@@ -57,6 +57,7 @@ class Share:
     init: bool = False  # an init container: runs before the app containers, which reuse its room
     finished: bool = False  # the pod finished (Succeeded or Failed): it holds nothing any more
     card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
+    mig: str = ""  # MIG on demand: the instance the share is ("3g.40gb at slice 4", docs/mig.md)
 
 
 @dataclass
@@ -177,6 +178,7 @@ def build_status(
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
                     init=c.name in inits,
                     finished=done,
+                    mig=f"{d.mig.profile} at slice {d.mig.start}" if d.mig else "",
                 )
                 per_card = usage.get(alloc.node, {}).get(f"{meta.get('uid', '')}_{c.name}")
                 used = per_card.get(d.uuid) if isinstance(per_card, dict) else None
@@ -316,6 +318,7 @@ def _share_line(s: Share) -> str:
     cores = f"cores {s.cores}%" if s.cores else "cores uncapped"  # 0: no cap, the whole card's compute
     phase = (s.phase or "-") + (", holds nothing" if s.finished else "")
     text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}" + (f"  on {s.card}" if s.card else "")
+    text += f"  MIG {s.mig}" if s.mig else ""
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     if s.reason:
