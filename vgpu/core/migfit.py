@@ -194,7 +194,7 @@ def fit_dynamic(node: str, devices: Sequence[Device], usage: Mapping[str, Usage]
     if allocation is not None:
         return Outcome((allocation, footprint(allocation)))
     empty = [replace(d, mig_dynamic=MigDynamic(d.mig_dynamic.table)) for d in cards if d.mig_dynamic]
-    never, _ = _run(node, empty, {}, pod)
-    if never is None:
-        return Outcome(reason=f"could never hold {why}", unresolvable=True)
+    never, never_why = _run(node, empty, {}, pod)
+    if never is None:  # not even on empty cards: the empty cards' reason is the decisive one
+        return Outcome(reason=f"could never hold {never_why}", unresolvable=True)
     return Outcome(reason=f"had no MIG room now for {why}")
