@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -258,3 +259,28 @@ def test_a_node_not_in_dynamic_mode_refuses_a_mig_placement(tmp_path: Path) -> N
     node.state.config = NodeConfig(split=7)
     with pytest.raises(AllocateError, match="placed as MIG on demand but this node's migStrategy is none"):
         node.allocator.allocate_container([f"{A}::0"])
+
+
+def test_a_card_whose_instances_cannot_be_read_is_never_published_empty(tmp_path: Path) -> None:
+    from vgpu.plugin.mig import NOT_SUPPORTED, MigRefused
+
+    gpus(tmp_path, "[{profile: 1g.10gb, start: 6}]")
+    kube = FakeKube()
+    node = Node(tmp_path, kube)
+    real = node.mig.gpu_instances
+
+    def refuse(parent: str) -> list[Any]:
+        raise MigRefused(NOT_SUPPORTED, f"card {parent} cannot be read")
+
+    node.mig.gpu_instances = refuse  # type: ignore[method-assign]
+    # a pass that cannot read the cards destroys nothing and keeps what it saw last
+    assert node.dynamic.reclaim().destroyed == []
+    (card,) = [d for d in node.state.inventory().devices if d.uuid == A]
+    assert card.mig_dynamic is not None
+    assert [(i.profile, i.start) for i in card.mig_dynamic.instances] == [("1g.10gb", 6)]
+    # a plugin that starts unable to read a card publishes it whole-taken, never empty
+    fresh = DynamicMig(NODE, node.mig, node.state.cards(), kube.list_node_pods)
+    view = fresh.describe(B)
+    assert view is not None and [(i.profile, i.start, i.size) for i in view.instances] == [("7g.80gb", 0, 8)]
+    node.mig.gpu_instances = real  # type: ignore[method-assign]
+    assert len(node.dynamic.reclaim().destroyed) == 1  # readable again: the leftover goes

@@ -139,8 +139,13 @@ class DynamicMig:
             try:
                 gis = self.mig.gpu_instances(uuid)
             except MigRefused as err:
+                # never published as empty: what was seen last, else the whole card taken
                 log.warning("cannot list the MIG instances of card %s: %s", uuid, err)
-                gis = []
+                whole = max(table.profiles, key=lambda p: p.memory_slices)
+                view[uuid] = self._view.get(uuid) or MigDynamic(
+                    table.product, (MigInstance(whole.name, 0, whole.memory_slices),)
+                )
+                continue
             instances = tuple(
                 MigInstance(
                     g.profile,
