@@ -284,3 +284,17 @@ def test_a_card_whose_instances_cannot_be_read_is_never_published_empty(tmp_path
     assert view is not None and [(i.profile, i.start, i.size) for i in view.instances] == [("7g.80gb", 0, 8)]
     node.mig.gpu_instances = real  # type: ignore[method-assign]
     assert len(node.dynamic.reclaim().destroyed) == 1  # readable again: the leftover goes
+
+
+def test_reclaim_destroys_nothing_while_a_live_pods_allocation_cannot_be_read(tmp_path: Path) -> None:
+    gpus(tmp_path, "[{profile: 1g.10gb, start: 6}]")
+    kube = FakeKube()
+    add_pod(kube, "future", [(A, "1g.10gb", 6)])
+    raw = kube.pods[0]["metadata"]["annotations"]
+    raw["vgpu.openaios.io/allocation"] = raw["vgpu.openaios.io/allocation"].replace(
+        '"version":1', '"version":9'
+    )
+    node = Node(tmp_path, kube)
+    assert node.dynamic.reclaim().destroyed == [] and node.instances() == [("1g.10gb", 6)]
+    kube.pods.clear()  # the pod is gone: its instance goes
+    assert len(node.dynamic.reclaim().destroyed) == 1 and node.instances() == []

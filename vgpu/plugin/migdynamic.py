@@ -60,10 +60,13 @@ class Reclaimed:
     busy: list[str] = field(default_factory=list)
 
 
-def named_by(pods: Iterable[Mapping[str, Any]], node: str) -> dict[Key, list[tuple[str, bool]]]:
+def named_by(
+    pods: Iterable[Mapping[str, Any]], node: str, unreadable: list[str] | None = None
+) -> dict[Key, list[tuple[str, bool]]]:
     """The instances the live pods on ``node`` name, by (card, profile, start): each pod's uid and
     whether it is served already (phase ``allocated``: the holder where two name one placement),
-    served ones first. A pod whose allocation cannot be read names none."""
+    served ones first. A pod whose allocation cannot be read names none and is added to
+    ``unreadable`` (``namespace/name``)."""
     named: dict[Key, list[tuple[str, bool]]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -78,6 +81,8 @@ def named_by(pods: Iterable[Mapping[str, Any]], node: str) -> dict[Key, list[tup
         try:
             allocation = decode_allocation(raw)
         except AnnotationError:
+            if unreadable is not None:
+                unreadable.append(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
             continue
         served = annotations.get(PHASE_ANNOTATION) == PHASE_ALLOCATED
         for c in allocation.containers:
@@ -273,12 +278,20 @@ class DynamicMig:
                     snapshot[uuid] = self.mig.gpu_instances(uuid)
                 except MigRefused as err:
                     log.warning("not reclaiming on card %s: cannot list its instances (%s)", uuid, err)
+            unreadable: list[str] = []
             try:
-                named = named_by(self.list_pods(self.node), self.node)
+                named = named_by(self.list_pods(self.node), self.node, unreadable)
             except KubeError as err:
                 log.warning("not reclaiming MIG instances: cannot list the node's pods (%s)", err)
                 return done
             self._named = named
+            if unreadable:  # such a pod may hold any instance: none is destroyed while it is here
+                log.warning(
+                    "not reclaiming MIG instances: the allocation of pod(s) %s cannot be read (written by "
+                    "another version?); they go once those pods do",
+                    ", ".join(unreadable[:5]),
+                )
+                snapshot = {}
             for uuid, gis in snapshot.items():
                 for g in gis:
                     what = f"{g.profile} at slice {g.placement.start} on card {uuid} (GPU instance {g.id})"
