@@ -298,3 +298,19 @@ def test_reclaim_destroys_nothing_while_a_live_pods_allocation_cannot_be_read(tm
     assert node.dynamic.reclaim().destroyed == [] and node.instances() == [("1g.10gb", 6)]
     kube.pods.clear()  # the pod is gone: its instance goes
     assert len(node.dynamic.reclaim().destroyed) == 1 and node.instances() == []
+
+
+def test_two_pods_kubelet_cannot_order_with_different_placements_are_refused_never_swapped(
+    tmp_path: Path,
+) -> None:
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "x", [(A, "1g.10gb", 5)])
+    add_pod(kube, "y", [(A, "1g.10gb", 6)])
+    for p in kube.pods:  # created in the same second: kubelet's order between them is undefined
+        p["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    node = Node(tmp_path, kube)
+    node.allocator.tie_wait_s = 0
+    with pytest.raises(AllocateError, match="cannot tell which of the pods"):
+        node.allocator.allocate_container([f"{A}::0"])
+    assert node.instances() == []

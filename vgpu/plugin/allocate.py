@@ -210,7 +210,7 @@ class Allocator:
             if n in served:
                 continue
             c = w.allocation.container(n)
-            devices = tuple((d.uuid, d.memory_mib, d.cores) for d in c.devices) if c else ()
+            devices = tuple((d.uuid, d.memory_mib, d.cores, d.mig) for d in c.devices) if c else ()
             out.append((devices, w.priorities.get(n, DEFAULT_PRIORITY)))
         return tuple(out)
 
