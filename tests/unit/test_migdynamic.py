@@ -314,3 +314,37 @@ def test_two_pods_kubelet_cannot_order_with_different_placements_are_refused_nev
     with pytest.raises(AllocateError, match="cannot tell which of the pods"):
         node.allocator.allocate_container([f"{A}::0"])
     assert node.instances() == []
+
+
+def test_under_driver_inject_plugin_the_container_gets_its_instances_capability_files(tmp_path: Path) -> None:
+    from tests.support.driver import fake_driver
+    from vgpu.plugin.driver import find_driver
+
+    gpus(tmp_path)
+    kube = FakeKube()
+    add_pod(kube, "p", [(B, "2g.20gb", 2)])
+    node = Node(tmp_path, kube)
+    host = fake_driver(tmp_path / "host")
+    (host / "dev/nvidia-caps").mkdir()
+    from vgpu.plugin.mig import formula_minor
+
+    # card B is index 1; a 2g.20gb at slice 2 is the fake's GPU instance 4, its compute instance 0
+    gi, ci = formula_minor(1, 4), formula_minor(1, 4, 0)
+    for minor in (gi, ci):
+        (host / f"dev/nvidia-caps/nvidia-cap{minor}").write_bytes(b"")
+    node.allocator.driver = find_driver(host, "/", host / "dev")
+    served = node.allocator.allocate_container([f"{B}::0"])
+    paths = [d.host_path for d in served.response.devices]
+    assert "/dev/nvidia1" in paths
+    assert f"/dev/nvidia-caps/nvidia-cap{gi}" in paths and f"/dev/nvidia-caps/nvidia-cap{ci}" in paths
+    (dev,) = node.mig.devices(B)
+    assert (dev.gi_minor, dev.ci_minor) == (gi, ci)
+
+    # a capability file missing on the host: the pod is refused, naming it; the instance made for
+    # it goes once kubelet marks the rejected pod Failed
+    add_pod(kube, "q", [(A, "1g.10gb", 6)])
+    with pytest.raises(AllocateError, match=r"/dev/nvidia-caps/nvidia-cap\d+ of a card"):
+        node.allocator.allocate_container([f"{A}::0"])
+    assert phase(kube, "q")[0] == "failed"
+    next(p for p in kube.pods if p["metadata"]["name"] == "q")["status"] = {"phase": "Failed"}
+    assert len(node.dynamic.reclaim().destroyed) == 1 and node.instances(A) == []
