@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,14 @@ def test_pods_get_the_smallest_profiles_and_restarts_leak_or_double_use_nothing(
     made = _consistent(sb)
     assert _profile(sb, "later") in made and _profile(sb, "after") in made
 
-    # -- every pod gone: every instance reclaimed
+    # -- every pod gone: every instance reclaimed, and the node's /metrics says so
     _delete(sb, *_grants(sb))
     assert _consistent(sb) == {}
+    state = sb.state()
+    assert state is not None
+    port = state.ports[f"monitor-{NODE}"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    made = [line for line in metrics.splitlines() if line.startswith("vgpu_mig_instances_made_total{")]
+    assert made and "vgpu_mig_instances_reclaimed_total{" in metrics  # since the plugin's restart
+    assert "vgpu_mig_instances{" not in metrics  # no instance left on any card

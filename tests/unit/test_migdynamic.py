@@ -348,3 +348,28 @@ def test_under_driver_inject_plugin_the_container_gets_its_instances_capability_
     assert phase(kube, "q")[0] == "failed"
     next(p for p in kube.pods if p["metadata"]["name"] == "q")["status"] = {"phase": "Failed"}
     assert len(node.dynamic.reclaim().destroyed) == 1 and node.instances(A) == []
+
+
+def test_the_node_metrics_count_instances_made_reclaimed_refused_and_left_busy(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vgpu.plugin.migmetrics import MigCollector
+
+    gpus(tmp_path, "[{profile: 1g.10gb, start: 0}]")  # a leftover
+    kube = FakeKube()
+    add_pod(kube, "p", [(A, "3g.40gb", 4)])
+    node = Node(tmp_path, kube)
+    registry = CollectorRegistry()
+    registry.register(MigCollector(node.dynamic))
+    node.allocator.allocate_container([f"{A}::0"])
+    node.dynamic.reclaim()
+    process_on(tmp_path, B)
+    add_pod(kube, "q", [(B, "1g.10gb", 6)])
+    with pytest.raises(AllocateError):
+        node.allocator.allocate_container([f"{B}::0"])
+    text = generate_latest(registry).decode()
+    assert f'vgpu_mig_instances{{node="{NODE}",profile="3g.40gb",state="held",uuid="{A}"}} 1.0' in text
+    assert f'vgpu_mig_instances_made_total{{node="{NODE}",profile="3g.40gb",uuid="{A}"}} 1.0' in text
+    assert f'vgpu_mig_instances_reclaimed_total{{node="{NODE}",profile="1g.10gb",uuid="{A}"}} 1.0' in text
+    assert f'vgpu_mig_allocate_refusals_total{{kind="busy",node="{NODE}"}} 1.0' in text
+    assert f'vgpu_mig_reclaim_busy{{node="{NODE}"}} 0.0' in text

@@ -22,6 +22,7 @@ from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, collect
 from vgpu.plugin.mig import MigControl
 from vgpu.plugin.migdynamic import DynamicMig
+from vgpu.plugin.migmetrics import MigCollector
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.enforce import PodActions
@@ -89,6 +90,8 @@ class Daemon:
             arbiter=self.arbiter,
             actions=self.client if isinstance(self.client, PodActions) else None,
         )
+        if self.dynamic is not None:
+            self.monitor.extra_collectors.append(MigCollector(self.dynamic))
         self._stop = threading.Event()  # ends the health and sweep loops
         self._health = Service(
             "dp-health", lambda stop: watch_health(self.discovery, self.state, stop), self._stop

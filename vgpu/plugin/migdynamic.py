@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,12 @@ class DynamicMig:
                 continue
             self.tables[card.uuid] = table
         self._lock = threading.Lock()  # one change to the cards at a time
+        # for /metrics (migmetrics.py): instances made and reclaimed by (card, profile), refusals
+        # by kind (busy, taken, invalid), instances the last reclaim pass left busy
+        self.made: Counter[tuple[str, str]] = Counter()
+        self.reclaimed: Counter[tuple[str, str]] = Counter()
+        self.refusals: Counter[str] = Counter()
+        self.left_busy = 0
         self._named: dict[Key, list[tuple[str, bool]]] = {}
         self._view: dict[str, MigDynamic] = {}
         self._refresh()
@@ -187,7 +194,14 @@ class DynamicMig:
                 for d in wanted:
                     out[d.uuid] = self._one(pod_uid, container.name, d, named)
             except MigRefused as err:  # NVML failed past the checks (a card gone, its mode changed)
+                self.refusals["invalid"] += 1
                 raise PodFailure(f"container {container.name}: MIG on card {d.uuid}: {err}") from err
+            except PodFailure as err:
+                text = str(err)
+                self.refusals[
+                    "busy" if "GPU busy" in text else "taken" if "taken" in text else "invalid"
+                ] += 1
+                raise
             finally:
                 self._refresh()
         return out
@@ -222,6 +236,7 @@ class DynamicMig:
         for g in [g for g in clash if (d.uuid, g.profile, g.placement.start) not in named]:
             try:  # a leftover no live pod names (not reclaimed yet): it goes now
                 self.mig.destroy(d.uuid, g.id)
+                self.reclaimed[(d.uuid, g.profile)] += 1
                 clash.remove(g)
                 log.info(
                     "reclaimed leftover MIG instance %s at %d on card %s for pod uid %s",
@@ -257,6 +272,7 @@ class DynamicMig:
             what = {IN_USE: "GPU busy", INSUFFICIENT_RESOURCES: "placement taken"}.get(err.code, "refused")
             raise PodFailure(f"{where}: {what}: {err}") from err
         log.info("pod uid %s: made MIG device %s (%s)", pod_uid, made.uuid, where)
+        self.made[(d.uuid, profile.name)] += 1
         return made
 
     def _outside_mig(self, card: str) -> list[GpuProcess]:
@@ -310,6 +326,8 @@ class DynamicMig:
                         continue
                     log.info("reclaimed MIG instance %s: no live pod holds it", what)
                     done.destroyed.append(what)
+                    self.reclaimed[(uuid, g.profile)] += 1
+            self.left_busy = len(done.busy)
             self._refresh()
         return done
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from wsgiref.simple_server import WSGIServer
 
+from prometheus_client.registry import Collector
+
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery, ProcessSource, SmSource
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
@@ -80,6 +82,7 @@ class NodeMonitor:
                 )
         self._http: WSGIServer | None = None
         self.port: int | None = None
+        self.extra_collectors: list[Collector] = []  # more families on /metrics (MIG on demand's)
 
     def start(self) -> None:
         if self.arbiter is not None:
@@ -102,6 +105,8 @@ class NodeMonitor:
                 registry.register(HostCollector(self.enforcer))
             if self.compute is not None:
                 registry.register(ComputeCollector(self.compute))
+            for extra in self.extra_collectors:
+                registry.register(extra)
             self._http = serve_metrics(host, port, registry)
             self.port = self._http.server_port
             log.info("node monitor on http://%s:%d/metrics", host, self.port)
