@@ -373,3 +373,13 @@ def test_the_node_metrics_count_instances_made_reclaimed_refused_and_left_busy(t
     assert f'vgpu_mig_instances_reclaimed_total{{node="{NODE}",profile="1g.10gb",uuid="{A}"}} 1.0' in text
     assert f'vgpu_mig_allocate_refusals_total{{kind="busy",node="{NODE}"}} 1.0' in text
     assert f'vgpu_mig_reclaim_busy{{node="{NODE}"}} 0.0' in text
+
+
+def test_a_bad_mig_strategy_names_the_field_and_the_values() -> None:
+    from vgpu.core.errors import ConfigError
+    from vgpu.plugin.config import parse_node_config
+
+    assert parse_node_config("migStrategy: dynamic", "n", "cfg").mig_strategy == "dynamic"
+    assert parse_node_config("nodes: {n: {migStrategy: dynamic}}", "n", "cfg").mig_strategy == "dynamic"
+    with pytest.raises(ConfigError, match=r"nodes\.n\.migStrategy.*none .* or dynamic .*got 'Dynamic'"):
+        parse_node_config("nodes: {n: {migStrategy: Dynamic}}", "n", "cfg")
