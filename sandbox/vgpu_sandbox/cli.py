@@ -41,9 +41,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the simulated nodes' cards as H100 80GB in MIG mode, offered with this migStrategy "
         "(single: seven 1g.10gb a card as nvidia.com/gpu; mixed: 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb "
-        "a card as nvidia.com/mig-<profile>; docs/mig.md); with --real-node --dra, dynamic: the stub "
-        "driver's first card in MIG mode, offered as MIG slices (`vgpu dra-plugin --mig dynamic`, "
-        "the DeviceClass mig.vgpu.openaios.io, examples/dra-mig.yaml)",
+        "a card as nvidia.com/mig-<profile>; dynamic: none cut, each vGPU a MIG instance made on "
+        "demand; docs/mig.md); with --real-node --dra, dynamic: the stub driver's first card in MIG "
+        "mode, offered as MIG slices (`vgpu dra-plugin --mig dynamic`, the DeviceClass "
+        "mig.vgpu.openaios.io, examples/dra-mig.yaml)",
     )
     up.add_argument(
         "--apiserver-port", type=int, default=0, help="kube-apiserver's port (default: a free one)"

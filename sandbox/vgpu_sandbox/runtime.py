@@ -62,9 +62,9 @@ class Spec:
     local_scheduler: bool = True
     # MIG ("none": off). On the simulated nodes: their cards as H100 80GB in MIG mode, offered
     # by the device plugin's migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed,
-    # 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb). On the real node, "dynamic" with dra only: the stub
-    # driver's first card an H100 80GB in MIG mode, offered as MIG slices (the DRA plugin's
-    # ``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
+    # 1g.10gb, 1g.10gb+me, 2g.20gb, 3g.40gb; dynamic, none cut: MIG on demand). On the real node,
+    # "dynamic" with dra only: the stub driver's first card an H100 80GB in MIG mode, offered as
+    # MIG slices (the DRA plugin's ``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
     mig: str = "none"
 
     def validate(self) -> None:
@@ -75,7 +75,6 @@ class Spec:
             (self.real_node or not self.dra, "--dra needs --real-node: the DRA plugin serves the real node"),
             (self.local_scheduler or not self.dra, "--dra runs no chart: leave out --scheduler-in-cluster"),
             (self.mig in ("none", "single", "mixed", "dynamic"), "--mig must be single, mixed or dynamic"),
-            (self.mig != "dynamic" or self.real_node, "--mig dynamic on simulated nodes: not yet"),
             (
                 self.mig in ("none", "dynamic") or not self.real_node,
                 "--mig single or mixed is for the simulated nodes: leave out --real-node "

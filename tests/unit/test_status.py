@@ -420,3 +420,25 @@ def test_a_mig_card_on_the_dra_path_is_shown_once_with_each_claims_slice() -> No
         ("big/gpu", 40448, 42),
         ("small/gpu", 9984, 14),
     ]
+
+
+def test_a_share_made_as_a_mig_instance_on_demand_names_it() -> None:
+    from vgpu.core.annotations import MigDynamic, MigGrant, MigInstance
+
+    dyn = MigDynamic("H100 80GB", (MigInstance("3g.40gb", 4, 4, "uid-m"),))
+    inv = NodeInventory((Device("GPU-m", 0, "NVIDIA H100 80GB HBM3", 81559, 100, 7, mig_dynamic=dyn),))
+    n = {"metadata": {"name": "n1", "annotations": {DEVICES_ANNOTATION: encode_devices(inv)}}}
+    alloc = Allocation(
+        "n1", (ContainerAllocation("main", (DeviceAllocation("GPU-m", 30000, 0, MigGrant("3g.40gb", 4)),)),)
+    )
+    p = {
+        "metadata": {
+            "name": "m",
+            "namespace": "ml",
+            "uid": "uid-m",
+            "annotations": {ALLOCATION_ANNOTATION: encode_allocation(alloc), PHASE_ANNOTATION: "allocated"},
+        }
+    }
+    [status] = build_status([n], [p], [lease("2026-01-01T11:59:50Z")], NOW)
+    assert status.cards[0].shares[0].mig == "3g.40gb at slice 4"
+    assert "ml/m main  30000 MiB  cores uncapped  allocated  MIG 3g.40gb at slice 4" in render_text([status])

@@ -60,6 +60,7 @@ class Share:
     card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
     lines: list[str] | None = None  # what holds its device memory, as the Lease says (status_lines)
     codec: dict[str, int] | None = None  # its media engines' use on the card, percent
+    mig: str = ""  # MIG on demand: the instance the share is ("3g.40gb at slice 4", docs/mig.md)
 
 
 @dataclass
@@ -182,6 +183,7 @@ def build_status(
                     env={k: v for k, v in env.items() if k.startswith(("CUDA_", "NVIDIA_"))},
                     init=c.name in inits,
                     finished=done,
+                    mig=f"{d.mig.profile} at slice {d.mig.start}" if d.mig else "",
                 )
                 folder = f"{meta.get('uid', '')}_{c.name}"
                 per_card = usage.get(alloc.node, {}).get(folder)
@@ -324,6 +326,7 @@ def _share_line(s: Share) -> str:
     cores = f"cores {s.cores}%" if s.cores else "cores uncapped"  # 0: no cap, the whole card's compute
     phase = (s.phase or "-") + (", holds nothing" if s.finished else "")
     text = f"    {who}  {s.memory_mib} MiB  {cores}  {phase}" + (f"  on {s.card}" if s.card else "")
+    text += f"  MIG {s.mig}" if s.mig else ""
     if s.used_bytes is not None:
         text += f"  using {s.used_bytes / 2**20:.0f} MiB"
     text += extras_text(s.lines, s.codec)

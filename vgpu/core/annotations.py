@@ -35,8 +35,9 @@ PREFIX = "vgpu.openaios.io/"
 # contract 2 (docs/contracts.md): node inventory
 DEVICES_ANNOTATION = PREFIX + "devices"
 DEVICES_VERSION = 1
-# version 2: a device may be a MIG device (``mig``) and offered as another resource (``resource``);
-# written only by a node that has such a device, so an older reader refuses that node alone
+# version 2: a device may be a MIG device (``mig``), offered as another resource (``resource``),
+# or, under migStrategy: dynamic, a card cut on demand (``migDynamic``); written only by a node
+# that has such a device, so an older reader refuses that node alone
 DEVICES_VERSION_MIG = 2
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -98,6 +99,26 @@ class MigSlice:
 
 
 @dataclass(frozen=True)
+class MigInstance:
+    """A GPU instance on a card cut on demand: its profile, memory slices and the pod whose
+    allocation names it (``""``: none, a leftover the node reclaims)."""
+
+    profile: str
+    start: int
+    size: int
+    pod: str = ""
+
+
+@dataclass(frozen=True)
+class MigDynamic:
+    """A card in MIG mode that the node cuts on demand (``migStrategy: dynamic``): the profile
+    table it follows (:data:`vgpu.core.mig.TABLES`' ``product``) and the instances it holds."""
+
+    table: str
+    instances: tuple[MigInstance, ...] = ()
+
+
+@dataclass(frozen=True)
 class Device:
     """One physical GPU (or one MIG device) as the device plugin advertises it.
 
@@ -119,6 +140,7 @@ class Device:
     links: Mapping[str, str] = field(default_factory=dict)
     resource: str = GPU_RESOURCE
     mig: MigSlice | None = None
+    mig_dynamic: MigDynamic | None = None  # cut into MIG instances on demand (docs/mig.md)
 
 
 @dataclass(frozen=True)
@@ -159,17 +181,45 @@ def _encode_device(d: Device) -> dict[str, Any]:
             "start": d.mig.start,
             "size": d.mig.size,
         }
+    out.update(_encode_dynamic(d.mig_dynamic))
     return out
 
 
 def encode_devices(inventory: NodeInventory) -> str:
-    """Version 1, or 2 when a device is a MIG device or offered as another resource."""
-    mig = any(d.mig is not None or d.resource != GPU_RESOURCE for d in inventory.devices)
+    """Version 1, or 2 when a device is a MIG device, offered as another resource or cut on demand."""
+    mig = any(
+        d.mig is not None or d.resource != GPU_RESOURCE or d.mig_dynamic is not None for d in inventory.devices
+    )
     doc = {
         "version": DEVICES_VERSION_MIG if mig else DEVICES_VERSION,
         "devices": [_encode_device(d) for d in inventory.devices],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _encode_dynamic(m: MigDynamic | None) -> dict[str, Any]:
+    if m is None:
+        return {}
+    instances = [{"profile": i.profile, "start": i.start, "size": i.size, "pod": i.pod} for i in m.instances]
+    return {"migDynamic": {"table": m.table, "instances": instances}}
+
+
+def _decode_dynamic(r: _Reader, obj: Mapping[str, Any], path: str) -> MigDynamic:
+    where = f"{path}.migDynamic"
+    m = r.obj(obj["migDynamic"], where)
+    instances = []
+    for k, item in enumerate(r.array(m, "instances", f"{where}.instances")):
+        ipath = f"{where}.instances[{k}]"
+        i = r.obj(item, ipath)
+        instances.append(
+            MigInstance(
+                profile=r.string(i, "profile", ipath),
+                start=r.integer(i, "start", ipath, minimum=0),
+                size=r.integer(i, "size", ipath, minimum=1),
+                pod=r.string(i, "pod", ipath, allow_empty=True),
+            )
+        )
+    return MigDynamic(table=r.string(m, "table", where), instances=tuple(instances))
 
 
 def decode_devices(text: str | bytes | None) -> NodeInventory:
@@ -209,9 +259,10 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 links=dict(links_raw),
                 resource=r.string(obj, "resource", path) if v2 and "resource" in obj else GPU_RESOURCE,
                 mig=_decode_mig(r, obj, path) if v2 and "mig" in obj else None,
+                mig_dynamic=_decode_dynamic(r, obj, path) if v2 and "migDynamic" in obj else None,
             )
         )
-    return NodeInventory(devices=tuple(devices))
+    return NodeInventory(devices=tuple(devices), version=doc["version"])
 
 
 def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:
@@ -230,12 +281,24 @@ def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:
 
 
 @dataclass(frozen=True)
+class MigGrant:
+    """The MIG instance the node creates for one vGPU on a card cut on demand: its profile and
+    its first memory slice (the size is the profile's)."""
+
+    profile: str
+    start: int
+
+
+@dataclass(frozen=True)
 class DeviceAllocation:
-    """The share of one card that one vGPU of a container holds."""
+    """The share of one card that one vGPU of a container holds; ``mig``: as a MIG instance
+    made on demand (migStrategy: dynamic), ``memory_mib`` and ``cores`` then being what the pod
+    asked."""
 
     uuid: str
     memory_mib: int
     cores: int
+    mig: MigGrant | None = None
 
 
 @dataclass(frozen=True)
@@ -266,12 +329,26 @@ def encode_allocation(allocation: Allocation) -> str:
         "containers": [
             {
                 "name": c.name,
-                "devices": [{"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores} for d in c.devices],
+                "devices": [_encode_share(d) for d in c.devices],
             }
             for c in allocation.containers
         ],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _encode_share(d: DeviceAllocation) -> dict[str, Any]:
+    out: dict[str, Any] = {"uuid": d.uuid, "memoryMiB": d.memory_mib, "cores": d.cores}
+    if d.mig is not None:  # added within version 1: a reader that does not know it passes over it
+        out["mig"] = {"profile": d.mig.profile, "start": d.mig.start}
+    return out
+
+
+def _decode_grant(r: _Reader, dobj: Mapping[str, Any], dpath: str) -> MigGrant | None:
+    if "mig" not in dobj:
+        return None
+    m = r.obj(dobj["mig"], f"{dpath}.mig")
+    return MigGrant(r.string(m, "profile", f"{dpath}.mig"), r.integer(m, "start", f"{dpath}.mig", minimum=0))
 
 
 def decode_allocation(text: str | bytes | None) -> Allocation:
@@ -294,6 +371,7 @@ def decode_allocation(text: str | bytes | None) -> Allocation:
                     uuid=r.string(dobj, "uuid", dpath),
                     memory_mib=r.integer(dobj, "memoryMiB", dpath, minimum=0),
                     cores=r.integer(dobj, "cores", dpath, minimum=0),
+                    mig=_decode_grant(r, dobj, dpath),
                 )
             )
         containers.append(ContainerAllocation(name=name, devices=tuple(devs)))

@@ -36,6 +36,8 @@ def quick_fits(
     for card in inventory.devices:
         if not card.healthy or (selective and selection.why_not(card.uuid, card.model) is not None):
             continue
+        if card.mig_dynamic is not None:
+            return False  # MIG on demand: only the fit (vgpu/core/migfit.py) knows the placements
         mem = c.memory_mib if c.memory_mib is not None else card.memory_mib * (c.memory_percent or 0) // 100
         o = usage.get(card.uuid)
         if o is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from vgpu.core.annotations import Allocation, ContainerAllocation, Device, DeviceAllocation, NodeInventory
 from vgpu.core.config import BINPACK
 from vgpu.core.ledger import ZERO, Usage, footprint, vgpu_usage
+from vgpu.core.migfit import fit_dynamic
 from vgpu.core.requests import ContainerRequest, PodRequest, Selection
 
 MAX_COMBINATIONS = 256  # card sets tried per multi-vGPU container
@@ -305,16 +306,16 @@ def fit_node(
     fast: bool = True,
     decide: bool = True,
 ) -> Plan | Rejection:
-    """Place ``pod`` on ``node`` given what other pods hold there (``usage``, per card uuid).
-
-    ``decide=False`` is for filter and prioritize, which need only whether the pod fits and a
-    valid plan to score: a container taking several cards then gets the policy's best cards
-    without weighing NVLink/NUMA (bind, with ``decide=True``, weighs them). ``fast=False``
-    forces the general search (tests compare the two).
-    """
+    """Place ``pod`` on ``node`` given what other pods hold there (``usage``, per card uuid); MIG
+    on demand: vgpu/core/migfit.py. ``decide=False`` (filter, prioritize: whether it fits, a plan
+    to score) gives a container of several cards the policy's best cards without weighing
+    NVLink/NUMA, as bind does. ``fast=False`` forces the general search (tests compare the two)."""
     policy = pod.gpu_policy or gpu_policy
     if not pod.wants_vgpu:
         return Plan(node, Allocation(node, ()), {})
+    if any(d.mig_dynamic is not None for d in inventory.devices):
+        out = fit_dynamic(node, inventory.devices, usage, pod)
+        return Plan(node, *out.plan) if out.plan else Rejection(node, out.reason, out.unresolvable)
     single = pod.single_container if fast else None
     if single is not None:  # one container with vGPUs, no init containers: kept fast for 1,000 nodes
         binpack = policy == BINPACK

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from vgpu.core.annotations import Allocation
+from vgpu.core.annotations import Allocation, MigGrant
 
 
 class Usage(NamedTuple):
@@ -60,6 +60,26 @@ def vgpu_usage(memory_mib: int, cores: int) -> Usage:
     return Usage(memory_mib, cores, 1, 1 if cores >= 100 else 0)
 
 
+# A MIG placement booked on a card cut on demand (vgpu/core/migfit.py) is a key of its own beside
+# the card's: "<card uuid>/mig/<profile>@<start>", holding BOOKED (one pod alone), so the ledger
+# books placements, not only memory, and a restart of the extender books them again.
+MIG_KEY = "/mig/"
+BOOKED = Usage(0, 0, 0, 1)
+
+
+def mig_key(uuid: str, grant: MigGrant) -> str:
+    return f"{uuid}{MIG_KEY}{grant.profile}@{grant.start}"
+
+
+def parse_mig_key(key: str) -> tuple[str, str, int] | None:
+    """(card uuid, profile, start) of a booking key; None for a card's own key."""
+    if MIG_KEY not in key:
+        return None
+    uuid, _, rest = key.partition(MIG_KEY)
+    profile, _, start = rest.rpartition("@")
+    return (uuid, profile, int(start)) if start.isdigit() and profile else None
+
+
 def footprint(allocation: Allocation, phases: Iterable[Iterable[str]] | None = None) -> dict[str, Usage]:
     """Per-card footprint of an allocation, given which containers run at the same time.
 
@@ -79,6 +99,8 @@ def footprint(allocation: Allocation, phases: Iterable[Iterable[str]] | None = N
             if c.name in group:
                 for d in c.devices:
                     phase[d.uuid] = phase.get(d.uuid, ZERO) + vgpu_usage(d.memory_mib, d.cores)
+                    if d.mig is not None:
+                        phase[mig_key(d.uuid, d.mig)] = BOOKED
         for uuid, u in phase.items():
             out[uuid] = out.get(uuid, ZERO).max(u)
     return out

@@ -46,6 +46,7 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall
+from vgpu.plugin.migdynamic import DynamicMig
 from vgpu.plugin.paths import HostPaths
 from vgpu.plugin.waiting import Waiting, find_waiting, meta_of, pod_ref
 
@@ -116,6 +117,7 @@ class Allocator:
         self.paths = paths
         self.hook = hook
         self.driver: DriverFiles | None = None  # driverInject: plugin (vgpu/plugin/driver.py)
+        self.dynamic: DynamicMig | None = None  # migStrategy: dynamic (vgpu/plugin/migdynamic.py)
         # Fed by a watch of the node's pods (ArrivalWatch); without one, each list is an observation.
         self.arrivals = arrivals or Arrivals()
         self.catch_up_s = 2.0  # how long to wait for the watch to deliver a pod the list shows
@@ -208,7 +210,7 @@ class Allocator:
             if n in served:
                 continue
             c = w.allocation.container(n)
-            devices = tuple((d.uuid, d.memory_mib, d.cores) for d in c.devices) if c else ()
+            devices = tuple((d.uuid, d.memory_mib, d.cores, d.mig) for d in c.devices) if c else ()
             out.append((devices, w.priorities.get(n, DEFAULT_PRIORITY)))
         return tuple(out)
 
@@ -335,8 +337,23 @@ class Allocator:
 
     def _response(self, w: Waiting, container: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
         priority = w.priorities.get(container.name, DEFAULT_PRIORITY)
+        made = self.dynamic.provide(w.uid, container) if self.dynamic is not None else None
+        if made is None and any(d.mig is not None for d in container.devices):
+            raise PodFailure(
+                f"container {container.name} is placed as MIG on demand but this node's "
+                f"migStrategy is {self.config.mig_strategy}, not dynamic"
+            )
         return container_response(
-            self.state, self.config, self.paths, self.hook, self.node, w.uid, container, priority, self.driver
+            self.state,
+            self.config,
+            self.paths,
+            self.hook,
+            self.node,
+            w.uid,
+            container,
+            priority,
+            self.driver,
+            made,
         )
 
     def _mark(self, w: Waiting, phase: str, reason: str | None) -> None:

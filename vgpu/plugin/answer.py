@@ -10,7 +10,7 @@ of the folder, the grant and the hook library.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -25,6 +25,7 @@ from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, hand_out
+from vgpu.plugin.mig import MigDevice
 from vgpu.plugin.paths import CONTAINER_HOOK_PATH, REGION_FILE_NAME, HostPaths
 
 
@@ -42,12 +43,14 @@ def container_response(
     container: ContainerAllocation,
     priority: str,
     driver: DriverFiles | None = None,
+    made: Mapping[str, MigDevice] | None = None,
 ) -> api_pb2.ContainerAllocateResponse:
     """The answer for ``container`` of pod ``pod_uid`` (its grant written on the host); raises
     ``PodFailure`` for a card that is gone or unhealthy, ``OSError`` for a host folder.
 
     With ``driver`` (``driverInject: plugin``) the answer also carries the driver's device nodes
-    and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit."""
+    and libraries (vgpu/plugin/driver.py), for nodes without NVIDIA's container toolkit.
+    ``made``: the MIG devices made on demand for the container's vGPUs, by card (migdynamic.py)."""
     minors: list[int] = []
     caps: list[int] = []  # a MIG device's GI and CI access files (/dev/nvidia-caps/nvidia-cap<N>)
     shares: list[DeviceAllocation] = []
@@ -60,9 +63,15 @@ def container_response(
         minor = card.minor if card.minor >= 0 else card.index
         minors += [minor] if minor not in minors else []
         mig = state.mig_device(d.uuid)
-        if mig is not None:  # a MIG device is whole: its limit is the slice's memory
+        made_here = (made or {}).get(d.uuid)
+        if mig is not None:  # a static MIG device is whole: its limit is the slice's memory
             caps += [m for m in (mig.gi_minor, mig.ci_minor) if m >= 0]
             d = replace(d, memory_mib=card.memory_mib, cores=100)
+        elif made_here is not None:  # made on demand: the memory asked within its own; its SMs are the cap
+            caps += [n for n in (made_here.gi_minor, made_here.ci_minor) if n >= 0]
+            d = replace(
+                d, uuid=made_here.uuid, memory_mib=min(d.memory_mib, made_here.memory_mib), cores=0, mig=None
+            )
         shares.append(d)
     devices: list[api_pb2.DeviceSpec] = []
     if driver is not None:
@@ -95,7 +104,7 @@ def container_response(
         ]
     if driver is not None:
         mounts += driver.mounts()
-    uuids = [d.uuid for d in container.devices]
+    uuids = [d.uuid for d in shares]
     cdi_devices: list[api_pb2.CDIDevice] = []
     if config.driver_inject == "runtime":  # NVIDIA's toolkit, by volume mounts (vgpu/plugin/inject.py)
         mounts += [

@@ -21,7 +21,9 @@ The file (``--config``; every key optional)::
     cdiKind: nvidia.com/gpu    # the CDI kind of the node's spec (driverInject: cdi)
     migStrategy: none          # cards in MIG mode (docs/mig.md): none (offer the card, as before),
                                # single (each MIG device as one whole nvidia.com/gpu; every card in
-                               # MIG mode with one profile) or mixed (nvidia.com/mig-<profile> each)
+                               # MIG mode with one profile), mixed (nvidia.com/mig-<profile> each) or
+                               # dynamic (MIG on demand: each vGPU a MIG instance of the smallest
+                               # profile that holds it, made at Allocate, reclaimed after)
     enforcement:               # the node monitor's second line of defence (docs/device-plugin.md)
       memory: kill             # a container holding more device memory than granted: kill (SIGKILL
                                # its process holding the most), evict (the Eviction API) or report
@@ -74,7 +76,7 @@ class NodeConfig:
     default_mem: int = 0  # the scheduler's defaultMem (MiB per vGPU when a container gives none)
     default_cores: int = 0  # the scheduler's defaultCores
     container_folder: str = "directory"  # containerFolder: tmpfs or directory (vgpu/plugin/folders.py)
-    mig_strategy: str = "none"  # migStrategy: none, single or mixed (docs/mig.md)
+    mig_strategy: str = "none"  # migStrategy: none, single, mixed or dynamic (docs/mig.md)
 
     @cached_property
     def request_settings(self) -> SchedulerConfig:
@@ -96,7 +98,7 @@ _FIELDS = {
     "containerFolder": "container_folder",
     "migStrategy": "mig_strategy",
 }
-MIG_STRATEGIES = ("none", "single", "mixed")
+MIG_STRATEGIES = ("none", "single", "mixed", "dynamic")
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("plugin", "cdi", "runtime")
 MEMORY_ACTIONS = ("kill", "evict", "report")
@@ -225,8 +227,9 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                 source,
                 path,
                 f"must be none (cards in MIG mode offered whole, as without MIG), single (each MIG device "
-                f"offered as one nvidia.com/gpu; every card in MIG mode with one profile) or mixed (each "
-                f"MIG device as nvidia.com/mig-<profile>), got {value!r}",
+                f"offered as one nvidia.com/gpu; every card in MIG mode with one profile), mixed (each "
+                f"MIG device as nvidia.com/mig-<profile>) or dynamic (MIG on demand: each vGPU a MIG "
+                f"instance made at Allocate and reclaimed after), got {value!r}",
             )
         elif key == "cdiKind" and (not isinstance(value, str) or not _RESOURCE.match(value)):
             raise ConfigError(source, path, f"must be a CDI kind like nvidia.com/gpu, got {value!r}")

@@ -21,6 +21,8 @@ from vgpu.plugin.discovery import Discovery
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall, collect
 from vgpu.plugin.mig import MigControl, mig_layout
+from vgpu.plugin.migdynamic import DynamicMig
+from vgpu.plugin.migmetrics import MigCollector
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.enforce import PodActions
@@ -52,18 +54,28 @@ class Daemon:
     driver: DriverFiles | None = None
     # the cards' MIG state (vgpu/plugin/mig.py), read at start under migStrategy single or mixed
     mig: MigControl | None = None
+    # migStrategy: dynamic: the cards' MIG control (vgpu/plugin/mig.py); None: no MIG on demand
+    dynamic_mig: MigControl | None = None
 
     def __post_init__(self) -> None:
         cards = self.discovery.cards()
         migs = (
             mig_layout(self.mig, [c.uuid for c in cards])
-            if self.mig is not None and self.config.mig_strategy != "none"
+            if self.mig is not None and self.config.mig_strategy in ("single", "mixed")
             else {}
         )
         self.state = DeviceState(cards, self.config, migs)
         self.arrivals = Arrivals()
         self.allocator = Allocator(self.node, self.client, self.state, self.paths, self.hook, self.arrivals)
         self.allocator.driver = self.driver
+        self.dynamic: DynamicMig | None = None
+        if self.dynamic_mig is not None:
+            self.dynamic = DynamicMig(
+                self.node, self.dynamic_mig, self.state.cards(), self.client.list_node_pods, self.state.kick
+            )
+            self.state.mig_dynamic = self.dynamic.describe
+            self.allocator.dynamic = self.dynamic
+        self.reclaim_s = 5.0  # how often instances no live pod names are reclaimed
         # The order pods arrive on the node is kubelet's admission order: watch it where the
         # client can (vgpu.kube.client can; the tests' in-memory clients cannot, and lists stand in).
         self.arrival_watch = (
@@ -95,11 +107,18 @@ class Daemon:
             arbiter=self.arbiter,
             actions=self.client if isinstance(self.client, PodActions) else None,
         )
+        if self.dynamic is not None:
+            self.monitor.extra_collectors.append(MigCollector(self.dynamic))
         self._stop = threading.Event()  # ends the health and sweep loops
         self._health = Service(
             "dp-health", lambda stop: watch_health(self.discovery, self.state, stop), self._stop
         )
         self._sweeper = Service("dp-sweep", lambda _stop: self._sweep(), self._stop)
+        self._reclaimer = Service(
+            "dp-mig-reclaim",
+            lambda stop: self.dynamic.run(stop, self.reclaim_s) if self.dynamic else None,
+            self._stop,
+        )
         self.sweep_s = 60.0
         self.sweep_min_age_s = 300.0
 
@@ -113,6 +132,15 @@ class Daemon:
         self._collect_hooks()  # versions left by earlier plugins that no container uses any more
         if self.arrival_watch is not None:
             self.arrival_watch.start()  # its first list is in before kubelet can call Allocate
+        if self.dynamic is not None:  # reconcile before the first Allocate: leftovers reclaimed
+            done = self.dynamic.reclaim()
+            log.info(
+                "MIG on demand: %d instance(s) kept for their pods, %d reclaimed, %d busy",
+                done.kept,
+                len(done.destroyed),
+                len(done.busy),
+            )
+            self._reclaimer.start()
         self.reporter.start()
         for server in self.servers:
             server.start()
@@ -153,4 +181,6 @@ class Daemon:
         self.reporter.stop()
         self._health.stop()  # joins it: it may be blocked in the discovery's wait, closed next
         self._sweeper.stop(timeout_s=None)
+        if self.dynamic is not None:
+            self._reclaimer.stop()
         self.discovery.close()

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from vgpu.core.annotations import GPU_RESOURCE, Device, MigSlice, NodeInventory
+from vgpu.core.annotations import GPU_RESOURCE, Device, MigDynamic, MigSlice, NodeInventory
 from vgpu.core.mig import resource_for
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 ID_SEPARATOR = "::"
+MAX_INSTANCES = 7  # MIG instances on one card (seven compute slices)
 
 
 def device_id(uuid: str, n: int) -> str:
@@ -94,6 +95,8 @@ class DeviceState:
         self.version = 0
         # why the node's cards are not offered at all (one mode per node: a DRA node), or None
         self.withheld: str | None = None
+        # migStrategy: dynamic: a card cut on demand, as the inventory lists it (migdynamic.py)
+        self.mig_dynamic: Callable[[str], MigDynamic | None] = lambda _uuid: None
         self.mig_problem = self._single_problem(cards, migs or {})
         if self.mig_problem:
             log.error("%s", self.mig_problem)
@@ -243,16 +246,18 @@ class DeviceState:
                 resource=resource_for(m.profile) if cfg.mig_strategy == "mixed" else GPU_RESOURCE,
                 mig=MigSlice(m.parent, m.profile, m.placement.start, m.placement.size),
             )
+        dynamic = self.mig_dynamic(c.uuid)
         return Device(
             uuid=c.uuid,
             index=c.index,
             model=c.model,
             memory_mib=int(c.memory_mib * cfg.device_memory_scaling),
             cores=int(100 * cfg.device_core_scaling),
-            split=cfg.split,
+            split=cfg.split if dynamic is None else min(cfg.split, MAX_INSTANCES),
             numa=c.numa,
             healthy=c.healthy,
             links=dict(c.links),
+            mig_dynamic=dynamic,
         )
 
     def inventory(self) -> NodeInventory:

@@ -146,6 +146,7 @@ def build_plugin(settings: NodeSettings) -> Daemon:
     driver = driver_files(settings, config)
     discovery = open_discovery(settings)
     hook = hook_install(settings, paths)
+    control = open_mig(settings, config, discovery)
     client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
     daemon = Daemon(
         settings.node,
@@ -158,19 +159,21 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         settings.listen,
         settings.arbiter,
         driver,
-        open_mig(settings, config, discovery),
+        mig=control if config.mig_strategy in ("single", "mixed") else None,
+        dynamic_mig=control if config.mig_strategy == "dynamic" else None,
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
     return daemon
 
 
 def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -> MigControl | None:
-    """The cards' MIG state under ``migStrategy`` single or mixed: the fake file's, else NVML's."""
+    """The cards' MIG state and control under ``migStrategy`` single, mixed or dynamic: the fake
+    file's, else NVML's; None under ``none``."""
     if config.mig_strategy == "none":
         return None
     if settings.fake_nvml is not None:
         return getattr(discovery, "mig", None)
-    from vgpu.plugin.mig import NvmlMig
+    from vgpu.plugin.mig import NvmlMig  # pynvml: loaded only on a node that uses it
 
     try:
         return NvmlMig()
@@ -209,7 +212,8 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
         list_pods = client.list_node_pods
     mig = open_mig(settings, config, discovery)
     cards = discovery.cards()
-    state = DeviceState(cards, config, mig_layout(mig, [c.uuid for c in cards]) if mig is not None else None)
+    static = mig is not None and config.mig_strategy in ("single", "mixed")
+    state = DeviceState(cards, config, mig_layout(mig, [c.uuid for c in cards]) if static and mig else None)
     paths = HostPaths(settings.root)
     monitor = NodeMonitor(
         settings.node,

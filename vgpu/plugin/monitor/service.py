@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from wsgiref.simple_server import WSGIServer
 
+from prometheus_client.registry import Collector
+
 from vgpu.plugin.devices import DeviceState
 from vgpu.plugin.discovery import Discovery, ProcessSource, SmSource
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S, Arbiter
@@ -83,6 +85,7 @@ class NodeMonitor:
         self.driver_cap = build_driver_cap(node, state.config, discovery, paths, self.enforcer, actions)
         self._http: WSGIServer | None = None
         self.port: int | None = None
+        self.extra_collectors: list[Collector] = []  # more families on /metrics (MIG on demand's)
 
     def lease_annotations(self) -> dict[str, str]:
         """What the node's Lease carries for ``vgpu status``: the lines holding each container
@@ -116,6 +119,8 @@ class NodeMonitor:
             if self.compute is not None:
                 registry.register(ComputeCollector(self.compute))
             registry.register(LinesCollector(self.collector, self.driver_cap, self.enforcer))
+            for extra in self.extra_collectors:
+                registry.register(extra)
             self._http = serve_metrics(host, port, registry)
             self.port = self._http.server_port
             log.info("node monitor on http://%s:%d/metrics", host, self.port)
