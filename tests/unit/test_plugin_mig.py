@@ -73,7 +73,7 @@ def test_mig_strategy_is_checked() -> None:
     assert parse_node_config("migStrategy: mixed\n", "n", "cfg").mig_strategy == "mixed"
     assert parse_node_config("", "n", "cfg").mig_strategy == "none"
     with pytest.raises(ConfigError) as err:
-        parse_node_config("nodes: {n: {migStrategy: dynamic}}\n", "n", "cfg")
+        parse_node_config("nodes: {n: {migStrategy: dynamc}}\n", "n", "cfg")
     assert err.value.field == "nodes.n.migStrategy" and "single" in err.value.message
 
 

@@ -14,12 +14,13 @@ import datetime as dt
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vgpu.commands.status_dra import CLAIMS_PATH, SLICES_PATH, dra_cards, dra_shares
+from vgpu.commands.status_dra import CLAIMS_PATH, SLICES_PATH, add_dra
 from vgpu.commands.status_lines import NodeExtras, extras_text, node_extras
+from vgpu.commands.status_model import CardStatus, NodeStatus, Share
 from vgpu.core.annotations import (
     ALLOCATION_ANNOTATION,
     DEVICES_ANNOTATION,
@@ -39,56 +40,6 @@ from vgpu.core.ledger import ZERO, Ledger
 from vgpu.kube.lease import expires_at
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
-
-
-@dataclass
-class Share:
-    namespace: str
-    pod: str
-    container: str
-    memory_mib: int
-    cores: int  # percent of the card's compute; 0: no cap (the container may use the whole card)
-    phase: str
-    reason: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    # device memory the container's processes hold on this card, from its region as the node's
-    # Lease last reported it; None when the node reported nothing for it
-    used_bytes: int | None = None
-    claim: str = ""  # DRA: the claim and request (<claim>/<request>) in place of a container
-    init: bool = False  # an init container: runs before the app containers, which reuse its room
-    finished: bool = False  # the pod finished (Succeeded or Failed): it holds nothing any more
-    card: str = ""  # the card's UUID, where no card line above names it (the node lacks the card, or is gone)
-    lines: list[str] | None = None  # what holds its device memory, as the Lease says (status_lines)
-    codec: dict[str, int] | None = None  # its media engines' use on the card, percent
-    mig: str = ""  # MIG on demand: the instance the share is ("3g.40gb at slice 4", docs/mig.md)
-
-
-@dataclass
-class CardStatus:
-    index: int
-    uuid: str
-    model: str
-    memory_mib: int
-    cores: int
-    split: int
-    healthy: bool
-    shares: list[Share] = field(default_factory=list)
-    # what the card's pods hold as the scheduler counts it (vgpu.core.booking: a pod's footprint,
-    # finished pods nothing); on a DRA node, the claims' shares together
-    memory_used_mib: int = 0
-    cores_used: int = 0
-    vgpus_used: int = 0
-
-
-@dataclass
-class NodeStatus:
-    name: str
-    lease: str  # "fresh", "expired" or "missing"; "" on a DRA node (no device plugin, no Lease)
-    error: str = ""
-    mode: str = "device-plugin"  # or "dra": cards from the node's ResourceSlice
-    cards: list[CardStatus] = field(default_factory=list)
-    unplaced: list[Share] = field(default_factory=list)  # shares on cards the inventory lacks
-    gone: bool = False  # no such Node: its pods are still bound to it, and hold nothing
 
 
 def _lease_state(lease: dict[str, Any] | None, now: dt.datetime) -> str:
@@ -199,7 +150,7 @@ def build_status(
         for card in node_status.cards:
             u = held.get(card.uuid, ZERO)
             card.memory_used_mib, card.cores_used, card.vgpus_used = u.memory_mib, u.cores, u.count
-    _add_dra(out, slices or [], claims or [])
+    add_dra(out, slices or [], claims or [])
     return [out[n] for n in sorted(out)]
 
 
@@ -226,37 +177,6 @@ def _init_containers(pod: dict[str, Any]) -> set[str]:
     if not isinstance(items, list):
         return set()
     return {str(c.get("name")) for c in items if isinstance(c, dict) and c.get("restartPolicy") != "Always"}
-
-
-def _add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> None:
-    """DRA nodes from their ResourceSlices, with each allocated claim's share on its card."""
-    devices = dra_cards(slices)
-    for node, cards in devices.items():
-        out[node] = NodeStatus(node, "", mode=DRA)
-        out[node].cards = [
-            CardStatus(c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True)
-            for c in sorted(cards.values(), key=lambda c: c["index"])
-            if "slice_of" not in c  # a MIG placement: its card is listed once
-        ]
-    for share in dra_shares(claims):
-        node_status = out.get(share["node"])
-        card = devices.get(share["node"], {}).get(share["device"])
-        if node_status is None or card is None:
-            continue
-        target = next(c for c in node_status.cards if c.uuid == card["uuid"])
-        held = Share(
-            namespace=share["namespace"],
-            pod=",".join(share["pods"]),
-            container="",
-            memory_mib=share["memory_mib"] if share["memory_mib"] is not None else card["memory_mib"],
-            cores=share["cores"] if share["cores"] is not None else card["cores"],
-            phase="reserved" if share["pods"] else "allocated",
-            claim=f"{share['claim']}/{share['request']}",
-        )
-        target.shares.append(held)
-        target.memory_used_mib += held.memory_mib
-        target.cores_used += held.cores
-        target.vgpus_used += 1
 
 
 def _usage(lease: dict[str, Any] | None) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from vgpu.commands.status_model import CardStatus, NodeStatus, Share
 from vgpu.core.errors import RequestError
-from vgpu.core.gpumode import DRA_DRIVER
+from vgpu.core.gpumode import DRA, DRA_DRIVER
 from vgpu.core.quantity import parse_quantity
 
 MIB = 1 << 20
@@ -120,3 +121,34 @@ def dra_shares(claims: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> None:
+    """DRA nodes from their ResourceSlices, with each allocated claim's share on its card."""
+    devices = dra_cards(slices)
+    for node, cards in devices.items():
+        out[node] = NodeStatus(node, "", mode=DRA)
+        out[node].cards = [
+            CardStatus(c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True)
+            for c in sorted(cards.values(), key=lambda c: c["index"])
+            if "slice_of" not in c  # a MIG placement: its card is listed once
+        ]
+    for share in dra_shares(claims):
+        node_status = out.get(share["node"])
+        card = devices.get(share["node"], {}).get(share["device"])
+        if node_status is None or card is None:
+            continue
+        target = next(c for c in node_status.cards if c.uuid == card["uuid"])
+        held = Share(
+            namespace=share["namespace"],
+            pod=",".join(share["pods"]),
+            container="",
+            memory_mib=share["memory_mib"] if share["memory_mib"] is not None else card["memory_mib"],
+            cores=share["cores"] if share["cores"] is not None else card["cores"],
+            phase="reserved" if share["pods"] else "allocated",
+            claim=f"{share['claim']}/{share['request']}",
+        )
+        target.shares.append(held)
+        target.memory_used_mib += held.memory_mib
+        target.cores_used += held.cores
+        target.vgpus_used += 1

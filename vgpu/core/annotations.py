@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vgpu.core.errors import AnnotationError
+from vgpu.core.fields import FieldReader as _Reader
 
 PREFIX = "vgpu.openaios.io/"
 
@@ -188,7 +189,8 @@ def _encode_device(d: Device) -> dict[str, Any]:
 def encode_devices(inventory: NodeInventory) -> str:
     """Version 1, or 2 when a device is a MIG device, offered as another resource or cut on demand."""
     mig = any(
-        d.mig is not None or d.resource != GPU_RESOURCE or d.mig_dynamic is not None for d in inventory.devices
+        d.mig is not None or d.resource != GPU_RESOURCE or d.mig_dynamic is not None
+        for d in inventory.devices
     )
     doc = {
         "version": DEVICES_VERSION_MIG if mig else DEVICES_VERSION,
@@ -262,7 +264,7 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 mig_dynamic=_decode_dynamic(r, obj, path) if v2 and "migDynamic" in obj else None,
             )
         )
-    return NodeInventory(devices=tuple(devices), version=doc["version"])
+    return NodeInventory(devices=tuple(devices))
 
 
 def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:
@@ -387,78 +389,3 @@ def decode_phase(text: str | None) -> str | None:
             PHASE_ANNOTATION, "", f"unknown phase {text!r}; expected one of {', '.join(PHASES)}"
         )
     return text
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-class _Reader:
-    """Typed field access that raises AnnotationError naming the annotation and the field path."""
-
-    def __init__(self, annotation: str) -> None:
-        self.annotation = annotation
-
-    def fail(self, path: str, message: str) -> AnnotationError:
-        return AnnotationError(self.annotation, path, message)
-
-    def load(self, text: str | bytes | None) -> dict[str, Any]:
-        if text is None or (isinstance(text, str | bytes) and not text.strip()):
-            raise self.fail("", "annotation is missing or empty")
-        try:
-            doc = json.loads(text)
-        except (ValueError, TypeError) as err:
-            raise self.fail("", f"not valid JSON ({err})") from err
-        except RecursionError as err:  # past the decoder's stack limit: none of our documents nests so
-            raise self.fail("", "not valid JSON (nested too deeply)") from err
-        if not isinstance(doc, dict):
-            raise self.fail("", f"must be a JSON object, got {type(doc).__name__}")
-        return doc
-
-    def version(self, doc: Mapping[str, Any], expected: int, *also: int) -> None:
-        known = " and ".join(str(v) for v in (expected, *also))
-        if "version" not in doc:
-            raise self.fail("version", f"missing; this reader understands version {known}")
-        got = doc["version"]
-        if isinstance(got, bool) or not isinstance(got, int) or got not in (expected, *also):
-            raise self.fail(
-                "version",
-                f"unsupported version {got!r}; this reader understands version {known} "
-                "(upgrade the component that reads it, or the one that wrote it, so both match)",
-            )
-
-    def obj(self, value: Any, path: str) -> Mapping[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(path, f"must be an object, got {type(value).__name__}")
-        return value
-
-    def _get(self, obj: Mapping[str, Any], key: str, path: str) -> tuple[Any, str]:
-        full = f"{path}.{key}" if path else key
-        if key not in obj:
-            raise self.fail(full, "missing")
-        return obj[key], full
-
-    def array(self, obj: Mapping[str, Any], key: str, full: str) -> list[Any]:
-        if key not in obj:
-            raise self.fail(full, "missing")
-        value = obj[key]
-        if not isinstance(value, list):
-            raise self.fail(full, f"must be a list, got {type(value).__name__}")
-        return value
-
-    def string(self, obj: Mapping[str, Any], key: str, path: str, allow_empty: bool = False) -> str:
-        value, full = self._get(obj, key, path)
-        if not isinstance(value, str) or (not value and not allow_empty):
-            raise self.fail(full, f"must be a non-empty string, got {value!r}")
-        return value
-
-    def integer(self, obj: Mapping[str, Any], key: str, path: str, minimum: int) -> int:
-        value, full = self._get(obj, key, path)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(full, f"must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def boolean(self, obj: Mapping[str, Any], key: str, path: str) -> bool:
-        value, full = self._get(obj, key, path)
-        if not isinstance(value, bool):
-            raise self.fail(full, f"must be true or false, got {value!r}")
-        return value
