@@ -110,7 +110,7 @@ class DriverCap:
         self._refused: dict[tuple[str, str], int] = {}  # (cgroup, uuid) -> the limit the driver refused
         self._first_seen: dict[tuple[str, str], float] = {}  # (grant, uuid) on a card, no line yet
         self._evicted: set[str] = set()
-        self._service = Service("driver-cap", self._loop)
+        self._service = Service.every("driver-cap", interval_s, self.run_pass, logger=log)
 
     # -- the cap --------------------------------------------------------------------------------
 
@@ -272,15 +272,11 @@ class DriverCap:
         except KubeError as err:
             log.warning("driver cap: %s", err)
 
-    def _loop(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                self.run_pass()
-            except Exception:  # the cap must outlive any one bad pass
-                log.exception("driver cap pass failed; continuing")
-            stop.wait(self.interval_s)
-
     def start(self) -> None:
+        try:  # a container already running is capped at once, not after an interval
+            self.run_pass()
+        except Exception:  # the node starts anyway: the next pass tries again
+            log.exception("driver-cap failed; continuing")
         self._service.start()
 
     def stop(self) -> None:
