@@ -206,3 +206,18 @@ def test_a_restarted_extenders_state_books_the_placements_before_any_instance_ex
     st.apply_pod(pods[0], deleted=True)  # a pod leaves: its placement is free again
     (g,) = grants(fit_node("a", inv, st.ledger.usage("a"), pod(ctr(gpumem=30000))))
     assert g[1:] == ("3g.40gb", 4)
+
+
+def test_hamis_vgpu_mode_mig_takes_only_cards_cut_on_demand_and_hami_core_only_shared_ones() -> None:
+    shared = Device("GPU-9", 1, H100, 81559, 100, 10)
+    mig_pod = pod(ctr(gpumem=5000), nvidia_com__vgpu_mode="mig")
+    core_pod = pod(ctr(gpumem=5000), nvidia_com__vgpu_mode="hami-core")
+    either = pod(ctr(gpumem=5000), nvidia_com__vgpu_mode="hami-core,mig")
+    assert grants(fit_node("n", NodeInventory((mig_card(0),)), {}, mig_pod))[0][1] == "1g.10gb"
+    refused = fit_node("n", NodeInventory((shared,)), {}, mig_pod)
+    assert isinstance(refused, Rejection) and "not cut into MIG instances on demand" in str(refused)
+    refused = fit_node("n", NodeInventory((mig_card(0),)), {}, core_pod)
+    assert isinstance(refused, Rejection) and "not shared as nvidia.com/vgpu-mode hami-core" in str(refused)
+    assert isinstance(fit_node("n", NodeInventory((shared,)), {}, core_pod), Plan)
+    assert isinstance(fit_node("n", NodeInventory((mig_card(0),)), {}, either), Plan)
+    assert isinstance(fit_node("n", NodeInventory((shared,)), {}, either), Plan)

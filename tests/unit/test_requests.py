@@ -206,13 +206,17 @@ def test_hamis_topology_aware_gpu_policy_is_refused_saying_what_placement_does_i
         assert "NVLink-joined cards first" in info.value.message
 
 
-def test_hamis_vgpu_mode_is_accepted_for_hami_core_and_refused_for_mig_or_mps() -> None:
-    for ok in ("hami-core", "hami-core,mig"):
-        parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": ok}), CFG)
-    for bad in ("mig", "mps", ""):
+def test_hamis_vgpu_mode_picks_shared_or_mig_cards_and_is_refused_for_mps() -> None:
+    for value, cards in (("hami-core", False), ("mig", True), ("hami-core,mig", None), (" mig , mps", True)):
+        got = parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": value}), CFG)
+        assert got.selection.mig is cards, value
+        assert got.selection.selective is (cards is not None)
+    assert parse_pod(pod(ctr(gpu=1)), CFG).selection.mig is None
+    for bad in ("mps", "", "hami", "core"):
         with pytest.raises(RequestError) as info:
             parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": bad}), CFG)
         assert info.value.field == "metadata.annotations[nvidia.com/vgpu-mode]"
+        assert "must name hami-core or mig" in info.value.message
         assert "MPS is not offered" in info.value.message
 
 

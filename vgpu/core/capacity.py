@@ -29,12 +29,12 @@ def quick_fits(
     sorting and no plan built, stopping at the first ``c.count`` cards: what filter needs.
     """
     found = 0
-    selective = bool(
-        selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids
-    )
+    selective = selection.selective
     exclusive = c.cores >= 100
     for card in inventory.devices:
-        if not card.healthy or (selective and selection.why_not(card.uuid, card.model) is not None):
+        if not card.healthy or (
+            selective and selection.why_not(card.uuid, card.model, card.mig_dynamic is not None) is not None
+        ):
             continue
         if card.mig_dynamic is not None:
             return False  # MIG on demand: only the fit (vgpu/core/migfit.py) knows the placements

@@ -85,7 +85,7 @@ class _Search:
     def why_not(self, card: Device, fp: Usage, cur: Usage, add: Usage) -> str | None:
         if not card.healthy:
             return UNHEALTHY
-        sel = self.selection.why_not(card.uuid, card.model)
+        sel = self.selection.why_not(card.uuid, card.model, card.mig_dynamic is not None)
         if sel is not None:
             return sel
         other = self.usage.get(card.uuid, ZERO)
@@ -251,7 +251,7 @@ def _never(card: Device, c: ContainerRequest, selection: Selection) -> str | Non
     """Why ``card`` could never take one vGPU of ``c``, were it empty; None when it could."""
     if not card.healthy:
         return UNHEALTHY
-    sel = selection.why_not(card.uuid, card.model)
+    sel = selection.why_not(card.uuid, card.model, card.mig_dynamic is not None)
     if sel is not None:
         return sel
     if c.memory_on(card.memory_mib) > card.memory_mib:
@@ -367,12 +367,12 @@ def _eligible(
     The same rules and the same order as the general search's first step.
     """
     out: list[tuple[float, Device]] = []
-    selective = bool(
-        selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids
-    )
+    selective = selection.selective
     exclusive = c.cores >= 100
     for card in cards:
-        if not card.healthy or (selective and selection.why_not(card.uuid, card.model) is not None):
+        if not card.healthy or (
+            selective and selection.why_not(card.uuid, card.model, card.mig_dynamic is not None) is not None
+        ):
             continue
         mem = c.memory_mib if c.memory_mib is not None else card.memory_mib * (c.memory_percent or 0) // 100
         o = usage.get(card.uuid)

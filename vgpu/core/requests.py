@@ -100,8 +100,18 @@ class Selection:
     nouse_types: tuple[str, ...] = ()
     use_uuids: tuple[str, ...] = ()
     nouse_uuids: tuple[str, ...] = ()
+    # HAMi's nvidia.com/vgpu-mode: True, only cards cut into MIG instances on demand ("mig");
+    # False, only cards shared under the hook ("hami-core"); None, either
+    mig: bool | None = None
 
-    def why_not(self, uuid: str, model: str) -> str | None:
+    @property
+    def selective(self) -> bool:
+        """Whether the pod rules out any card at all."""
+        return bool(
+            self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or self.mig is not None
+        )
+
+    def why_not(self, uuid: str, model: str, mig: bool = False) -> str | None:
         """None when the card is acceptable, else a short reason naming the annotation.
 
         The reason does not name the card's UUID, so that cards ruled out alike count together
@@ -116,6 +126,10 @@ class Selection:
             return f"not in {self._listed[2]}"
         if uuid in self.nouse_uuids:
             return f"excluded by {ann.NOUSE_GPUUUID_ANNOTATION}"
+        if self.mig is not None and mig != self.mig:
+            if self.mig:
+                return f"not cut into MIG instances on demand, as {ann.HAMI_VGPU_MODE_ANNOTATION} mig asks"
+            return f"cut into MIG instances, not shared as {ann.HAMI_VGPU_MODE_ANNOTATION} hami-core asks"
         return None
 
     @cached_property
@@ -353,8 +367,8 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
         (ann.GPU_POLICY_ANNOTATION, ann.HAMI_GPU_POLICY_ANNOTATION),
     ):
         policies[key] = _policy(annos, key, hami)
-    _hami_modes(annos)
     selection = Selection(
+        mig=_hami_modes(annos),
         use_types=_csv(annos.get(ann.USE_GPUTYPE_ANNOTATION)),
         nouse_types=_csv(annos.get(ann.NOUSE_GPUTYPE_ANNOTATION)),
         use_uuids=_csv(annos.get(ann.USE_GPUUUID_ANNOTATION)),
@@ -400,17 +414,21 @@ def _policy(annos: Mapping[str, Any], key: str, hami: str) -> str | None:
     return theirs.strip()
 
 
-def _hami_modes(annos: Mapping[str, Any]) -> None:
+def _hami_modes(annos: Mapping[str, Any]) -> bool | None:
     """HAMi's ``nvidia.com/vgpu-mode`` and ``nvidia.com/numa-bind``: accepted where they ask
-    for what every card here gives, refused where they ask for what none does."""
+    for what cards here give, refused where they ask for what none does. Returns the cards the
+    mode takes (``Selection.mig``): True for ``mig`` (cut into MIG instances on demand), False
+    for ``hami-core`` (shared under the hook), None for both or no annotation."""
     mode = annos.get(ann.HAMI_VGPU_MODE_ANNOTATION)
-    # HAMi takes a card whose mode is contained in the value ("hami-core,mig" takes either)
-    if mode is not None and (not isinstance(mode, str) or "hami-core" not in mode):
+    # HAMi takes a card whose mode is named in the value ("hami-core,mig" takes either)
+    names = {m.strip() for m in mode.split(",")} if isinstance(mode, str) else set()
+    if mode is not None and not names & {"hami-core", "mig"}:
         raise RequestError(
             SOURCE,
             _field_of(ann.HAMI_VGPU_MODE_ANNOTATION),
-            f"must name hami-core, got {shown(mode)}: every card here is shared the way HAMi-core "
-            "shares it; MIG is asked for with nvidia.com/mig-<profile> (docs/mig.md), MPS is not offered",
+            f"must name hami-core or mig, got {shown(mode)}: hami-core takes a card shared under the "
+            "hook, mig a card cut into MIG instances on demand (migStrategy: dynamic, docs/mig.md); "
+            "MPS is not offered",
         )
     bind = annos.get(ann.HAMI_NUMA_BIND_ANNOTATION)
     # strconv.ParseBool's true spellings, as HAMi reads it; anything else means no binding there
@@ -422,3 +440,6 @@ def _hami_modes(annos: Mapping[str, Any]) -> None:
             "where the node has such a set free (after NVLink-joined cards), never held back for one; "
             "remove the annotation",
         )
+    if not names or {"hami-core", "mig"} <= names:
+        return None
+    return "mig" in names

@@ -289,7 +289,7 @@ def selects_no_card(selection: Selection, cards: Callable[[], Sequence[ann.Devic
     if not (selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids):
         return None
     known = cards()
-    if not known or any(selection.why_not(d.uuid, d.model) is None for d in known):
+    if not known or any(selection.why_not(d.uuid, d.model, d.mig_dynamic is not None) is None for d in known):
         return None
     models = sorted({d.model for d in known})
     shown = ", ".join(repr(m) for m in models[:_MODELS_SHOWN])
