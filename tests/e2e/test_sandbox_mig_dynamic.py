@@ -129,8 +129,9 @@ def _consistent(sb: Sandbox) -> dict[Key, str]:
     return made
 
 
-def _apply(sb: Sandbox, name: str, **limits: int) -> None:
-    sb.kubectl("apply", "-f", "-", input=json.dumps(pod(name, container("main", **limits))))
+def _apply(sb: Sandbox, name: str, annotations: dict[str, str] | None = None, **limits: int) -> None:
+    manifest = pod(name, container("main", **limits), annotations=annotations)
+    sb.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
 
 def _allocated(sb: Sandbox, name: str) -> dict[str, Any]:
@@ -205,6 +206,10 @@ def test_pods_get_the_smallest_profiles_and_restarts_leak_or_double_use_nothing(
     reason = _pending_reason(sb, "huge", "no MIG profile that large")
     assert "7g.80gb" in reason
     _delete(sb, "huge")
+    # HAMi's vgpu-mode: hami-core asks for a card shared under the hook, which this node has none of
+    _apply(sb, "shared", annotations={"nvidia.com/vgpu-mode": "hami-core"}, gpumem=1000)
+    _pending_reason(sb, "shared", "not shared as nvidia.com/vgpu-mode hami-core")
+    _delete(sb, "shared")
     _apply(sb, "later", gpumem=40000)  # a 3g.40gb: no four free slices on either card now
     _pending_reason(sb, "later", "no free 3g.40gb placement")
 
