@@ -151,7 +151,8 @@ def kill_and_restart(sandbox: Handle) -> None:
     old = found[-1]
     with contextlib.suppress(ProcessLookupError):
         os.kill(old.pid, signal.SIGKILL)
-    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30, [COMPONENT])
+    # not watched as a component: its exit is what is waited for (a watched exit fails the wait)
+    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30)
     sandbox.adopt(state)
     state.components.remove(old)
     sandbox.launch(COMPONENT, old.argv, old.port)

@@ -410,4 +410,6 @@ def test_a_plugin_whose_node_is_deleted_says_so_once_backs_off_and_publishes_whe
         assert poll(
             lambda: DEVICES_ANNOTATION in (agent.node()["metadata"].get("annotations") or {}), 40, 0.2
         )
-    assert f"reporting node {agent.name} works again" in caplog.text
+        # said when the loop's round ends, after the publish the poll above saw: wait for it here,
+        # while INFO is still captured
+        assert poll(lambda: f"reporting node {agent.name} works again" in caplog.text, 10, 0.1)
