@@ -132,3 +132,16 @@ def test_the_health_stream_names_each_placement_of_a_mig_card(tmp_path: Path) ->
     names = [d.device.device_name for d in answer.devices]
     assert len(names) == 26 and "gpu-1" in names and "gpu-0" not in names
     assert "gpu-0-mig-3g-40gb-4" in names  # what a claim on that placement holds
+
+
+def test_without_mig_a_card_in_mig_mode_is_not_offered_as_shares(tmp_path: Path, caplog: Any) -> None:
+    from vgpu.dra.mig import in_mig_mode
+
+    store = PoolStore()
+    off, d = publisher(tmp_path, store, mig=False)
+    with caplog.at_level("ERROR", logger="vgpu.dra.mig"):
+        off.unoffered = frozenset(in_mig_mode(d, [c.uuid for c in off.cards()]))
+    assert off.unoffered == {"GPU-m"}
+    assert "--mig dynamic" in caplog.text and "GPU-m" in caplog.text
+    assert off.sync() is True
+    assert [dev["name"] for dev in store.slices[BASE]["spec"]["devices"]] == ["gpu-1"]

@@ -269,3 +269,30 @@ def test_the_host_view_reads_processes_on_each_slice(tmp_path: Path) -> None:
     view = HostView("n", HostPaths(tmp_path / "root"), d, lambda: [c.uuid for c in state.cards()])
     got = view.read().unattributed
     assert got[three] == 5242880 and sum(got.values()) == 5242880 and A not in got
+
+
+def test_under_none_a_card_in_mig_mode_is_not_offered_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("ERROR", logger="vgpu.plugin.devices"):
+        state = node(tmp_path, "none", MIXED_A, MIXED_B, plain=True)
+    assert state.unoffered == [A, B]
+    assert [c.uuid for c in state.cards()] == [PLAIN]
+    assert [d.uuid for d in state.inventory().devices] == [PLAIN]
+    assert "migStrategy single or mixed" in caplog.text and A in caplog.text
+    other = tmp_path / "mixed"
+    other.mkdir()
+    assert node(other, "mixed", MIXED_A, MIXED_B, plain=True).unoffered == []
+
+
+def test_the_plugin_under_none_reads_the_mig_mode_and_leaves_such_cards_out(tmp_path: Path) -> None:
+    from tests.support import FakeKube
+    from vgpu.plugin.config import NodeConfig
+    from vgpu.plugin.daemon import Daemon
+
+    node(tmp_path, "none", MIXED_A, MIXED_B, plain=True)  # writes gpus.yaml
+    d = FakeDiscovery(tmp_path / "gpus.yaml")
+    paths = HostPaths(tmp_path / "root")
+    daemon = Daemon("n1", "kube-system", paths, NodeConfig(), d, FakeKube(), None, arbiter=None, mig=d.mig)
+    assert daemon.state.unoffered == [A, B]
+    assert [dev.uuid for dev in daemon.state.inventory().devices] == [PLAIN]

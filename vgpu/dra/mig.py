@@ -29,7 +29,7 @@ from vgpu.core.mig import MigError, MigTable
 from vgpu.dra.claims import ClaimError
 from vgpu.dra.migslices import MigSlot, slots
 from vgpu.plugin.discovery import Card
-from vgpu.plugin.mig import IN_USE, NOT_FOUND, NOT_SUPPORTED, MigControl, MigDevice, MigRefused
+from vgpu.plugin.mig import IN_USE, NOT_FOUND, NOT_SUPPORTED, MigControl, MigDevice, MigRefused, mig_layout
 
 log = logging.getLogger(__name__)
 
@@ -268,3 +268,26 @@ def open_mig(discovery: object) -> MigControl:
     from vgpu.plugin.mig import NvmlMig
 
     return NvmlMig()
+
+
+def in_mig_mode(discovery: object, cards: list[str]) -> list[str]:
+    """The cards in MIG mode now, which ``--mig off`` must not offer as shares (CUDA cannot use a
+    card in MIG mode whole); logged once with the fix. None where MIG cannot be read."""
+    try:
+        control = getattr(discovery, "mig", None)
+        if control is None and not hasattr(discovery, "mig"):  # real NVML; the fake without mig: has none
+            from vgpu.plugin.mig import NvmlMig
+
+            control = NvmlMig()
+    except MigError as err:
+        log.warning("cannot tell which cards are in MIG mode (%s); every card is offered", err)
+        return []
+    found = sorted(mig_layout(control, cards)) if control is not None else []
+    if found:
+        log.error(
+            "card(s) %s in MIG mode are not offered: --mig off offers whole cards as shares, which CUDA "
+            "cannot use in MIG mode. Run the plugin with --mig dynamic (the chart's dra.mig), or turn MIG "
+            "off on them (nvidia-smi -i <index> -mig 0, then a GPU reset); docs/mig.md",
+            ", ".join(found),
+        )
+    return found

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu.core.errors import ConfigError
-from vgpu.dra.mig import MIG_MODES, MigNode, open_mig
+from vgpu.dra.mig import MIG_MODES, MigNode, in_mig_mode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
 from vgpu.dra.server import DraServer, HealthService
@@ -119,6 +119,8 @@ def build(settings: DraSettings) -> DraPlugin:
         settings.node, discovery, client, config.device_memory_scaling, settings.slice_interval_s
     )
     mig = MigNode(open_mig(discovery)) if settings.mig == "dynamic" else None
+    if mig is None:
+        publisher.unoffered = frozenset(in_mig_mode(discovery, [c.uuid for c in publisher.cards()]))
     preparer = Preparer(
         settings.node,
         paths,

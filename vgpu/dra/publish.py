@@ -54,6 +54,8 @@ class SlicePublisher:
         self.memory_scaling = memory_scaling
         self.interval_s = interval_s
         self.mig = mig  # --mig dynamic: the MIG cards' view (Preparer.mig_view): a pool of slices
+        # --mig off: cards in MIG mode, never offered as shares (CUDA cannot use such a card whole)
+        self.unoffered: frozenset[str] = frozenset()
         self.driver_version = str(getattr(discovery, "driver_version", "") or "")
         self._lock = threading.Condition()  # notified when a card's health changes (health watchers)
         self._cards = list(discovery.cards())
@@ -107,8 +109,9 @@ class SlicePublisher:
         generation = 1
         if existing is not None:
             generation = int(((existing.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+        offered = [c for c in self.cards() if c.uuid not in self.unoffered]
         desired = build_slice(
-            self.node, self.cards(), generation, self.driver_version, self.memory_scaling, self._node_uid
+            self.node, offered, generation, self.driver_version, self.memory_scaling, self._node_uid
         )
         if (
             existing is not None

@@ -53,6 +53,7 @@ class Daemon:
     # driverInject: plugin: the driver files Allocate hands out (vgpu/plugin/driver.py); None: the runtime's
     driver: DriverFiles | None = None
     # the cards' MIG state (vgpu/plugin/mig.py), read at start under migStrategy single or mixed
+    # (the MIG devices offered) and none (the cards in MIG mode, which none cannot offer)
     mig: MigControl | None = None
     # migStrategy: dynamic: the cards' MIG control (vgpu/plugin/mig.py); None: no MIG on demand
     dynamic_mig: MigControl | None = None
@@ -61,7 +62,7 @@ class Daemon:
         cards = self.discovery.cards()
         migs = (
             mig_layout(self.mig, [c.uuid for c in cards])
-            if self.mig is not None and self.config.mig_strategy in ("single", "mixed")
+            if self.mig is not None and self.config.mig_strategy in ("single", "mixed", "none")
             else {}
         )
         self.state = DeviceState(cards, self.config, migs)

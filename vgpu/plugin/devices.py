@@ -83,11 +83,22 @@ class DeviceState:
     def __init__(
         self, cards: list[Card], config: NodeConfig, migs: Mapping[str, Sequence[MigDevice]] | None = None
     ) -> None:
-        """``migs``: the MIG devices of each card in MIG mode (by the card's uuid); used only
-        under ``migStrategy`` single or mixed."""
+        """``migs``: the MIG devices of each card in MIG mode (by the card's uuid): offered under
+        ``migStrategy`` single or mixed; under ``none`` such a card is not offered at all."""
         self.config = config
         self._mig: dict[str, MigDevice] = {}  # a MIG device offered, by its uuid
         self._children: dict[str, list[str]] = {}  # a card in MIG mode -> its MIG devices' uuids
+        # cards in MIG mode that migStrategy none leaves out: CUDA cannot use such a card whole
+        self.unoffered = sorted(migs or {}) if config.mig_strategy == "none" else []
+        if self.unoffered:
+            log.error(
+                "card(s) %s in MIG mode are not offered: migStrategy none offers whole cards, which CUDA "
+                "cannot use in MIG mode. Set migStrategy single or mixed (cards partitioned beforehand) "
+                "or dynamic (cut on demand), or turn MIG off on them (nvidia-smi -i <index> -mig 0, "
+                "then a GPU reset); docs/mig.md",
+                ", ".join(self.unoffered),
+            )
+            cards = [c for c in cards if c.uuid not in self.unoffered]
         cards = self._offer_migs(cards, migs or {}) if config.mig_strategy != "none" else cards
         self._cards = {c.uuid: c for c in cards}
         self._order = [c.uuid for c in cards]

@@ -159,7 +159,7 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         settings.listen,
         settings.arbiter,
         driver,
-        mig=control if config.mig_strategy in ("single", "mixed") else None,
+        mig=control if config.mig_strategy != "dynamic" else None,
         dynamic_mig=control if config.mig_strategy == "dynamic" else None,
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
@@ -167,10 +167,9 @@ def build_plugin(settings: NodeSettings) -> Daemon:
 
 
 def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -> MigControl | None:
-    """The cards' MIG state and control under ``migStrategy`` single, mixed or dynamic: the fake
-    file's, else NVML's; None under ``none``."""
-    if config.mig_strategy == "none":
-        return None
+    """The cards' MIG state and control: the fake file's, else NVML's. Under ``migStrategy: none``
+    it only tells which cards are in MIG mode (so that none is offered whole), and a node where
+    it cannot be read gets None instead of an error."""
     if settings.fake_nvml is not None:
         return getattr(discovery, "mig", None)
     from vgpu.plugin.mig import NvmlMig  # pynvml: loaded only on a node that uses it
@@ -178,6 +177,9 @@ def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -
     try:
         return NvmlMig()
     except MigError as err:
+        if config.mig_strategy == "none":
+            log.warning("cannot tell which cards are in MIG mode (%s); every card is offered", err)
+            return None
         raise ConfigError("migStrategy", "", str(err)) from err
 
 
