@@ -271,6 +271,26 @@ def test_required_kills_a_container_no_line_holds_and_spares_one_the_hook_or_the
     assert killed == []
 
 
+def test_a_process_killed_already_is_not_refused_again_while_the_driver_still_lists_it(
+    tmp_path: Path,
+) -> None:
+    node = Node(tmp_path, OLD_DRIVER)
+    node.grant(f"{UID_A}_cuda", {"GPU-a": 1000})
+    view = View([on_card(f"{UID_A}_cuda", "GPU-a", {101: 600})], {})
+    gone: set[int] = set()
+
+    def kill(pid: int, _sig: int) -> None:
+        if pid in gone:
+            raise ProcessLookupError(3, "No such process")
+        gone.add(pid)
+
+    api = Recorder()
+    cap = node.cap(mode="required", view=lambda: view, actions=api, kill=kill)
+    cap.run_pass()
+    cap.run_pass()  # the driver's list still names PID 101 for a moment
+    assert cap.stats.refusals == {"kill": 1} and len(api.events) == 1
+
+
 def test_required_evicts_once_where_enforcement_memory_is_evict(tmp_path: Path) -> None:
     node = Node(tmp_path, OLD_DRIVER)
     node.grant(f"{UID_A}_cuda", {"GPU-a": 1000})

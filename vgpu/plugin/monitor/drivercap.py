@@ -251,12 +251,18 @@ class DriverCap:
         if action == "evict" and o.folder in self._evicted:
             return
         if action == "kill":
+            killed = []
             for pid in sorted(held.pids):
                 try:
                     self._kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass  # gone already (killed by an earlier pass, the driver's list not yet updated)
                 except OSError as err:
                     log.warning("driver cap: could not kill PID %d (%s)", pid, err.strerror)
-            message = f"killed PID(s) {', '.join(map(str, sorted(held.pids)))}: {what}"
+            if not killed:
+                return  # nothing was running to refuse: neither said nor counted again
+            message = f"killed PID(s) {', '.join(map(str, killed))}: {what}"
         else:
             self._evicted.add(o.folder)
             message = f"evicting the pod: {what}"
