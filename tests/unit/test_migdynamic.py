@@ -22,7 +22,7 @@ from vgpu.core.annotations import (
     MigGrant,
     encode_allocation,
 )
-from vgpu.core.mig import Placement
+from vgpu.core.mig import H100_80GB, Placement
 from vgpu.plugin.allocate import AllocateError, Allocator
 from vgpu.plugin.config import NodeConfig
 from vgpu.plugin.devices import DeviceState
@@ -77,14 +77,25 @@ class Node:
         return [(g.profile, g.placement.start) for g in self.mig.gpu_instances(card)]
 
 
+def asks(profile: str, mem: int) -> tuple[int, int]:
+    """The memory and cores a pod asks for so that ``profile`` is the smallest that holds it, as the
+    extender's fit chooses (the node refuses an instance larger than the request)."""
+    p = H100_80GB.profile(profile)
+    cores = 100 * (p.compute_slices - 1) // 7 + 1 if p.compute_slices > 1 else 0
+    slices = min(q.memory_slices for q in H100_80GB.profiles if q.memory_mib >= mem)
+    return (mem if slices == p.memory_slices else p.memory_mib), cores
+
+
 def add_pod(kube: FakeKube, name: str, grants: list[tuple[str, str, int]], mem: int = 5000) -> str:
     uid = f"uid-{name}"
     created = f"2026-01-01T00:00:{len(kube.pods):02d}Z"  # kubelet's order: creation
+    [(_, profile, _)] = grants
+    mem, cores = asks(profile, mem)
     alloc = Allocation(
         NODE,
         (
             ContainerAllocation(
-                "main", tuple(DeviceAllocation(u, mem, 0, MigGrant(p, s)) for u, p, s in grants)
+                "main", tuple(DeviceAllocation(u, mem, cores, MigGrant(p, s)) for u, p, s in grants)
             ),
         ),
     )
@@ -92,7 +103,7 @@ def add_pod(kube: FakeKube, name: str, grants: list[tuple[str, str, int]], mem: 
         bound_pod(
             name,
             NODE,
-            {"main": [(u, mem, 0) for u, _, _ in grants]},
+            {"main": [(u, mem, cores) for u, _, _ in grants]},
             annotation=encode_allocation(alloc),
             uid=uid,
             created=created,

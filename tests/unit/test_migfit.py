@@ -221,3 +221,33 @@ def test_hamis_vgpu_mode_mig_takes_only_cards_cut_on_demand_and_hami_core_only_s
     assert isinstance(fit_node("n", NodeInventory((shared,)), {}, core_pod), Plan)
     assert isinstance(fit_node("n", NodeInventory((mig_card(0),)), {}, either), Plan)
     assert isinstance(fit_node("n", NodeInventory((shared,)), {}, either), Plan)
+
+
+def test_the_node_refuses_an_instance_larger_than_the_request_or_one_off_its_placements() -> None:
+    from dataclasses import replace
+
+    from vgpu.core.placementcheck import placement_problems
+
+    card, shared = mig_card(0), Device("GPU-9", 1, H100, 81559, 100, 10)
+    cards = {card.uuid: card, shared.uuid: shared}
+    request = pod(ctr(gpumem=5000, gpucores=10))
+    plan = fit_node("n", NodeInventory((card,)), {}, request)
+    assert isinstance(plan, Plan)
+    assert placement_problems(request, plan.allocation, cards) == []  # what the fit made passes
+
+    def forged(**change: Any) -> list[str]:
+        (c,) = plan.allocation.containers
+        (d,) = c.devices
+        dev = replace(d, **change)
+        return placement_problems(
+            request, replace(plan.allocation, containers=(replace(c, devices=(dev,)),)), cards
+        )
+
+    [why] = forged(mig=MigGrant("7g.80gb", 0))  # the whole card's SMs for a 1g request
+    assert "7g.80gb" in why and "smallest profile that holds what it asks for is 1g.10gb" in why
+    [why] = forged(mig=MigGrant("1g.10gb", 7))
+    assert "1g.10gb starts only at [0, 1, 2, 3, 4, 5, 6]" in why
+    [why] = forged(mig=None)
+    assert "with no instance" in why
+    [why] = forged(uuid="GPU-9")
+    assert "not cut on demand" in why

@@ -18,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from vgpu.core.annotations import ALLOCATION_ANNOTATION, Allocation, ContainerAllocation, Device
+from vgpu.core.annotations import (
+    ALLOCATION_ANNOTATION,
+    Allocation,
+    ContainerAllocation,
+    Device,
+    DeviceAllocation,
+)
+from vgpu.core.migfit import profile_for, table_of
 from vgpu.core.requests import RESOURCE_CORES, RESOURCE_GPU, RESOURCE_MEM, ContainerRequest, PodRequest
 
 
@@ -106,7 +113,34 @@ def _container_problems(
         most = min(card.cores, 100)
         if d.cores > most:
             problems.append(f"{where} is given {d.cores} % of card {d.uuid}, more than it has ({most} %)")
+        problems += _instance_problems(where, asked, d, card)
     return problems
+
+
+def _instance_problems(where: str, asked: ContainerRequest, d: DeviceAllocation, card: Device) -> list[str]:
+    """On a card cut on demand, a vGPU is exactly the instance the fit would make for the request:
+    the smallest profile that holds it, at one of that profile's placements (vgpu/core/migfit.py).
+    A larger instance would give the container more SMs and memory than it asked for."""
+    if card.mig_dynamic is None:
+        if d.mig is None:
+            return []
+        return [
+            f"{where} is given a {d.mig.profile} MIG instance on card {d.uuid}, which is not cut on demand"
+        ]
+    if d.mig is None:
+        return [f"{where} is given card {d.uuid}, cut into MIG instances on demand, with no instance"]
+    table = table_of(card)
+    want = profile_for(table, asked) if table is not None else None
+    if want is None or d.mig.profile != want.name:
+        holds = want.name if want is not None else "none of the card's profiles"
+        return [
+            f"{where} is given a {d.mig.profile} MIG instance on card {d.uuid}, but the smallest profile "
+            f"that holds what it asks for is {holds}"
+        ]
+    if d.mig.start not in want.starts:
+        return [f"{where} is given a {want.name} instance at slice {d.mig.start} of card {d.uuid}, but "
+                f"{want.name} starts only at {list(want.starts)}"]  # fmt: skip
+    return []
 
 
 def at_least_requested(
