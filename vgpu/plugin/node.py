@@ -212,10 +212,10 @@ def build_monitor(settings: NodeSettings) -> MonitorNode:
 
         client = NodeAgentClient(str(settings.kubeconfig) if settings.kubeconfig else None)
         list_pods = client.list_node_pods
-    mig = open_mig(settings, config, discovery)
     cards = discovery.cards()
-    static = mig is not None and config.mig_strategy in ("single", "mixed")
-    state = DeviceState(cards, config, mig_layout(mig, [c.uuid for c in cards]) if static and mig else None)
+    # the MIG devices offered under single or mixed, watched per device; no other strategy needs them here
+    mig = open_mig(settings, config, discovery) if config.mig_strategy in ("single", "mixed") else None
+    state = DeviceState(cards, config, mig_layout(mig, [c.uuid for c in cards]) if mig is not None else None)
     paths = HostPaths(settings.root)
     monitor = NodeMonitor(
         settings.node,
