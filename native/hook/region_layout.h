@@ -15,9 +15,11 @@
 #define VGPU_FLAG_GUARD 4u
 #define VGPU_ARBITER_STALE_NS 1000000000ULL
 #define VGPU_GRANT_MAGIC 0x544e524755504756ULL
-#define VGPU_GRANT_VERSION 3u
+#define VGPU_GRANT_VERSION 4u
 #define VGPU_PATH_BYTES 256
 #define VGPU_GRANT_PATH "/etc/vgpu/limits"
+#define VGPU_MPS_PIPE "/var/run/vgpu/mps"
+#define VGPU_SHARING_MPS 1u
 #define VGPU_GRANT_PAYLOAD 32u
 
 struct vgpu_region_header {
@@ -106,6 +108,8 @@ struct vgpu_grant {
     char region_path[256]; /* the container's region file, NUL-terminated */
     uint64_t hold_until_ns[16]; /* the node's gate: no launch on the device before this CLOCK_MONOTONIC ns; 0 = open */
     uint32_t share_scale[16]; /* the driver's measure of the container's GPU time over the hook's, x 65536: the hook charges its measure times this; 0 = 65536 (1.0) */
+    uint32_t sharing; /* SHARING_TIMESLICE (0) or SHARING_MPS (1): the hook makes every process an MPS client of mps_pipe with sm_limit as its active thread percentage and limit as its pinned memory */
+    char mps_pipe[256]; /* the MPS pipe folder as the container sees it (sharing 1) */
 };
 _Static_assert(offsetof(struct vgpu_grant, magic) == 0, "vgpu_grant.magic moved: regenerate from vgpu/hookabi/layout.py");
 _Static_assert(offsetof(struct vgpu_grant, version) == 8, "vgpu_grant.version moved: regenerate from vgpu/hookabi/layout.py");
@@ -124,8 +128,10 @@ _Static_assert(offsetof(struct vgpu_grant, uuid) == 376, "vgpu_grant.uuid moved:
 _Static_assert(offsetof(struct vgpu_grant, region_path) == 1400, "vgpu_grant.region_path moved: regenerate from vgpu/hookabi/layout.py");
 _Static_assert(offsetof(struct vgpu_grant, hold_until_ns) == 1656, "vgpu_grant.hold_until_ns moved: regenerate from vgpu/hookabi/layout.py");
 _Static_assert(offsetof(struct vgpu_grant, share_scale) == 1784, "vgpu_grant.share_scale moved: regenerate from vgpu/hookabi/layout.py");
-_Static_assert(sizeof(struct vgpu_grant) == 1848, "vgpu_grant size changed");
-#define VGPU_GRANT_FIELDS(X) X(magic) X(version) X(size) X(seq) X(checksum) X(num_devices) X(priority) X(sm_policy) X(oversubscribe) X(context_reserve) X(limit) X(sm_limit) X(budget) X(uuid) X(region_path) X(hold_until_ns) X(share_scale)
+_Static_assert(offsetof(struct vgpu_grant, sharing) == 1848, "vgpu_grant.sharing moved: regenerate from vgpu/hookabi/layout.py");
+_Static_assert(offsetof(struct vgpu_grant, mps_pipe) == 1852, "vgpu_grant.mps_pipe moved: regenerate from vgpu/hookabi/layout.py");
+_Static_assert(sizeof(struct vgpu_grant) == 2112, "vgpu_grant size changed");
+#define VGPU_GRANT_FIELDS(X) X(magic) X(version) X(size) X(seq) X(checksum) X(num_devices) X(priority) X(sm_policy) X(oversubscribe) X(context_reserve) X(limit) X(sm_limit) X(budget) X(uuid) X(region_path) X(hold_until_ns) X(share_scale) X(sharing) X(mps_pipe)
 
 #define VGPU_REGION_SIZE 281024u
 #endif

@@ -41,6 +41,11 @@ DEVICES_VERSION = 1
 # that has such a device, so an older reader refuses that node alone
 DEVICES_VERSION_MIG = 2
 GPU_RESOURCE = "nvidia.com/gpu"
+# how a shared card's containers share it (``sharing``, version 2 only where MPS): time-sliced under
+# the hook, or spatially through the card's MPS daemon (docs/mps.md); a card never mixes the two
+SHARING_TIMESLICE = "timeslice"
+SHARING_MPS = "mps"
+SHARING_MODES = (SHARING_TIMESLICE, SHARING_MPS)
 
 # contract 3 (docs/contracts.md): placement
 ALLOCATION_ANNOTATION = PREFIX + "allocation"
@@ -142,6 +147,7 @@ class Device:
     resource: str = GPU_RESOURCE
     mig: MigSlice | None = None
     mig_dynamic: MigDynamic | None = None  # cut into MIG instances on demand (docs/mig.md)
+    sharing: str = SHARING_TIMESLICE  # SHARING_MPS: the card's containers are its MPS daemon's clients
 
 
 @dataclass(frozen=True)
@@ -183,13 +189,18 @@ def _encode_device(d: Device) -> dict[str, Any]:
             "size": d.mig.size,
         }
     out.update(_encode_dynamic(d.mig_dynamic))
+    if d.sharing != SHARING_TIMESLICE:
+        out["sharing"] = d.sharing
     return out
 
 
 def encode_devices(inventory: NodeInventory) -> str:
     """Version 1, or 2 when a device is a MIG device, offered as another resource or cut on demand."""
     mig = any(
-        d.mig is not None or d.resource != GPU_RESOURCE or d.mig_dynamic is not None
+        d.mig is not None
+        or d.resource != GPU_RESOURCE
+        or d.mig_dynamic is not None
+        or d.sharing != SHARING_TIMESLICE
         for d in inventory.devices
     )
     doc = {
@@ -262,9 +273,19 @@ def decode_devices(text: str | bytes | None) -> NodeInventory:
                 resource=r.string(obj, "resource", path) if v2 and "resource" in obj else GPU_RESOURCE,
                 mig=_decode_mig(r, obj, path) if v2 and "mig" in obj else None,
                 mig_dynamic=_decode_dynamic(r, obj, path) if v2 and "migDynamic" in obj else None,
+                sharing=_decode_sharing(r, obj, path) if v2 and "sharing" in obj else SHARING_TIMESLICE,
             )
         )
     return NodeInventory(devices=tuple(devices))
+
+
+def _decode_sharing(r: _Reader, obj: Mapping[str, Any], path: str) -> str:
+    value = r.string(obj, "sharing", path)
+    if value not in SHARING_MODES:
+        raise AnnotationError(
+            DEVICES_ANNOTATION, f"{path}.sharing", f"is {value!r}, not one of {', '.join(SHARING_MODES)}"
+        )
+    return value
 
 
 def _decode_mig(r: _Reader, obj: Mapping[str, Any], path: str) -> MigSlice:

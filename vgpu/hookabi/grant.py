@@ -45,6 +45,8 @@ from vgpu.hookabi.layout import (
     GRANT_VERSION,
     MAX_DEVICES,
     PATH_BYTES,
+    SHARING_MPS,
+    SHARING_TIMESLICE,
     UUID_BYTES,
     fnv1a64,
 )
@@ -55,12 +57,13 @@ GRANT_SUFFIX = ".limits"
 # VGPU_CONTEXT_RESERVE default; measured on an H200 with CUDA 13, see docs/hook.md).
 DEFAULT_CONTEXT_RESERVE = 640 << 20
 GRANT_SIZE = GRANT_LAYOUT.size
-# Grant layouts 1 (before the node's compute gate) and 2 (before one measure of a share): the same
-# words without hold_until_ns, or share_scale, at the end. A container started by an older plugin
-# keeps its grant's layout (and the hook that reads it) for its life: read and changed in place as
-# such, never given a gate (1) or a scale (1, 2).
+# Grant layouts 1 (before the node's compute gate), 2 (before one measure of a share) and 3 (before
+# MPS mode): the same words without hold_until_ns, share_scale, or sharing and mps_pipe, at the end.
+# A container started by an older plugin keeps its grant's layout (and the hook that reads it) for
+# its life: read and changed in place as such, never given a gate (1), a scale (1, 2) or MPS (1-3).
 _SIZES = {
     GRANT_VERSION: GRANT_SIZE,
+    3: GRANT_LAYOUT.offsets["sharing"],
     2: GRANT_LAYOUT.offsets["share_scale"],
     1: GRANT_LAYOUT.offsets["hold_until_ns"],
 }
@@ -102,6 +105,10 @@ class Grant:
     # the driver's measure of the container's GPU time over the hook's, x SHARE_SCALE_ONE (0 = 1.0);
     # written only by the node monitor (vgpu.plugin.monitor.sharescale), never at Allocate
     share_scales: tuple[int, ...] = ()
+    # MPS mode (docs/mps.md): SHARING_MPS makes every process of the container a client of the
+    # card's MPS daemon through mps_pipe (the pipe folder as the container sees it)
+    sharing: int = SHARING_TIMESLICE
+    mps_pipe: str = ""
     seq: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -119,14 +126,18 @@ class Grant:
             raise GrantError("limits and budgets must be bytes >= 0")
         if any(not 0 <= v < 1 << 32 for v in self.share_scales):
             raise GrantError(f"share_scales {self.share_scales} must be 32-bit words")
+        if self.sharing not in (SHARING_TIMESLICE, SHARING_MPS):
+            raise GrantError(f"sharing {self.sharing} must be {SHARING_TIMESLICE} or {SHARING_MPS}")
+        if (self.sharing == SHARING_MPS) != bool(self.mps_pipe):
+            raise GrantError("an MPS grant (sharing 1) names its mps_pipe, and only such a grant does")
         if self.priority not in (0, 1) or self.sm_policy not in (0, 1):
             raise GrantError(f"priority {self.priority} / sm_policy {self.sm_policy} must be 0 or 1")
-        if not all(t.isascii() and t.isprintable() for t in (*self.uuids, self.region_path)):
-            raise GrantError("device UUIDs and region_path must be printable ASCII")
+        if not all(t.isascii() and t.isprintable() for t in (*self.uuids, self.region_path, self.mps_pipe)):
+            raise GrantError("device UUIDs, region_path and mps_pipe must be printable ASCII")
         if any(len(u.encode()) >= UUID_BYTES for u in self.uuids):
             raise GrantError(f"a device UUID is {UUID_BYTES} bytes or longer")
-        if len(self.region_path.encode()) >= PATH_BYTES:
-            raise GrantError(f"region_path is {PATH_BYTES} bytes or longer")
+        if max(len(self.region_path.encode()), len(self.mps_pipe.encode())) >= PATH_BYTES:
+            raise GrantError(f"region_path or mps_pipe is {PATH_BYTES} bytes or longer")
 
     def value(self, name: str, index: int) -> int:
         """Device ``index``'s word ``name``: ``limit``, ``sm_limit``, ``budget``, ``hold_until_ns``
@@ -166,6 +177,8 @@ def encode(grant: Grant, seq: int = 0, version: int = GRANT_VERSION) -> bytes:
         )
     if size <= _G["share_scale"] and any(grant.share_scales):
         raise GrantError(f"grant layout {version} has no share_scale; the container predates it")
+    if size <= _G["sharing"] and grant.sharing != SHARING_TIMESLICE:
+        raise GrantError(f"grant layout {version} has no MPS mode; the container predates it")
     buf = bytearray(GRANT_SIZE)
     _pack(buf, "magic", GRANT_MAGIC)
     _pack(buf, "version", version)
@@ -181,6 +194,8 @@ def encode(grant: Grant, seq: int = 0, version: int = GRANT_VERSION) -> bytes:
         for name in _PER_DEVICE:
             _pack(buf, name, grant.value(name, i), i)
     _put_str(buf, "region_path", grant.region_path)
+    _pack(buf, "sharing", grant.sharing)
+    _put_str(buf, "mps_pipe", grant.mps_pipe)
     del buf[size:]
     _pack(buf, "checksum", fnv1a64(bytes(buf[GRANT_PAYLOAD:])))
     return bytes(buf)
@@ -212,7 +227,8 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
     if _word(data, "size") != size or len(data) < size:
         raise GrantError(
             f"{path} is grant layout {version} of {_word(data, 'size')} bytes, this vgpu reads "
-            f"{GRANT_VERSION} of {GRANT_SIZE} (and 2 of {_SIZES[2]}, 1 of {small}); upgrade the device "
+            f"{GRANT_VERSION} of {GRANT_SIZE} (and 3 of {_SIZES[3]}, 2 of {_SIZES[2]}, 1 of {small}); "
+            "upgrade the device "
             "plugin and the hook "
             "together"
         )
@@ -243,6 +259,8 @@ def decode(data: bytes, path: str | os.PathLike[str] = "<grant>") -> Grant:
             context_reserve=_word(data, "context_reserve"),
             hold_until=words("hold_until_ns"),
             share_scales=words("share_scale"),
+            sharing=_word(data, "sharing") if size > _G["sharing"] else SHARING_TIMESLICE,
+            mps_pipe=_cstr(data, _G["mps_pipe"], PATH_BYTES) if size > _G["mps_pipe"] else "",
             seq=_word(data, "seq"),
         )
     except GrantError as err:

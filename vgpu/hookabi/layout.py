@@ -86,10 +86,15 @@ SLOT: tuple[Field, ...] = (
 # mounted read-only into the container at GRANT_PATH_IN_CONTAINER, so no process there can raise
 # its own limits. The region's limit words are only a mirror of it (see vgpu/hookabi/grant.py).
 GRANT_MAGIC = int.from_bytes(b"VGPUGRNT", "little")
-GRANT_VERSION = 3  # 2: hold_until_ns, the node's compute gate; 3: share_scale, one measure of a share
+GRANT_VERSION = 4  # 2: hold_until_ns, the node's compute gate; 3: share_scale, one measure of a share;
+# 4: sharing and mps_pipe, MPS mode (docs/mps.md)
 SHARE_SCALE_ONE = 1 << 16  # share_scale's 1.0
 PATH_BYTES = 256
 GRANT_PATH_IN_CONTAINER = "/etc/vgpu/limits"
+# MPS mode: the card's MPS pipe folder as a container sees it (mounted read-only beside the grant)
+MPS_PIPE_IN_CONTAINER = "/var/run/vgpu/mps"
+SHARING_TIMESLICE = 0  # the grant's sharing word: the card is time-sliced, the hook holds SMs by time
+SHARING_MPS = 1  # the card runs an MPS daemon: the hook makes the process its client, SMs by threads
 GRANT: tuple[Field, ...] = (
     Field("magic", "uint64_t", doc="GRANT_MAGIC: the bytes 'VGPUGRNT'"),
     Field("version", "uint32_t", doc="GRANT_VERSION"),
@@ -121,6 +126,14 @@ GRANT: tuple[Field, ...] = (
         doc="the driver's measure of the container's GPU time over the hook's, x 65536: the hook "
         "charges its measure times this; 0 = 65536 (1.0)",
     ),
+    # grant layout 4: MPS mode (docs/mps.md)
+    Field(
+        "sharing",
+        "uint32_t",
+        doc="SHARING_TIMESLICE (0) or SHARING_MPS (1): the hook makes every process an MPS client "
+        "of mps_pipe with sm_limit as its active thread percentage and limit as its pinned memory",
+    ),
+    Field("mps_pipe", "char", PATH_BYTES, doc="the MPS pipe folder as the container sees it (sharing 1)"),
 )
 
 # bits of the header's flags[] word, written only by the node monitor
@@ -207,6 +220,8 @@ def c_header() -> str:
         f"#define VGPU_GRANT_VERSION {GRANT_VERSION}u",
         f"#define VGPU_PATH_BYTES {PATH_BYTES}",
         f'#define VGPU_GRANT_PATH "{GRANT_PATH_IN_CONTAINER}"',
+        f'#define VGPU_MPS_PIPE "{MPS_PIPE_IN_CONTAINER}"',
+        f"#define VGPU_SHARING_MPS {SHARING_MPS}u",
         f"#define VGPU_GRANT_PAYLOAD {GRANT_PAYLOAD}u",
         "",
     ]
