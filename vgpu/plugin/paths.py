@@ -52,6 +52,18 @@ class HostPaths:
         return self.containers_dir / f"{pod_uid}_{container}"
 
     @property
+    def mps_dir(self) -> Path:
+        """MPS mode (docs/mps.md): one folder per card, ``<uuid>/pipe`` (the control daemon's
+        sockets, mounted read-only into the card's containers) and ``<uuid>/log``; root's, 0755."""
+        return self.vgpu_dir / "mps"
+
+    def mps_pipe(self, uuid: str) -> Path:
+        return self.mps_dir / uuid / "pipe"
+
+    def mps_log(self, uuid: str) -> Path:
+        return self.mps_dir / uuid / "log"
+
+    @property
     def grants_dir(self) -> Path:
         """What the device plugin granted each container, kept out of the container's reach: the
         container's own folder is mounted writable into it, so its region's words are claims."""
