@@ -208,7 +208,7 @@ def test_pods_get_the_smallest_profiles_and_restarts_leak_or_double_use_nothing(
     _delete(sb, "huge")
     # HAMi's vgpu-mode: hami-core asks for a card shared under the hook, which this node has none of
     _apply(sb, "shared", annotations={"nvidia.com/vgpu-mode": "hami-core"}, gpumem=1000)
-    _pending_reason(sb, "shared", "not shared as nvidia.com/vgpu-mode hami-core")
+    _pending_reason(sb, "shared", "not one nvidia.com/vgpu-mode hami-core takes")
     _delete(sb, "shared")
     _apply(sb, "later", gpumem=40000)  # a 3g.40gb: no four free slices on either card now
     _pending_reason(sb, "later", "no free 3g.40gb placement")

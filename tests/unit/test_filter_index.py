@@ -19,7 +19,8 @@ from vgpu.core import annotations as ann
 from vgpu.core.capacity import card_summary, may_fit, quick_fits
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.ledger import Usage, vgpu_usage
-from vgpu.core.requests import ContainerRequest, Selection
+from vgpu.core.requests import ContainerRequest
+from vgpu.core.selection import Selection
 from vgpu.extender.state import SchedulerState
 
 NOW = 2_000_000.0

@@ -16,7 +16,8 @@ from vgpu.core.annotations import Device, NodeInventory
 from vgpu.core.capacity import quick_fits
 from vgpu.core.fit import Plan, fit_node
 from vgpu.core.ledger import ZERO, Ledger, Usage, vgpu_usage
-from vgpu.core.requests import ContainerRequest, PodRequest, Selection
+from vgpu.core.requests import ContainerRequest, PodRequest
+from vgpu.core.selection import Selection
 
 MODELS = ("NVIDIA H200", "Tesla T4")
 

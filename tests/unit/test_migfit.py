@@ -215,9 +215,15 @@ def test_hamis_vgpu_mode_mig_takes_only_cards_cut_on_demand_and_hami_core_only_s
     either = pod(ctr(gpumem=5000), nvidia_com__vgpu_mode="hami-core,mig")
     assert grants(fit_node("n", NodeInventory((mig_card(0),)), {}, mig_pod))[0][1] == "1g.10gb"
     refused = fit_node("n", NodeInventory((shared,)), {}, mig_pod)
-    assert isinstance(refused, Rejection) and "not cut into MIG instances on demand" in str(refused)
+    assert isinstance(
+        refused, Rejection
+    ) and "time-sliced under the hook (hami-core), not one nvidia.com/vgpu-mode mig takes" in str(refused)
     refused = fit_node("n", NodeInventory((mig_card(0),)), {}, core_pod)
-    assert isinstance(refused, Rejection) and "not shared as nvidia.com/vgpu-mode hami-core" in str(refused)
+    assert isinstance(
+        refused, Rejection
+    ) and "cut into MIG instances on demand (mig), not one nvidia.com/vgpu-mode hami-core takes" in str(
+        refused
+    )
     assert isinstance(fit_node("n", NodeInventory((shared,)), {}, core_pod), Plan)
     assert isinstance(fit_node("n", NodeInventory((mig_card(0),)), {}, either), Plan)
     assert isinstance(fit_node("n", NodeInventory((shared,)), {}, either), Plan)

@@ -9,6 +9,7 @@ from vgpu.core.annotations import Allocation, ContainerAllocation, Device, Devic
 from vgpu.core.fit import Plan, fit_node
 from vgpu.core.placementcheck import at_least_requested, placement_problems
 from vgpu.core.requests import ContainerRequest, PodRequest
+from vgpu.core.selection import Selection
 
 CARDS = {
     "GPU-a": Device("GPU-a", 0, "NVIDIA H100", 81920, 100, 10),
@@ -99,6 +100,39 @@ def test_a_ledger_books_at_least_what_the_pod_asks_for_where_the_annotation_says
     )
     bigger = alloc(("main", [("GPU-a", 9000, 70)]))
     assert at_least_requested(request, bigger, CARDS) == bigger
+
+
+MODE_CARDS = {
+    "GPU-mps": Device("GPU-mps", 0, "NVIDIA H100", 81920, 100, 10, sharing="mps"),
+    "GPU-ts": Device("GPU-ts", 1, "NVIDIA H100", 81920, 100, 10),
+}
+MPS = Selection(kinds=frozenset({"mps"}))
+
+
+def test_a_forged_allocation_on_a_card_of_the_wrong_mode_is_refused_each_way() -> None:
+    on_mps = alloc(("main", [("GPU-mps", 1000, 30)]))
+    on_ts = alloc(("main", [("GPU-ts", 1000, 30)]))
+    # a pod that did not ask mps (no annotation, or hami-core) is never an MPS client
+    for unasked in (Selection(), Selection(kinds=frozenset({"hami-core"}))):
+        (problem,) = placement_problems(PodRequest((one(),), unasked), on_mps, MODE_CARDS)
+        assert problem.startswith(
+            "vgpu.openaios.io/allocation: container main is given card GPU-mps, shared "
+        )
+        assert "nvidia.com/vgpu-mode" in problem
+    # a pod that asked only mps never runs time-sliced
+    (problem,) = placement_problems(PodRequest((one(),), MPS), on_ts, MODE_CARDS)
+    assert "GPU-ts, time-sliced under the hook (hami-core), not one nvidia.com/vgpu-mode mps takes" in problem
+
+
+def test_honest_allocations_on_either_mode_pass_and_an_mps_card_holds_a_container_of_one() -> None:
+    on_mps = alloc(("main", [("GPU-mps", 1000, 30)]))
+    assert placement_problems(PodRequest((one(),), MPS), on_mps, MODE_CARDS) == []
+    assert placement_problems(PodRequest((one(),)), alloc(("main", [("GPU-ts", 1000, 30)])), MODE_CARDS) == []
+    both = Selection(kinds=frozenset({"mps", "hami-core"}))
+    assert placement_problems(PodRequest((one(),), both), on_mps, MODE_CARDS) == []
+    two = alloc(("main", [("GPU-mps", 1000, 30), ("GPU-ts", 1000, 30)]))
+    (problem,) = placement_problems(PodRequest((one(count=2),), both), two, MODE_CARDS)
+    assert "MPS card GPU-mps among 2" in problem
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -206,18 +206,36 @@ def test_hamis_topology_aware_gpu_policy_is_refused_saying_what_placement_does_i
         assert "NVLink-joined cards first" in info.value.message
 
 
-def test_hamis_vgpu_mode_picks_shared_or_mig_cards_and_is_refused_for_mps() -> None:
-    for value, cards in (("hami-core", False), ("mig", True), ("hami-core,mig", None), (" mig , mps", True)):
+def test_hamis_vgpu_mode_names_the_kinds_of_card_a_pod_takes() -> None:
+    for value, kinds in (
+        ("hami-core", {"hami-core"}),
+        ("mig", {"mig"}),
+        ("mps", {"mps"}),
+        ("hami-core,mig", {"hami-core", "mig"}),
+        (" mig , mps", {"mig", "mps"}),
+        ("mps,unknown", {"mps"}),  # HAMi passes over a name it does not know
+    ):
         got = parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": value}), CFG)
-        assert got.selection.mig is cards, value
-        assert got.selection.selective is (cards is not None)
-    assert parse_pod(pod(ctr(gpu=1)), CFG).selection.mig is None
-    for bad in ("mps", "", "hami", "core"):
+        assert got.selection.kinds == kinds, value
+        assert got.selection.selective is (kinds != {"hami-core", "mig"})
+    unannotated = parse_pod(pod(ctr(gpu=1)), CFG).selection
+    assert unannotated.kinds == {"hami-core", "mig"} and not unannotated.selective
+    for bad in ("", "hami", "core", "mps2"):
         with pytest.raises(RequestError) as info:
             parse_pod(pod(ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": bad}), CFG)
         assert info.value.field == "metadata.annotations[nvidia.com/vgpu-mode]"
-        assert "must name hami-core or mig" in info.value.message
-        assert "MPS is not offered" in info.value.message
+        assert "must name hami-core, mig or mps" in info.value.message
+
+
+def test_mps_alone_gives_a_container_one_card_naming_the_field_and_the_fix() -> None:
+    annos = {"nvidia.com/vgpu-mode": "mps"}
+    with pytest.raises(RequestError) as info:
+        parse_pod(pod(ctr("a", gpu=1), ctr("b", gpu=2), annotations=annos), CFG)
+    assert info.value.field == "spec.containers[1].resources.limits[nvidia.com/gpu]"
+    assert "set nvidia.com/gpu to 1" in info.value.message and "MPS daemon" in info.value.message
+    # one card per container, several containers: fine; so is mps beside another kind (HAMi's union)
+    assert parse_pod(pod(ctr("a", gpu=1), ctr("b", gpu=1), annotations=annos), CFG).selection.kinds == {"mps"}
+    parse_pod(pod(ctr(gpu=2), annotations={"nvidia.com/vgpu-mode": "mps,hami-core"}), CFG)
 
 
 def test_hamis_numa_bind_is_refused_when_true_and_ignored_otherwise_as_hami_does() -> None:

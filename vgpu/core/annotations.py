@@ -78,7 +78,7 @@ GPU_POLICY_ANNOTATION = PREFIX + "gpu-policy"
 # selection annotations above are HAMi's names already.
 HAMI_NODE_POLICY_ANNOTATION = "hami.io/node-scheduler-policy"
 HAMI_GPU_POLICY_ANNOTATION = "hami.io/gpu-scheduler-policy"
-HAMI_VGPU_MODE_ANNOTATION = "nvidia.com/vgpu-mode"  # "hami-core" is the only mode offered here
+HAMI_VGPU_MODE_ANNOTATION = "nvidia.com/vgpu-mode"  # hami-core, mig, mps: vgpu/core/selection.py
 HAMI_NUMA_BIND_ANNOTATION = "nvidia.com/numa-bind"  # "true" (a hard rule) is refused: not offered
 
 # contract 2 (docs/contracts.md): liveness Lease of a node's device plugin

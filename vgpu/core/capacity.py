@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from vgpu.core.annotations import NodeInventory
 from vgpu.core.ledger import Usage
-from vgpu.core.requests import ContainerRequest, Selection
+from vgpu.core.requests import ContainerRequest
+from vgpu.core.selection import Selection
 
 
 def quick_fits(
@@ -29,12 +30,9 @@ def quick_fits(
     sorting and no plan built, stopping at the first ``c.count`` cards: what filter needs.
     """
     found = 0
-    selective = selection.selective
     exclusive = c.cores >= 100
     for card in inventory.devices:
-        if not card.healthy or (
-            selective and selection.why_not(card.uuid, card.model, card.mig_dynamic is not None) is not None
-        ):
+        if not card.healthy or selection.rules_out(card, c.count):
             continue
         if card.mig_dynamic is not None:
             return False  # MIG on demand: only the fit (vgpu/core/migfit.py) knows the placements

@@ -22,7 +22,8 @@ from vgpu.core.annotations import Allocation, ContainerAllocation, Device, Devic
 from vgpu.core.config import BINPACK
 from vgpu.core.ledger import ZERO, Usage, footprint, vgpu_usage
 from vgpu.core.migfit import fit_dynamic
-from vgpu.core.requests import ContainerRequest, PodRequest, Selection
+from vgpu.core.requests import ContainerRequest, PodRequest
+from vgpu.core.selection import Selection
 
 MAX_COMBINATIONS = 256  # card sets tried per multi-vGPU container
 DEFAULT_BUDGET = 20_000  # search steps per node
@@ -82,10 +83,10 @@ class _Search:
     chosen: dict[int, tuple[Device, ...]] = field(default_factory=dict)
 
     # -- one card -------------------------------------------------------------------------------
-    def why_not(self, card: Device, fp: Usage, cur: Usage, add: Usage) -> str | None:
+    def why_not(self, card: Device, fp: Usage, cur: Usage, add: Usage, count: int) -> str | None:
         if not card.healthy:
             return UNHEALTHY
-        sel = self.selection.why_not(card.uuid, card.model, card.mig_dynamic is not None)
+        sel = self.selection.why_not_card(card, count)
         if sel is not None:
             return sel
         other = self.usage.get(card.uuid, ZERO)
@@ -158,7 +159,7 @@ class _Search:
         for card in self.cards:
             add = vgpu_usage(c.memory_on(card.memory_mib), c.cores)
             cfp, ccur = fp.get(card.uuid, ZERO), cur.get(card.uuid, ZERO)
-            why = self.why_not(card, cfp, ccur, add)
+            why = self.why_not(card, cfp, ccur, add, c.count)
             if why is None:
                 after = cfp.max(ccur + add)
                 eligible.append((self.load(card, after), card))
@@ -251,7 +252,7 @@ def _never(card: Device, c: ContainerRequest, selection: Selection) -> str | Non
     """Why ``card`` could never take one vGPU of ``c``, were it empty; None when it could."""
     if not card.healthy:
         return UNHEALTHY
-    sel = selection.why_not(card.uuid, card.model, card.mig_dynamic is not None)
+    sel = selection.why_not_card(card, c.count)
     if sel is not None:
         return sel
     if c.memory_on(card.memory_mib) > card.memory_mib:
@@ -367,12 +368,9 @@ def _eligible(
     The same rules and the same order as the general search's first step.
     """
     out: list[tuple[float, Device]] = []
-    selective = selection.selective
     exclusive = c.cores >= 100
     for card in cards:
-        if not card.healthy or (
-            selective and selection.why_not(card.uuid, card.model, card.mig_dynamic is not None) is not None
-        ):
+        if not card.healthy or selection.rules_out(card, c.count):
             continue
         mem = c.memory_mib if c.memory_mib is not None else card.memory_mib * (c.memory_percent or 0) // 100
         o = usage.get(card.uuid)

@@ -128,7 +128,7 @@ def _place(
             if not card.healthy:
                 reasons["unhealthy"] += 1
                 continue
-            why = pod.selection.why_not(card.uuid, card.model, mig=True)
+            why = pod.selection.why_not_card(card)
             if why is not None:
                 reasons[why] += 1
                 continue

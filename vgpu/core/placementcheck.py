@@ -27,6 +27,7 @@ from vgpu.core.annotations import (
 )
 from vgpu.core.migfit import profile_for, table_of
 from vgpu.core.requests import RESOURCE_CORES, RESOURCE_GPU, RESOURCE_MEM, ContainerRequest, PodRequest
+from vgpu.core.selection import KIND_MPS, Selection, card_kind
 
 
 def _memory_source(req: ContainerRequest) -> str:
@@ -42,7 +43,9 @@ def placement_problems(request: PodRequest, allocation: Allocation, cards: Mappi
     Per container with vGPUs: as many devices as ``nvidia.com/gpu``, each on a different card of
     the node, each with the memory the request gives on that card (``gpumem``, or the percentage
     of the card's memory) and the cores it asks for (``gpucores``), never more than the card has
-    and never 0 MiB (a grant of 0 bytes is no limit at all). A container the allocation names
+    and never 0 MiB (a grant of 0 bytes is no limit at all), on a card of a kind the pod takes
+    (``nvidia.com/vgpu-mode``: never an MPS card for a pod that did not ask ``mps``, never a
+    time-sliced one for a pod that asked only ``mps``). A container the allocation names
     that the spec does not, or that asks for no vGPU, is a problem too; so is a container that
     asks for vGPUs and is given none.
     """
@@ -59,7 +62,7 @@ def placement_problems(request: PodRequest, allocation: Allocation, cards: Mappi
         if asked is None:
             problems.append(f"{where} is not a container of the pod")
             continue
-        problems += _container_problems(where, asked, given, cards)
+        problems += _container_problems(where, asked, given, cards, request.selection)
     for asked in request.containers:
         if asked.count and asked.name not in seen:
             problems.append(
@@ -70,7 +73,11 @@ def placement_problems(request: PodRequest, allocation: Allocation, cards: Mappi
 
 
 def _container_problems(
-    where: str, asked: ContainerRequest, given: ContainerAllocation, cards: Mapping[str, Device]
+    where: str,
+    asked: ContainerRequest,
+    given: ContainerAllocation,
+    cards: Mapping[str, Device],
+    selection: Selection,
 ) -> list[str]:
     problems: list[str] = []
     if not asked.count:
@@ -92,6 +99,14 @@ def _container_problems(
                 f"{where} is given {d.uuid}, offered as {card.resource}, but asks for {asked.resource}"
             )
             continue
+        kind = card_kind(card)
+        if kind not in selection.kinds:  # MPS and time-sliced containers never share a card
+            problems.append(f"{where} is given card {d.uuid}, {selection.wrong_kind(kind)}")
+        elif kind == KIND_MPS and asked.count > 1:
+            problems.append(
+                f"{where} is given MPS card {d.uuid} among {asked.count}: an MPS card takes "
+                "a container of one vGPU"
+            )
         want = asked.memory_on(card.memory_mib)
         if d.memory_mib != want:
             problems.append(

@@ -23,6 +23,7 @@ from vgpu.core.errors import RequestError
 from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
 from vgpu.core.mig import TABLES, profile_of_resource, resource_for
 from vgpu.core.quantity import SOURCE, parse_quantity, shown, suffix_of
+from vgpu.core.selection import KIND_MPS, Selection, hami_modes
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_MEM = "nvidia.com/gpumem"
@@ -90,56 +91,6 @@ class ContainerRequest:
     @property
     def exclusive(self) -> bool:
         return self.cores >= 100
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Which cards a pod accepts (annotations ``nvidia.com/use-gputype`` and friends)."""
-
-    use_types: tuple[str, ...] = ()
-    nouse_types: tuple[str, ...] = ()
-    use_uuids: tuple[str, ...] = ()
-    nouse_uuids: tuple[str, ...] = ()
-    # HAMi's nvidia.com/vgpu-mode: True, only cards cut into MIG instances on demand ("mig");
-    # False, only cards shared under the hook ("hami-core"); None, either
-    mig: bool | None = None
-
-    @property
-    def selective(self) -> bool:
-        """Whether the pod rules out any card at all."""
-        return bool(
-            self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or self.mig is not None
-        )
-
-    def why_not(self, uuid: str, model: str, mig: bool = False) -> str | None:
-        """None when the card is acceptable, else a short reason naming the annotation.
-
-        The reason does not name the card's UUID, so that cards ruled out alike count together
-        (the fit lists the node's UUIDs once).
-        """
-        upper = model.upper()
-        if self.use_types and not any(t.upper() in upper for t in self.use_types):
-            return f"of model {model!r}, not in {self._listed[0]}"
-        if any(t.upper() in upper for t in self.nouse_types):
-            return f"of model {model!r}, excluded by {self._listed[1]}"
-        if self.use_uuids and uuid not in self.use_uuids:
-            return f"not in {self._listed[2]}"
-        if uuid in self.nouse_uuids:
-            return f"excluded by {ann.NOUSE_GPUUUID_ANNOTATION}"
-        if self.mig is not None and mig != self.mig:
-            if self.mig:
-                return f"not cut into MIG instances on demand, as {ann.HAMI_VGPU_MODE_ANNOTATION} mig asks"
-            return f"cut into MIG instances, not shared as {ann.HAMI_VGPU_MODE_ANNOTATION} hami-core asks"
-        return None
-
-    @cached_property
-    def _listed(self) -> tuple[str, str, str]:
-        """Each annotation with its value, as the reasons name it (worked out once per pod)."""
-        return (
-            f"{ann.USE_GPUTYPE_ANNOTATION} {shown(','.join(self.use_types))}",
-            f"{ann.NOUSE_GPUTYPE_ANNOTATION} {shown(','.join(self.nouse_types))}",
-            f"{ann.USE_GPUUUID_ANNOTATION} {shown(','.join(self.use_uuids))}",
-        )
 
 
 @dataclass(frozen=True)
@@ -338,6 +289,7 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
     if not isinstance(spec, dict):
         raise RequestError(SOURCE, "spec", "missing or not an object")
     containers: list[ContainerRequest] = []
+    paths: list[str] = []
     for key, init in (("initContainers", True), ("containers", False)):
         items = spec.get(key) or []
         if not isinstance(items, list):
@@ -347,6 +299,7 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
             if not isinstance(c, dict):
                 raise RequestError(SOURCE, path, "must be an object")
             containers.append(parse_container(c, path, config, init=init))
+            paths.append(path)
             first = next((x for x in containers if x.count), None)
             if first is not None and containers[-1].count and containers[-1].resource != first.resource:
                 raise RequestError(
@@ -368,7 +321,7 @@ def parse_pod(pod: Mapping[str, Any], config: SchedulerConfig) -> PodRequest:
     ):
         policies[key] = _policy(annos, key, hami)
     selection = Selection(
-        mig=_hami_modes(annos),
+        kinds=_one_card_under_mps(hami_modes(annos), containers, paths),
         use_types=_csv(annos.get(ann.USE_GPUTYPE_ANNOTATION)),
         nouse_types=_csv(annos.get(ann.NOUSE_GPUTYPE_ANNOTATION)),
         use_uuids=_csv(annos.get(ann.USE_GPUUUID_ANNOTATION)),
@@ -414,32 +367,20 @@ def _policy(annos: Mapping[str, Any], key: str, hami: str) -> str | None:
     return theirs.strip()
 
 
-def _hami_modes(annos: Mapping[str, Any]) -> bool | None:
-    """HAMi's ``nvidia.com/vgpu-mode`` and ``nvidia.com/numa-bind``: accepted where they ask
-    for what cards here give, refused where they ask for what none does. Returns the cards the
-    mode takes (``Selection.mig``): True for ``mig`` (cut into MIG instances on demand), False
-    for ``hami-core`` (shared under the hook), None for both or no annotation."""
-    mode = annos.get(ann.HAMI_VGPU_MODE_ANNOTATION)
-    # HAMi takes a card whose mode is named in the value ("hami-core,mig" takes either)
-    names = {m.strip() for m in mode.split(",")} if isinstance(mode, str) else set()
-    if mode is not None and not names & {"hami-core", "mig"}:
-        raise RequestError(
-            SOURCE,
-            _field_of(ann.HAMI_VGPU_MODE_ANNOTATION),
-            f"must name hami-core or mig, got {shown(mode)}: hami-core takes a card shared under the "
-            "hook, mig a card cut into MIG instances on demand (migStrategy: dynamic, docs/mig.md); "
-            "MPS is not offered",
-        )
-    bind = annos.get(ann.HAMI_NUMA_BIND_ANNOTATION)
-    # strconv.ParseBool's true spellings, as HAMi reads it; anything else means no binding there
-    if isinstance(bind, str) and bind.strip() in ("1", "t", "T", "TRUE", "true", "True"):
-        raise RequestError(
-            SOURCE,
-            _field_of(ann.HAMI_NUMA_BIND_ANNOTATION),
-            "true is not offered: a container of several vGPUs is placed on cards of one NUMA node "
-            "where the node has such a set free (after NVLink-joined cards), never held back for one; "
-            "remove the annotation",
-        )
-    if not names or {"hami-core", "mig"} <= names:
-        return None
-    return "mig" in names
+def _one_card_under_mps(
+    kinds: frozenset[str], containers: list[ContainerRequest], paths: list[str]
+) -> frozenset[str]:
+    """``kinds``; refused where the pod takes only MPS cards and a container asks for more than
+    one: a process talks to one MPS daemon (one card's pipe), so no node could ever serve it."""
+    if kinds != {KIND_MPS}:
+        return kinds
+    for c, path in zip(containers, paths, strict=True):
+        if c.count > 1 and c.resource == RESOURCE_GPU:
+            raise RequestError(
+                SOURCE,
+                f"{path}.resources.limits[{RESOURCE_GPU}]",
+                f"is {c.count}, but {ann.HAMI_VGPU_MODE_ANNOTATION} mps gives a container one card "
+                f"(a process talks to one card's MPS daemon): set {RESOURCE_GPU} to 1, or split the "
+                "work over containers of one card each (docs/mps.md)",
+            )
+    return kinds

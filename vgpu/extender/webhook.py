@@ -48,7 +48,8 @@ from vgpu.core.claimconfig import DRIVER, ConfigEntryError, check_capacity, chec
 from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
 from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
-from vgpu.core.requests import RESOURCE_GPU, RESOURCES, Selection, asks_for_vgpu, parse_pod
+from vgpu.core.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
+from vgpu.core.selection import Selection
 
 Obj = dict[str, Any]
 
@@ -289,7 +290,7 @@ def selects_no_card(selection: Selection, cards: Callable[[], Sequence[ann.Devic
     if not (selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids):
         return None
     known = cards()
-    if not known or any(selection.why_not(d.uuid, d.model, d.mig_dynamic is not None) is None for d in known):
+    if not known or any(selection.why_not_card(d) is None for d in known):
         return None
     models = sorted({d.model for d in known})
     shown = ", ".join(repr(m) for m in models[:_MODELS_SHOWN])
