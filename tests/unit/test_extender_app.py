@@ -658,3 +658,26 @@ def test_a_claims_priority_zero_is_refused_outside_the_listed_namespaces_a_class
     assert check(GUARDED, "DeviceClass")["allowed"] is True
     listed = SchedulerConfig(high_priority_namespaces="ns")
     assert check(listed, "ResourceClaimTemplate")["allowed"] is True
+
+
+@pytest.mark.parametrize("reject_unsatisfiable", [False, True])
+def test_admission_takes_vgpu_mode_mps_and_refuses_it_for_a_container_of_two_cards(
+    state: SchedulerState, reject_unsatisfiable: bool
+) -> None:
+    """No node of this cluster shares a card through MPS yet: the pod is admitted all the same (a
+    node may turn MPS on later); only a container of two cards under mps alone can never be held."""
+    client = create_app(SchedulerConfig(reject_unsatisfiable=reject_unsatisfiable), state).test_client()
+
+    def answer(mode: str, **limits: Any) -> dict[str, Any]:
+        pod = gpu_pod(**limits)
+        pod["metadata"]["annotations"] = {"nvidia.com/vgpu-mode": mode}
+        got: dict[str, Any] = client.post("/webhook/validate", json=review(pod)).get_json()["response"]
+        return got
+
+    assert answer("mps", gpu=1, gpumem=1000, gpucores=30)["allowed"] is True
+    assert answer("mps,hami-core", gpu=2)["allowed"] is True
+    refused = answer("mps", gpu=2)
+    assert not refused["allowed"] and refused["status"]["code"] == 422
+    message = refused["status"]["message"]
+    assert "pod: spec.containers[0].resources.limits[nvidia.com/gpu]" in message
+    assert "set nvidia.com/gpu to 1" in message

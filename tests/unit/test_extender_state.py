@@ -218,6 +218,43 @@ def test_card_gauges_show_capacity_and_what_is_committed_and_skip_unchanged_node
     assert metrics.CARD_MEMORY_ALLOCATED.labels("gauged", "GPU-g")._value.get() == 0
 
 
+def test_each_cards_mode_is_a_gauge_series_that_follows_the_inventory() -> None:
+    from vgpu.extender import metrics
+    from vgpu.extender.sync import refresh_gauges
+
+    def inventory(sharing: str) -> dict[str, Any]:
+        cards = (
+            ann.Device("GPU-m", 0, "m", 1000, 100, 4, sharing=sharing),
+            ann.Device("GPU-t", 1, "m", 1000, 100, 4),
+        )
+        return {
+            "metadata": {
+                "name": "moded",
+                "annotations": {ann.DEVICES_ANNOTATION: ann.encode_devices(ann.NodeInventory(cards))},
+            }
+        }
+
+    def series() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["uuid"], s.labels["mode"]): s.value
+            for metric in metrics.CARD_MODE.collect()
+            for s in metric.samples
+            if s.labels["node"] == "moded"
+        }
+
+    st = state()
+    st.apply_node(inventory("mps"))
+    seen: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+    refresh_gauges(st, metrics, seen)
+    assert series() == {("GPU-m", "mps"): 1, ("GPU-t", "hami-core"): 1}
+    st.apply_node(inventory("timeslice"))  # the node turned MPS off: the mps series goes
+    refresh_gauges(st, metrics, seen)
+    assert series() == {("GPU-m", "hami-core"): 1, ("GPU-t", "hami-core"): 1}
+    st.forget_node("moded")
+    refresh_gauges(st, metrics, seen)
+    assert series() == {}
+
+
 # -- a deleted Node: out of the ledger and the gauges ---------------------------------------------
 
 

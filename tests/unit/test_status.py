@@ -73,8 +73,23 @@ def test_each_card_lists_its_containers_and_totals() -> None:
     assert card_a.shares[0].env == {"CUDA_DEVICE_MEMORY_LIMIT_0": "3000m"}
     text = render_text([status])
     assert "gpu 0 GPU-a A100  mem 8000/80000 MiB  cores 50/100  vgpus 2/10" in text
-    assert "gpu 1 GPU-b A100  mem 1000/80000 MiB  cores 0/100  vgpus 1/10  UNHEALTHY" in text
+    assert "gpu 1 GPU-b A100  mem 1000/80000 MiB  cores 0/100  vgpus 1/10  mode hami-core  UNHEALTHY" in text
     assert "env CUDA_DEVICE_MEMORY_LIMIT_0=3000m" in text
+
+
+def test_each_card_shows_its_mode_as_nvidia_com_vgpu_mode_names_it() -> None:
+    inv = NodeInventory(
+        (
+            Device("GPU-m", 0, "H100", 80000, 100, 10, sharing="mps"),
+            Device("GPU-t", 1, "H100", 80000, 100, 10),
+        )
+    )
+    raw = {"metadata": {"name": "n1", "annotations": {DEVICES_ANNOTATION: encode_devices(inv)}}}
+    [status] = build_status([raw], [], [lease("2026-01-01T11:59:50Z")], NOW)
+    assert [(c.uuid, c.mode) for c in status.cards] == [("GPU-m", "mps"), ("GPU-t", "hami-core")]
+    text = render_text([status])
+    assert "gpu 0 GPU-m H100  mem 0/80000 MiB  cores 0/100  vgpus 0/10  mode mps\n" in text
+    assert "gpu 1 GPU-t H100  mem 0/80000 MiB  cores 0/100  vgpus 0/10  mode hami-core\n" in text
 
 
 def test_an_old_lease_shows_expired_and_a_missing_one_missing() -> None:

@@ -37,6 +37,7 @@ from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError, KubeError
 from vgpu.core.gpumode import DRA, gpu_mode
 from vgpu.core.ledger import ZERO, Ledger
+from vgpu.core.selection import card_kind
 from vgpu.kube.lease import expires_at
 
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"  # written by vgpu_sandbox.kubelet
@@ -84,7 +85,9 @@ def build_status(
             inv = decode_devices(annotations[DEVICES_ANNOTATION])
             inventories[name] = {d.uuid: d for d in inv.devices}
             status.cards = [
-                CardStatus(d.index, d.uuid, d.model, d.memory_mib, d.cores, d.split, d.healthy)
+                CardStatus(
+                    d.index, d.uuid, d.model, d.memory_mib, d.cores, d.split, d.healthy, mode=card_kind(d)
+                )
                 for d in inv.devices
             ]
         except AnnotationError as err:
@@ -225,7 +228,9 @@ def render_text(nodes: list[NodeStatus], finished_too: bool = False) -> str:
             slots = f"claims {len(c.shares)}" if n.mode == DRA else f"vgpus {c.vgpus_used}/{c.split}"
             lines.append(
                 f"  gpu {c.index} {c.uuid} {c.model}  mem {c.memory_used_mib}/{c.memory_mib} MiB  "
-                f"cores {c.cores_used}/{c.cores}  {slots}" + ("" if c.healthy else "  UNHEALTHY")
+                f"cores {c.cores_used}/{c.cores}  {slots}"
+                + (f"  mode {c.mode}" if c.mode else "")
+                + ("" if c.healthy else "  UNHEALTHY")
             )
             lines += shown(c.shares)
         unlisted = shown(n.unplaced)

@@ -42,6 +42,7 @@ class CardStatus:
     memory_used_mib: int = 0
     cores_used: int = 0
     vgpus_used: int = 0
+    mode: str = ""  # hami-core, mps or mig (vgpu.core.selection.card_kind); "" where not known
 
 
 @dataclass

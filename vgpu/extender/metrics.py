@@ -100,6 +100,14 @@ NODE_MEMORY_ALLOCATED = Gauge(
     ["node"],
     multiprocess_mode="livemostrecent",
 )
+CARD_MODE = Gauge(
+    "vgpu_card_mode",
+    "1 on the series of a card's mode: hami-core (time-sliced under the hook), mps (shared through "
+    "its MPS daemon) or mig (cut into MIG instances on demand), as nvidia.com/vgpu-mode names it.",
+    [*_CARD, "mode"],
+    multiprocess_mode="livemostrecent",
+)
+_MODES: dict[tuple[str, str], str] = {}  # (node, uuid) -> the mode whose series is set
 _CARD_GAUGES = (
     CARD_MEMORY_CAPACITY,
     CARD_MEMORY_ALLOCATED,
@@ -116,10 +124,22 @@ def _remove(gauge: Gauge, *labels: str) -> None:
         gauge.remove(*labels)
 
 
+def set_card_mode(node: str, uuid: str, mode: str) -> None:
+    """Set the card's :data:`CARD_MODE` series, removing the one of the mode it had before."""
+    old = _MODES.get((node, uuid))
+    if old is not None and old != mode:
+        _remove(CARD_MODE, node, uuid, old)
+    CARD_MODE.labels(node, uuid, mode).set(1)
+    _MODES[(node, uuid)] = mode
+
+
 def forget_card(node: str, uuid: str) -> None:
     """Remove a card's series: its node is gone, or its inventory no longer lists it."""
     for gauge in _CARD_GAUGES:
         _remove(gauge, node, uuid)
+    mode = _MODES.pop((node, uuid), None)
+    if mode is not None:
+        _remove(CARD_MODE, node, uuid, mode)
 
 
 def forget_node(node: str) -> None:

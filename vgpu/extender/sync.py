@@ -182,6 +182,7 @@ def refresh_gauges(
     inventory (the Node deleted, its inventory unusable) and of a card its inventory dropped.
     """
     from vgpu.core.ledger import ZERO
+    from vgpu.core.selection import card_kind
 
     m.LEADER.set(1 if state.leader.is_set() else 0)
     for reason, n in state.skipped().items():
@@ -196,6 +197,7 @@ def refresh_gauges(
             m.CARD_CORES_ALLOCATED.labels(node, d.uuid).set(u.cores / 100)
             m.CARD_VGPUS_CAPACITY.labels(node, d.uuid).set(d.split)
             m.CARD_VGPUS_ALLOCATED.labels(node, d.uuid).set(u.count)
+            m.set_card_mode(node, d.uuid, card_kind(d))
             total += d.memory_mib
             used += u.memory_mib
         m.NODE_MEMORY_CAPACITY.labels(node).set(total * m.MiB)
