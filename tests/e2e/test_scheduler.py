@@ -624,3 +624,55 @@ def test_a_two_vgpu_container_gets_two_cards_joined_by_nvlink(
     apply_list(sandbox, [pod_manifest("pair", group, {"gpu": 2, "gpumem": 1000})])
     devices = allocation(wait_bound(sandbox, group, "pair")).containers[0].devices
     assert sorted(d.uuid for d in devices) == [f"GPU-{node}-1", f"GPU-{node}-2"]
+
+
+def test_an_mps_pod_lands_only_on_the_mps_card_and_others_never_do(
+    sandbox: Sandbox, make_nodes: Callable[..., tuple[str, list[str]]]
+) -> None:
+    """nvidia.com/vgpu-mode: mps takes only a card the node shares through MPS; an unannotated pod
+    and a hami-core one never land there, and kube-scheduler's reason names the card's mode."""
+
+    def mixed(n: str) -> list[ann.Device]:
+        return [dataclasses.replace(card(n, 0), sharing=ann.SHARING_MPS), card(n, 1)]
+
+    group, (node,) = make_nodes(1, mixed)
+    mps = {"nvidia.com/vgpu-mode": "mps"}
+    core = {"nvidia.com/vgpu-mode": "hami-core"}
+    binpack = {ann.GPU_POLICY_ANNOTATION: "binpack"}
+    apply_list(
+        sandbox,
+        [
+            pod_manifest(f"mps{i}", group, {"gpumem": 1000, "gpucores": 20}, {**mps, **binpack})
+            for i in range(2)
+        ]
+        + [pod_manifest(f"plain{i}", group, {"gpumem": 1000}, binpack) for i in range(2)]
+        + [pod_manifest(f"core{i}", group, {"gpumem": 1000}, {**core, **binpack}) for i in range(2)],
+    )
+    for i in range(2):
+        for name, uuid_ in (
+            (f"mps{i}", f"GPU-{node}-0"),
+            (f"plain{i}", f"GPU-{node}-1"),
+            (f"core{i}", f"GPU-{node}-1"),
+        ):
+            got = allocation(wait_bound(sandbox, group, name)).containers[0].devices
+            assert [d.uuid for d in got] == [uuid_], name
+
+    # a node of MPS cards only: the others wait, told why
+    only, _ = make_nodes(1, lambda n: [dataclasses.replace(card(n, 0), sharing=ann.SHARING_MPS)])
+    apply_list(
+        sandbox,
+        [pod_manifest("plain", only, {"gpumem": 1000}), pod_manifest("core", only, {"gpumem": 1000}, core)],
+    )
+    expected = {
+        "plain": "1 card(s) shared through MPS (mps), taken only by a pod whose nvidia.com/vgpu-mode "
+        "names mps",
+        "core": "1 card(s) shared through MPS (mps), not one nvidia.com/vgpu-mode hami-core takes",
+    }
+    for name, reason in expected.items():
+        wait_for(
+            lambda: any(reason in m for m in failed_scheduling(sandbox, name)),  # noqa: B023
+            f"a FailedScheduling event of {name} naming the card's mode",
+            60,
+            every=0.5,
+        )
+        assert not bound(pods(sandbox, only)[name])
