@@ -39,7 +39,13 @@ DEVICE_CLASS: dict[str, Any] = {
     "metadata": {"name": DRIVER},
     "spec": {
         "selectors": [
-            {"cel": {"expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'}}
+            {
+                "cel": {
+                    "expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+                    f' && (!has(device.attributes["{DRIVER}"].sharing)'
+                    f' || device.attributes["{DRIVER}"].sharing == "timeslice")'
+                }
+            }
         ]
     },
 }

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from chart_support import CHART, REPO, container, find, helm, render, template
 
-from vgpu.core.claimconfig import VgpuConfig, check_entries
-from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, SHARED_SELECTOR
+from vgpu.core.claimconfig import MPS_CLASS, VgpuConfig, check_entries
+from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, MPS_SELECTOR, SHARED_SELECTOR
 from vgpu.plugin.monitor import cli as monitor_cli
 
 K134 = "1.34.0"
@@ -87,6 +87,17 @@ def test_the_device_class_selects_the_driver_by_cel() -> None:
     assert dc["spec"]["selectors"] == [{"cel": {"expression": SHARED_SELECTOR}}]
     mig = find(render(*DRA, kube_version=K136), "DeviceClass", MIG_CLASS)
     assert mig["spec"]["selectors"] == [{"cel": {"expression": MIG_SELECTOR}}]
+    mps = find(render(*DRA, kube_version=K136), "DeviceClass", MPS_CLASS)
+    assert mps["spec"]["selectors"] == [{"cel": {"expression": MPS_SELECTOR}}]
+
+
+def test_dra_sharing_mode_is_the_plugins_flag() -> None:
+    def args(*extra: str) -> list[str]:
+        pod = _pod(render(*DRA, *extra, kube_version=K136), "vgpu-dra-plugin")
+        return list(container(pod, "dra-plugin")["command"])
+
+    assert "--sharing-mode=timeslice" in args()
+    assert "--sharing-mode=mps" in args("--set", "dra.sharingMode=mps")
 
 
 # NVIDIA's runtime gives the plugins their cards, and the claims' folders are plain: nothing
@@ -110,6 +121,7 @@ def test_the_dra_plugin_runs_with_the_shared_flags_at_the_hosts_own_paths() -> N
         "--state-dir=/var/lib/vgpu",
         "--config=/etc/vgpu/device-plugin/node-config.yaml",
         "--mig=off",
+        "--sharing-mode=timeslice",
         "--fake-nvml=/etc/fake/gpus.yaml",
     ]
     # the kubelet dials the socket and the runtime reads the CDI specs by the paths the plugin

@@ -33,6 +33,7 @@ def test_one_device_per_healthy_card_with_the_shared_names() -> None:
     assert gpu0["name"] == "gpu-0" and gpu1["name"] == "gpu-1"
     assert gpu0["attributes"] == {
         "uuid": {"string": "GPU-a"},
+        "sharing": {"string": "timeslice"},
         "productName": {"string": "NVIDIA H200"},
         "index": {"int": 0},
         "numaNode": {"int": 0},
@@ -58,6 +59,18 @@ def test_an_unhealthy_card_leaves_the_slice() -> None:
     s = build_slice("node-a", [CARDS[0], replace(CARDS[1], healthy=False)], 1)
     assert [d["name"] for d in s["spec"]["devices"]] == ["gpu-0"]
     assert fingerprint(s) != fingerprint(build_slice("node-a", CARDS, 1))
+
+
+def test_every_device_carries_the_nodes_sharing_mode_and_a_change_of_mode_is_a_change_of_offer() -> None:
+    mps = build_slice("node-a", CARDS, 1, sharing="mps")
+    assert [d["attributes"]["sharing"] for d in mps["spec"]["devices"]] == [{"string": "mps"}] * 2
+    timeslice = build_slice("node-a", CARDS, 1)
+    assert fingerprint(mps) != fingerprint(timeslice)
+    # a slice of an older plugin, without the attribute, is rewritten with it
+    older = build_slice("node-a", CARDS, 1)
+    for d in older["spec"]["devices"]:
+        del d["attributes"]["sharing"]
+    assert fingerprint(older) is not None and fingerprint(older) != fingerprint(timeslice)
 
 
 def test_memory_scaling_as_the_device_plugins_inventory() -> None:

@@ -11,6 +11,7 @@ Contract 8 (docs/contracts.md). A ResourceClaim (``spec.devices.config``), a tem
         kind: VgpuConfig
         priority: 0                 # 0 high, 1 normal (the default), as nvidia.com/priority
         smPolicy: elastic           # cap or elastic; default: the node config's smPolicy
+        sharing: mps                # timeslice or mps: the card's mode the request must get
 
 The scheduler copies the class's entries and then the claim's into
 ``status.allocation.devices.config`` (``source: FromClass`` / ``FromClaim``), in that order; a
@@ -22,9 +23,10 @@ written, and the DRA plugin resolves each request's configuration with :func:`fo
 it prepares the claim (checking again: a claim written while the webhook was away).
 
 :func:`check_capacity` judges what a claim's requests of the DeviceClass ``vgpu.openaios.io``
-ask of a card: ``cores`` past 100 no card can ever give (an error, so admission refuses it
-rather than the claim waiting Pending with no reason of its own), and ``memory`` under 1Mi, a
-byte count where MiB were surely meant (a warning: the request policy rounds it up to 1Mi).
+(or ``mps.vgpu.openaios.io``) ask of a card: ``cores`` past 100 no card can ever give (an error,
+so admission refuses it rather than the claim waiting Pending with no reason of its own), and
+``memory`` under 1Mi, a byte count where MiB were surely meant (a warning: the request policy
+rounds it up to 1Mi).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from vgpu.core.quantity import quantity_value, shown
 DRIVER = "vgpu.openaios.io"
 API_VERSION = "vgpu.openaios.io/v1"
 KIND = "VgpuConfig"
+MPS_CLASS = f"mps.{DRIVER}"  # the DeviceClass of shares of cards the node shares through MPS
 SM_POLICIES = ("cap", "elastic")
-_FIELDS = ("apiVersion", "kind", "priority", "smPolicy")
+SHARINGS = ("timeslice", "mps")  # a card's mode, as the slice's attribute ``sharing`` says it
+_FIELDS = ("apiVersion", "kind", "priority", "smPolicy", "sharing")
 
 
 class ConfigEntryError(FieldError):
@@ -54,12 +58,14 @@ class VgpuConfig:
 
     priority: int | None = None
     sm_policy: str | None = None
+    sharing: str | None = None  # the card's mode the request must be prepared on (SHARINGS)
 
     def over(self, base: VgpuConfig) -> VgpuConfig:
         """This configuration with ``base``'s fields where this one sets none."""
         return VgpuConfig(
             priority=self.priority if self.priority is not None else base.priority,
             sm_policy=self.sm_policy if self.sm_policy is not None else base.sm_policy,
+            sharing=self.sharing if self.sharing is not None else base.sharing,
         )
 
 
@@ -111,7 +117,15 @@ def parse_parameters(params: Any, field: str, source: str) -> VgpuConfig:
             f"{field}.smPolicy",
             f"must be cap (held to its cores) or elastic (may use idle SMs while alone), got {policy!r}",
         )
-    return VgpuConfig(priority=priority, sm_policy=policy)
+    sharing = params.get("sharing")
+    if sharing is not None and sharing not in SHARINGS:
+        raise ConfigEntryError(
+            source,
+            f"{field}.sharing",
+            f"must be timeslice (a card time-sliced under the hook) or mps (a card shared through MPS, "
+            f"DeviceClass {MPS_CLASS}), got {sharing!r}",
+        )
+    return VgpuConfig(priority=priority, sm_policy=policy, sharing=sharing)
 
 
 def check_entries(entries: Any, field: str, source: str) -> list[Entry]:
@@ -197,7 +211,7 @@ def check_capacity(requests: Any, field: str, source: str) -> list[str]:
         if isinstance(subs, Sequence) and not isinstance(subs, (str, bytes)):
             choices += [(f"{field}[{i}].firstAvailable[{j}]", sub) for j, sub in enumerate(subs)]
         for at, choice in choices:
-            if isinstance(choice, Mapping) and choice.get("deviceClassName") == DRIVER:
+            if isinstance(choice, Mapping) and choice.get("deviceClassName") in (DRIVER, MPS_CLASS):
                 capacity = choice.get("capacity")
                 if isinstance(capacity, Mapping):
                     _capacity(capacity.get("requests"), f"{at}.capacity.requests", source, warnings)

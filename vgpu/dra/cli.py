@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from vgpu.core.claimconfig import SHARINGS
 from vgpu.dra.node import DraSettings, build
 from vgpu.plugin.cli import add_hook_arguments
 from vgpu.plugin.node import serve
@@ -61,6 +62,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="dynamic: cards in MIG mode are offered as partitionable devices, one per profile placement, "
         "their instances made at prepare and reclaimed after (docs/mig.md#mig-with-dra); default off",
     )
+    parser.add_argument(
+        "--sharing-mode",
+        choices=SHARINGS,
+        default="timeslice",
+        help="how the node's whole cards are shared: timeslice (under the hook; DeviceClass "
+        "vgpu.openaios.io) or mps (each card's MPS daemon; DeviceClass mps.vgpu.openaios.io, "
+        "docs/dra.md#mps-shares); default timeslice",
+    )
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 
 
@@ -80,6 +89,7 @@ def settings(args: argparse.Namespace) -> DraSettings:
         driver_host_root=args.driver_host_root,
         slice_interval_s=args.slice_interval,
         mig=args.mig,
+        sharing_mode=args.sharing_mode,
     )
 
 

@@ -42,8 +42,18 @@ MEDIA_COUNTER = "media-extensions"
 COUNTER_SETS_PER_SLICE = 8
 DEVICES_PER_SLICE = 64  # where a device consumes counters
 MIG_TYPE = "mig"
-# The DeviceClasses (charts/vgpu/templates/dra-deviceclass.yaml): shares of whole cards, MIG slices.
-SHARED_SELECTOR = f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+# The DeviceClasses (charts/vgpu/templates/dra-deviceclass.yaml): shares of whole time-sliced cards
+# (a device with no attribute sharing counts as one: slices of older plugins), shares of cards
+# shared through MPS (MPS_CLASS), MIG slices.
+_SHARING = f'device.attributes["{DRIVER}"].sharing'
+SHARED_SELECTOR = (
+    f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+    f' && (!has({_SHARING}) || {_SHARING} == "timeslice")'
+)
+MPS_SELECTOR = (
+    f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+    f' && has({_SHARING}) && {_SHARING} == "mps"'
+)
 MIG_CLASS = f"mig.{DRIVER}"
 MIG_SELECTOR = f'device.driver == "{DRIVER}" && !device.allowMultipleAllocations'
 

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from vgpu.core.claimconfig import SHARINGS
 from vgpu.core.errors import ConfigError
 from vgpu.dra.mig import MIG_MODES, MigNode, in_mig_mode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
@@ -42,6 +43,7 @@ class DraSettings:
     driver_host_root: str = "/"
     slice_interval_s: float = 10.0
     mig: str = "off"  # dynamic: cards in MIG mode offered as partitionable devices (docs/mig.md)
+    sharing_mode: str = "timeslice"  # mps: every whole card shared through its MPS daemon (docs/dra.md)
 
 
 class DraPlugin:
@@ -99,6 +101,13 @@ def build(settings: DraSettings) -> DraPlugin:
             "",
             f"must be off or dynamic (cards in MIG mode as partitionable devices), got {settings.mig!r}",
         )
+    if settings.sharing_mode not in SHARINGS:
+        raise ConfigError(
+            "--sharing-mode",
+            "",
+            f"must be timeslice (cards time-sliced under the hook) or mps (each card's MPS daemon), "
+            f"got {settings.sharing_mode!r}",
+        )
     node_settings = NodeSettings(
         node=settings.node,
         config=settings.config,
@@ -116,7 +125,12 @@ def build(settings: DraSettings) -> DraPlugin:
     hook = hook_install(node_settings, paths)
     client = ResourceClient(str(settings.kubeconfig) if settings.kubeconfig else None)
     publisher = SlicePublisher(
-        settings.node, discovery, client, config.device_memory_scaling, settings.slice_interval_s
+        settings.node,
+        discovery,
+        client,
+        config.device_memory_scaling,
+        settings.slice_interval_s,
+        sharing=settings.sharing_mode,
     )
     mig = MigNode(open_mig(discovery)) if settings.mig == "dynamic" else None
     if mig is None:
@@ -131,6 +145,7 @@ def build(settings: DraSettings) -> DraPlugin:
         hook=hook,
         driver=driver,
         mig=mig,
+        sharing=settings.sharing_mode,
     )
     if mig is not None:
         publisher.mig = preparer.mig_view

@@ -35,10 +35,11 @@ from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra import cdi
 from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.mig import Held, MigNode, MigView, held_of
+from vgpu.dra.prepare_mps import check_sharing, mps_limits
 from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
 from vgpu.hookabi.grant import GRANT_SUFFIX
-from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER, MPS_PIPE_IN_CONTAINER
 from vgpu.plugin import folders, inject
 from vgpu.plugin.answer import limits, write_grant_file
 from vgpu.plugin.config import NodeConfig
@@ -92,6 +93,7 @@ class Preparer:
         driver: DriverFiles | None = None,
         checkpoint: Checkpoint | None = None,
         mig: MigNode | None = None,
+        sharing: str = "timeslice",
     ) -> None:
         self.node = node
         self.paths = paths
@@ -103,6 +105,7 @@ class Preparer:
         self.driver = driver
         self.checkpoint = checkpoint or Checkpoint(paths.state_dir)
         self.mig = mig  # --mig dynamic: the cards in MIG mode, as partitionable devices (dra/mig.py)
+        self.sharing = sharing  # --sharing-mode: the whole cards' mode (mps: prepare_mps.py)
         self._lock = threading.Lock()
         self._caps: dict[str, list[str]] = {}  # MIG device uuid -> its /dev/nvidia-caps nodes
         self.writes = 0  # claims prepared from the API server (not from the checkpoint): tests, logs
@@ -219,11 +222,14 @@ class Preparer:
         devices: list[dict[str, Any]] = []
         folders: list[str] = []
         requests: list[dict[str, Any]] = []
+        mig = {r for r, _ in claim_plan.mig}
         for request, shares in claim_plan.requests().items():
             folder = folder_name(uid, request)
             folders.append(folder)
             config = self._config(claim_plan, request)
-            edits[request] = self._request_files(folder, shares, config)
+            sharing = "timeslice" if request in mig else self.sharing  # a MIG slice is never MPS
+            check_sharing(claim_plan, request, shares, config, sharing, self.paths)
+            edits[request] = self._request_files(folder, shares, config, sharing == "mps")
             for j, share in enumerate(shares):
                 devices.append(
                     {
@@ -276,7 +282,9 @@ class Preparer:
         entries, the defaults (priority 1, the node config's SM policy) where they set none."""
         return claim_plan.config(request).over(VgpuConfig(PRIORITY, self.config.sm_policy))
 
-    def _request_files(self, folder: str, shares: list[Share], config: VgpuConfig) -> cdi.Edits:
+    def _request_files(
+        self, folder: str, shares: list[Share], config: VgpuConfig, mps: bool = False
+    ) -> cdi.Edits:
         """One request's region folder, grant and hook record on the host, and its CDI edits;
         ``config`` is the request's, its fields resolved (the node config's where the claim set none)."""
         nodes: list[str] = []
@@ -296,12 +304,16 @@ class Preparer:
         folders.make(host_dir, self.config.container_folder)  # as the device plugin's (plugin/folders.py)
         node_config = dataclasses.replace(self.config, sm_policy=config.sm_policy or self.config.sm_policy)
         env, grant = limits(shares, node_config, f"{inside}/{REGION_FILE_NAME}", str(config.priority))
+        if mps:  # the card's MPS daemon's client (docs/dra.md#mps-shares)
+            env, grant = mps_limits(env, grant, shares[0])
         grant_file = write_grant_file(self.paths, folder, grant)
         hand_out(self.paths, folder, self.hook)
         mounts: list[tuple[str, str, bool]] = [
             (inside, str(host_dir), False),
             (GRANT_PATH_IN_CONTAINER, str(grant_file), True),
         ]
+        if mps:
+            mounts.append((MPS_PIPE_IN_CONTAINER, str(self.paths.mps_pipe(shares[0].uuid)), True))
         if self.hook is not None:
             mounts += [
                 (CONTAINER_HOOK_PATH, str(self.hook.library), True),

@@ -47,12 +47,14 @@ class SlicePublisher:
         memory_scaling: float = 1.0,
         interval_s: float = 10.0,
         mig: Callable[[], MigView | None] | None = None,
+        sharing: str = "timeslice",
     ) -> None:
         self.node = node
         self.discovery = discovery
         self.client = client
         self.memory_scaling = memory_scaling
         self.interval_s = interval_s
+        self.sharing = sharing  # --sharing-mode: every whole card's mode, the devices' attribute
         self.mig = mig  # --mig dynamic: the MIG cards' view (Preparer.mig_view): a pool of slices
         # --mig off: cards in MIG mode, never offered as shares (CUDA cannot use such a card whole)
         self.unoffered: frozenset[str] = frozenset()
@@ -111,7 +113,13 @@ class SlicePublisher:
             generation = int(((existing.get("spec") or {}).get("pool") or {}).get("generation") or 0)
         offered = [c for c in self.cards() if c.uuid not in self.unoffered]
         desired = build_slice(
-            self.node, offered, generation, self.driver_version, self.memory_scaling, self._node_uid
+            self.node,
+            offered,
+            generation,
+            self.driver_version,
+            self.memory_scaling,
+            self._node_uid,
+            self.sharing,
         )
         if (
             existing is not None
@@ -175,6 +183,7 @@ class SlicePublisher:
             self.driver_version,
             self.memory_scaling,
             self._node_uid,
+            self.sharing,
         )
         extra = mig_slices(base, self.node, list(view.offered) if view else [], self.driver_version, owner)
         desired = [shared, *extra]

@@ -4,8 +4,9 @@ One slice per node holds the whole pool (pool name = node name, ``resourceSliceC
 device per healthy card, named ``gpu-<index>``, with the attributes and capacities of the DRA
 names (docs/dra.md#the-node-plugin): several claims may share a card
 (``allowMultipleAllocations``), each consuming part of its ``memory`` (bytes, whole MiB) and
-``cores`` (percent). ``vgpu dra-plugin`` publishes it (vgpu/dra/publish.py); the benchmark builds
-slices of simulated nodes with the same function.
+``cores`` (percent), and carrying the card's mode as the attribute ``sharing`` (``timeslice``, or
+``mps`` under ``--sharing-mode mps``: docs/dra.md#mps-shares). ``vgpu dra-plugin`` publishes it
+(vgpu/dra/publish.py); the benchmark builds slices of simulated nodes with the same function.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
-from vgpu.core.claimconfig import DRIVER
+from vgpu.core.claimconfig import DRIVER, SHARINGS
 from vgpu.core.errors import VgpuError
 from vgpu.core.quantity import parse_quantity
 from vgpu.plugin.discovery import Card
@@ -58,10 +59,16 @@ def memory_bytes(card: Card, memory_scaling: float = 1.0) -> int:
     return int(card.memory_mib * Fraction(repr(memory_scaling))) * MIB
 
 
-def device(card: Card, driver_version: str = "", memory_scaling: float = 1.0) -> dict[str, Any]:
-    """One card as a slice's device."""
+SHARING = "sharing"  # the attribute of a card's mode: one of SHARINGS (absent: timeslice, older slices)
+
+
+def device(
+    card: Card, driver_version: str = "", memory_scaling: float = 1.0, sharing: str = SHARINGS[0]
+) -> dict[str, Any]:
+    """One card as a slice's device, shared as ``sharing`` says (``timeslice`` or ``mps``)."""
     attributes: dict[str, Any] = {
         "uuid": {"string": card.uuid},
+        SHARING: {"string": sharing},
         "productName": {"string": card.model},
         "index": {"int": card.index},
         "numaNode": {"int": card.numa if card.numa >= 0 else -1},
@@ -104,6 +111,7 @@ def build_slice(
     driver_version: str = "",
     memory_scaling: float = 1.0,
     node_uid: str | None = None,
+    sharing: str = SHARINGS[0],
 ) -> dict[str, Any]:
     """The node's ResourceSlice: its healthy cards, in index order, at pool ``generation``.
 
@@ -123,15 +131,15 @@ def build_slice(
             "driver": DRIVER,
             "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
             "nodeName": node,
-            "devices": [device(c, driver_version, memory_scaling) for c in healthy],
+            "devices": [device(c, driver_version, memory_scaling, sharing) for c in healthy],
         },
     }
 
 
 def fingerprint(slice_obj: dict[str, Any] | None) -> tuple[Any, ...] | None:
     """What a slice offers, in a form that survives the API server's rewriting of quantities
-    (``"1073741824"`` comes back as ``"1Gi"``): per device its name, UUID, memory and cores; the
-    node and pool. None for no slice or one this module could not have written."""
+    (``"1073741824"`` comes back as ``"1Gi"``): per device its name, UUID, mode, memory and cores;
+    the node and pool. None for no slice or one this module could not have written."""
     if not slice_obj:
         return None
     spec = slice_obj.get("spec") or {}
@@ -140,6 +148,7 @@ def fingerprint(slice_obj: dict[str, Any] | None) -> tuple[Any, ...] | None:
             (
                 d["name"],
                 d["attributes"]["uuid"]["string"],
+                (d["attributes"].get(SHARING) or {}).get("string"),
                 parse_quantity(d["capacity"]["memory"]["value"], "memory"),
                 parse_quantity(d["capacity"]["cores"]["value"], "cores"),
             )
