@@ -49,6 +49,23 @@ DEVICE_CLASS: dict[str, Any] = {
         ]
     },
 }
+# A share of a card shared through MPS, as the chart makes it (docs/dra.md#mps-shares).
+MPS_DEVICE_CLASS: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": f"mps.{DRIVER}"},
+    "spec": {
+        "selectors": [
+            {
+                "cel": {
+                    "expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
+                    f' && has(device.attributes["{DRIVER}"].sharing)'
+                    f' && device.attributes["{DRIVER}"].sharing == "mps"'
+                }
+            }
+        ]
+    },
+}
 # A MIG slice, as the chart makes it (docs/mig.md#mig-with-dra: dra-plugin --mig dynamic).
 MIG_DEVICE_CLASS: dict[str, Any] = {
     "apiVersion": "resource.k8s.io/v1",
@@ -114,6 +131,7 @@ def start_plugin(
     sandbox.kubectl("label", "node", node, f"{MODE_LABEL}=dra", "--overwrite")
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
     sandbox.kubectl("apply", "-f", "-", input=json.dumps(MIG_DEVICE_CLASS))
+    sandbox.kubectl("apply", "-f", "-", input=json.dumps(MPS_DEVICE_CLASS))
     sandbox.launch(COMPONENT, argv(sandbox, spec, node, node_root, kubelet_root, gpus_file))
 
     def published() -> bool:

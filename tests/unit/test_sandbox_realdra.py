@@ -120,3 +120,12 @@ def test_mig_needs_dra_on_the_stub_and_turns_the_plugins_mig_on(tmp_path: Path, 
     parser = argparse.ArgumentParser()
     register(parser)
     assert parser.parse_args("up --real-node --dra --mig dynamic --nodes 0".split()).mig == "dynamic"
+
+
+def test_the_sandboxs_device_classes_are_the_charts() -> None:
+    from vgpu_sandbox import realdra
+
+    from vgpu.dra.migslices import MPS_SELECTOR, SHARED_SELECTOR
+
+    for cls, expr in ((realdra.DEVICE_CLASS, SHARED_SELECTOR), (realdra.MPS_DEVICE_CLASS, MPS_SELECTOR)):
+        assert cls["spec"]["selectors"] == [{"cel": {"expression": expr}}]
