@@ -37,6 +37,7 @@ def inventories(draw: st.DrawFn, prefix: str = "n") -> NodeInventory:
                 split=draw(st.integers(1, 4)),
                 numa=draw(st.integers(0, 1)),
                 healthy=draw(st.booleans().map(lambda b: b or draw(st.booleans()))),
+                sharing=draw(st.sampled_from(["timeslice", "timeslice", "mps"])),
             )
         )
     return NodeInventory(devices=tuple(devices))
@@ -61,7 +62,15 @@ def pods(draw: st.DrawFn) -> PodRequest:
     inits = [draw(containers(f"i{k}", True)) for k in range(draw(st.integers(0, 2)))]
     apps = [draw(containers(f"a{k}", False)) for k in range(draw(st.integers(1, 2)))]
     selection = draw(
-        st.sampled_from([Selection(), Selection(use_types=("t4",)), Selection(nouse_uuids=("n-GPU-0",))])
+        st.sampled_from(
+            [
+                Selection(),
+                Selection(use_types=("t4",)),
+                Selection(nouse_uuids=("n-GPU-0",)),
+                Selection(kinds=frozenset({"mps"})),
+                Selection(kinds=frozenset({"mps", "hami-core"})),
+            ]
+        )
     )
     return PodRequest(
         tuple(inits + apps), selection, gpu_policy=draw(st.sampled_from([None, "binpack", "spread"]))
@@ -70,9 +79,16 @@ def pods(draw: st.DrawFn) -> PodRequest:
 
 def oracle_fits(inv: NodeInventory, usage: Mapping[str, Usage], pod: PodRequest) -> bool:
     """Brute force: does any assignment of vGPUs to cards respect every card's limits?"""
-    cards = [d for d in inv.devices if d.healthy and pod.selection.why_not(d.uuid, d.model) is None]
     wanted = [c for c in pod.containers if c.count > 0]
-    choices = [list(itertools.permutations(cards, c.count)) for c in wanted]
+    choices = [
+        list(
+            itertools.permutations(
+                [d for d in inv.devices if d.healthy and pod.selection.why_not_card(d, c.count) is None],
+                c.count,
+            )
+        )
+        for c in wanted
+    ]
     phases = [[c.name for c in phase] for phase in pod.phases()]
     for assignment in itertools.product(*choices):
         placed = {c.name: (c, combo) for c, combo in zip(wanted, assignment, strict=True)}
