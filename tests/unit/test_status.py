@@ -393,6 +393,16 @@ def test_dra_nodes_show_their_slices_cards_and_each_claims_share() -> None:
     assert "    ml/- claim whole/gpu  143360 MiB  cores 100%  allocated" in text
 
 
+def test_a_dra_cards_mode_is_its_shares_attribute_sharing_timeslice_where_absent() -> None:
+    slices = [dra_slice("d1", [(0, "GPU-x", 140), (1, "GPU-y", 140)])]
+    slices[0]["spec"]["devices"][1]["attributes"]["sharing"] = {"string": "mps"}
+    [status] = build_status([], [], [], NOW, slices=slices, claims=[])
+    assert [c.mode for c in status.cards] == ["timeslice", "mps"]
+    assert "  gpu 1 GPU-y NVIDIA H200  mem 0/143360 MiB  cores 0/100  claims 0  mode mps\n" in render_text(
+        [status]
+    )
+
+
 def test_status_reads_the_dra_objects_and_a_dra_node_may_be_named(
     fake_kube: type[FakeKube],
     tmp_path: Path,

@@ -42,7 +42,8 @@ def _capacity(device: dict[str, Any], name: str) -> int | None:
 
 
 def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """node -> device name -> {index, uuid, model, memory_mib, cores} of the driver's slices."""
+    """node -> device name -> {index, uuid, model, memory_mib, cores, mode} of the driver's slices
+    (mode: the share's attribute sharing, ``timeslice`` where absent, or ``mig``)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for s in slices:
         spec = s.get("spec") or {}
@@ -63,6 +64,7 @@ def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str,
                 "model": str(_attr(d, "productName", "string") or ""),
                 "memory_mib": memory // MIB,
                 "cores": cores if cores is not None else 100,
+                "mode": str(_attr(d, "sharing", "string") or "timeslice"),
             }
     return out
 
@@ -82,6 +84,7 @@ def _mig_device(cards: dict[str, dict[str, Any]], d: dict[str, Any]) -> None:
         "model": f"{_attr(d, 'productName', 'string') or ''} (MIG)",
         "memory_mib": memory // MIB,
         "cores": 100,
+        "mode": "mig",
     }
     card = cards.setdefault(parent, entry)
     card["memory_mib"] = max(card["memory_mib"], memory // MIB)
@@ -129,7 +132,9 @@ def add_dra(out: dict[str, NodeStatus], slices: list[dict[str, Any]], claims: li
     for node, cards in devices.items():
         out[node] = NodeStatus(node, "", mode=DRA)
         out[node].cards = [
-            CardStatus(c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True)
+            CardStatus(
+                c["index"], c["uuid"], c["model"], c["memory_mib"], c["cores"], 0, True, mode=c["mode"]
+            )
             for c in sorted(cards.values(), key=lambda c: c["index"])
             if "slice_of" not in c  # a MIG placement: its card is listed once
         ]
