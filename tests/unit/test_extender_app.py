@@ -544,7 +544,14 @@ def test_the_validating_webhook_names_a_selection_that_matches_no_card_of_the_cl
             assert resp["allowed"] and "status" not in resp
             (warning,) = resp["warnings"]
             assert words in warning and warning.endswith("the pod waits Pending until one joins")
-    for fits in ({"nvidia.com/use-gputype": "a100,H200"}, {"nvidia.com/use-gpuuuid": "GPU-1-1"}, {}):
+    # no MPS card in the cluster yet: the mode is not the selection's to judge (a node may turn MPS on)
+    mps_h200 = {"nvidia.com/use-gputype": "H200", "nvidia.com/vgpu-mode": "mps"}
+    for fits in (
+        {"nvidia.com/use-gputype": "a100,H200"},
+        {"nvidia.com/use-gpuuuid": "GPU-1-1"},
+        {},
+        mps_h200,
+    ):
         resp = answer(**fits)
         assert resp["allowed"] and "warnings" not in resp
     state.replace_nodes([])  # no card known yet: nothing to compare with

@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vgpu.core import annotations as ann
@@ -49,7 +50,7 @@ from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import RequestError
 from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
 from vgpu.core.requests import RESOURCE_GPU, RESOURCES, asks_for_vgpu, parse_pod
-from vgpu.core.selection import Selection
+from vgpu.core.selection import KINDS, Selection
 
 Obj = dict[str, Any]
 
@@ -285,12 +286,14 @@ _MODELS_SHOWN = 4
 def selects_no_card(selection: Selection, cards: Callable[[], Sequence[ann.Device]]) -> str | None:
     """Which selection annotation rules out every card the cluster has now, naming what it has.
 
-    None when the pod selects nothing, when some card passes, or when no card is known yet.
+    None when the pod selects nothing, when some card passes, or when no card is known yet. A
+    card's mode (``nvidia.com/vgpu-mode``) is not weighed: a node may turn MPS or MIG on later.
     """
     if not (selection.use_types or selection.nouse_types or selection.use_uuids or selection.nouse_uuids):
         return None
     known = cards()
-    if not known or any(selection.why_not_card(d) is None for d in known):
+    any_kind = replace(selection, kinds=frozenset(KINDS))
+    if not known or any(any_kind.why_not_card(d) is None for d in known):
         return None
     models = sorted({d.model for d in known})
     shown = ", ".join(repr(m) for m in models[:_MODELS_SHOWN])
