@@ -51,6 +51,49 @@ def _mps_env(records: list[Record], mode: str, lift: str) -> str:
     return f"threads {threads}, pinned {pinned}, pipe {where}"
 
 
+def _shares(records: list[Record], mode: str, workload: str, lift: str | None = None) -> dict[str, float]:
+    found = _find(records, "run", mode=mode, lift=lift, workload=workload)
+    return {r["tenant"]: r["share"] for r in found if r.get("share") is not None}
+
+
+def goals(records: list[Record], labels: list[str]) -> list[str]:
+    """Issue 39's goals as it words them, each met or not by this run's figures (absent: not run)."""
+    out: list[str] = []
+
+    def check(what: str, ok: bool | None) -> None:
+        out.append(f"- {what}: {'not run' if ok is None else 'met' if ok else 'MISSED'}")
+
+    def each(mode: str, workload: str, floor: float, lift: str | None = None) -> bool | None:
+        shares = _shares(records, mode, workload, lift)
+        return min(shares.values()) >= floor if len(shares) == 2 else None
+
+    serving = [label for label in labels if label.startswith("serve-")]
+    check("ours-mps prefill: each tenant >= 0.65 of a dedicated card", each("ours-mps", "prefill", 0.65))
+    check("ours-mps decode: each >= 0.95", each("ours-mps", "decode", 0.95))
+    if serving:
+        low, high = serving[0], serving[-1]
+        check(f"ours-mps {low}: each >= 0.70 of dedicated tokens/s", each("ours-mps", low, 0.70))
+        check(f"ours-mps {high}: each >= 0.90", each("ours-mps", high, 0.90))
+    driver = _shares(records, "driver", "prefill")
+    floor = min(driver.values()) if len(driver) == 2 else None
+    check(
+        "caps prefill: each keeps at least what the driver's time-slicing gives",
+        None if floor is None else each("caps", "prefill", floor - 0.01),
+    )
+    lifted = _shares(
+        records,
+        "ours-mps",
+        next((r["workload"] for r in _find(records, "run", lift="ours-mps")), ""),
+        "ours-mps",
+    )
+    probe = {r["tenant"]: r for r in _find(records, "probe", lift="ours-mps")}
+    held = None
+    if len(lifted) == 2 and len(probe) == 2:
+        held = lifted["A"] <= lifted["B"] * 1.1 and probe["A"]["got_mib"] < probe["A"]["asked_mib"]
+    check("ours-mps: the lifting tenant gets no more threads or memory than its grant", held)
+    return out
+
+
 def render(
     records: list[Record],
     labels: list[str],
@@ -101,6 +144,7 @@ def render(
                 f"| {lift} | {tries} | {share} ({workload}) | {got} | {_client(records, mode, lift)} "
                 f"| {_mps_env(records, mode, lift)} |"
             )
+    lines += ["", "Issue 39's goals:", *goals(records, labels)]
     errors = _find(records, "error")
     if errors:
         lines += ["", "Errors:"]

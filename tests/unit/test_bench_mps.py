@@ -411,3 +411,41 @@ def test_the_table_shows_lifts_in_order_with_what_the_tenant_had_after_cuinit() 
         "| threads 50, pinned 0=6144M, pipe B's |" in table
     )
     assert "Errors" not in table
+
+
+def test_the_issues_goals_are_judged_on_each_tenant_and_say_what_did_not_run() -> None:
+    def pair(mode: str, workload: str, a: float, b: float, lift: str | None = None) -> list[dict]:
+        return [
+            {"kind": "run", "mode": mode, "lift": lift, "workload": workload, "tenant": t, "share": s}
+            for t, s in (("A", a), ("B", b))
+        ]
+
+    records = (
+        pair("ours-mps", "prefill", 0.66, 0.65)
+        + pair("ours-mps", "decode", 0.97, 0.94)  # one tenant under the floor misses it
+        + pair("driver", "prefill", 0.57, 0.56)
+        + pair("caps", "prefill", 0.56, 0.58)
+        + pair("ours-mps", "prefill", 0.52, 0.50, lift="ours-mps")
+        + [
+            {
+                "kind": "probe",
+                "mode": "ours-mps",
+                "lift": "ours-mps",
+                "tenant": t,
+                "asked_mib": 7168,
+                "got_mib": 5376,
+            }
+            for t in "AB"
+        ]
+    )
+    lines = mps_table.goals(records, ["prefill", "decode", "serve-1", "serve-32"])
+    assert lines == [
+        "- ours-mps prefill: each tenant >= 0.65 of a dedicated card: met",
+        "- ours-mps decode: each >= 0.95: MISSED",
+        "- ours-mps serve-1: each >= 0.70 of dedicated tokens/s: not run",
+        "- ours-mps serve-32: each >= 0.90: not run",
+        "- caps prefill: each keeps at least what the driver's time-slicing gives: met",
+        "- ours-mps: the lifting tenant gets no more threads or memory than its grant: met",
+    ]
+    records[-2]["got_mib"] = 7168  # the lifting tenant took all it asked: its limit did not hold
+    assert mps_table.goals(records, ["prefill"])[-1].endswith(": MISSED")
