@@ -287,9 +287,10 @@ def run_group(
             )
     except BenchError as err:
         emit(tag | {"kind": "error", "workload": None, "error": str(err)})
-    finally:
+    finally:  # stopped from outside (SIGTERM, Ctrl-C): a tenant mid-run is not waited for
+        grace = 15.0 if sys.exc_info()[0] is None else 1.0
         for w in workers:
-            w.close()
+            w.close(grace)
         if daemon is not None:
             stop_daemon(daemon)
 
@@ -429,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if label == "alone":
                     alone.update({r["workload"]: r["rate"] for r in records if r["kind"] == "run"})
-    finally:
+    finally:  # stopped early too (SIGTERM, Ctrl-C): the table of what was measured
         if out is not None:
             out.close()
-    tries = {name: lift.tries for name, lift in LIFTS.items()}
-    print(render(records, [label for label, _ in specs], args.modes, DESCRIBE, tries))
+        tries = {name: lift.tries for name, lift in LIFTS.items()}
+        print(render(records, [label for label, _ in specs], args.modes, DESCRIBE, tries), flush=True)
     return 0
 
 

@@ -164,7 +164,8 @@ class Worker:
             raise BenchError(f"tenant {self.name}: {message['error']}; stderr: {tail(self.log_path)}")
         return message
 
-    def close(self) -> None:
+    def close(self, grace: float = 15.0) -> None:
+        """Quit, then kill it if it is still up after `grace` s (a run it is in ends first)."""
         try:
             self.send({"cmd": "quit"})
         except BenchError:
@@ -175,7 +176,7 @@ class Worker:
         except OSError:
             pass
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

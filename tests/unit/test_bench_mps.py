@@ -449,3 +449,35 @@ def test_the_issues_goals_are_judged_on_each_tenant_and_say_what_did_not_run() -
     ]
     records[-2]["got_mib"] = 7168  # the lifting tenant took all it asked: its limit did not hold
     assert mps_table.goals(records, ["prefill"])[-1].endswith(": MISSED")
+
+
+def test_sigterm_mid_run_stops_the_daemon_ends_the_tenants_and_prints_what_was_measured(
+    tmp_path: Path, tools: Path
+) -> None:
+    (tmp_path / "libvgpu.so").write_bytes(b"")
+    out = tmp_path / "bench.jsonl"
+    argv = [sys.executable, str(ROOT / "bench" / "bench_mps.py"), "--modes", "mps", "--workloads", "prefill",
+            "--lifts", "none", "--seconds", "3", "--warmup", "0", "--tail", "0",
+            "--worker", str(tools / "worker.py"), "--json", str(out)]  # fmt: skip
+    bench = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # past the alone run, into the mps group's
+            if (
+                out.exists()
+                and '"mode": "mps", "lift": null, "kind": "tenant", "tenant": "B"' in out.read_text()
+            ):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the mps tenants never started")
+    finally:
+        bench.terminate()
+        stopped = time.monotonic()
+        stdout, stderr = bench.communicate(timeout=60)
+    assert bench.returncode == 143, stderr[-2000:]
+    assert time.monotonic() - stopped < 10  # the tenants mid-run were not waited for
+    assert "| workload | alone | mps |" in stdout and "100.0 steps/s" in stdout
+    no_process_left(tmp_path, records_of(out))
