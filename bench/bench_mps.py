@@ -6,7 +6,7 @@ the same workload alone on the card (issue 39).
 
 Needs a GPU (the card nvidia-smi calls 0), PyTorch and, for the MPS modes, nvidia-cuda-mps-control
 on PATH and root (or the card's owner). Each tenant is a process of bench/mps_worker.py: a
-transformer decoder with random fp16 weights (WORKLOADS): prefill (busy kernels), decode
+transformer decoder with random fp16 weights (workloads()): prefill (busy kernels), decode
 (launch-bound), and a serving form at 1, 8 and 32 requests in flight (tokens/s). Modes:
 
   driver    plain time-slicing by the driver, no hook;
@@ -28,6 +28,8 @@ CLOCK_MONOTONIC instant the bench hands both (the barrier); each measures the sa
 tenant asks for --limit-mib + 1024 MiB in chunks (the memory row: what it got). The daemon is
 stopped (`echo quit | nvidia-cuda-mps-control` with its environment) in a finally, and every
 process the bench started is ended. Prints a markdown table; --json writes one JSON line a figure.
+bench/README.md says how to run and read it; mps_procs.py runs the daemon and the tenants,
+mps_table.py makes the tables; tests/unit/test_bench_mps.py runs it all over stand-ins.
 """
 
 from __future__ import annotations
