@@ -364,9 +364,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def stop(*_: object) -> None:
+    """SIGTERM: unwind through every finally (tenants ended, daemon stopped), which a second one
+    must not cut short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too runs the finally blocks
+    signal.signal(signal.SIGTERM, stop)  # `timeout` too runs the finally blocks
     uuid, where, total_mib = card()
     if 2 * (args.limit_mib + 1024) + 8192 > total_mib:
         raise SystemExit(
@@ -408,12 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": where,
         "uuid": uuid,
         "hook": str(args.hook),
-        "seconds": args.seconds,
-        "warmup": args.warmup,
-        "cores": args.cores,
-        "limit_mib": args.limit_mib,
         "foreign_mps_daemon": mps_default,
     }
+    header |= {k: getattr(args, k) for k in ("seconds", "warmup", "cores", "limit_mib")}
     try:
         with tempfile.TemporaryDirectory(prefix="vgpu-bench-mps-") as tmp:
             ctx = Ctx(
