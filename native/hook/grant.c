@@ -113,6 +113,19 @@ static int open_grant(const char **used) {
     return open(env, O_RDONLY | O_CLOEXEC);
 }
 
+int vgpu_grant_read(struct vgpu_grant *copy) {
+    const char *path;
+    int fd = open_grant(&path);
+    if (fd == -2) return 0;
+    if (fd < 0) return -1;
+    ssize_t n = pread(fd, copy, sizeof *copy, 0);
+    close(fd);
+    char why[160];
+    if (n != (ssize_t)sizeof *copy || (copy->seq & 1) || check(copy, why, sizeof why)) return -1;
+    copy->mps_pipe[sizeof copy->mps_pipe - 1] = '\0';
+    return 1;
+}
+
 static void refuse_all(struct vgpu_config *cfg) {
     cfg->enabled = 1;
     for (int i = 0; i < VGPU_MAX_DEVICES; i++) cfg->limit[i] = 1;

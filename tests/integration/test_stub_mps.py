@@ -5,13 +5,12 @@ No hook here: this is the driver's side, which the hook's tests (test_hook_mps.p
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hook_harness import Built, build, env, run
+from hook_harness import Built, MpsPipe, build, env, process_file, run
 
 MIB = 1 << 20
 OUT_OF_MEMORY = 2
@@ -24,21 +23,8 @@ def built() -> Built:
 
 @pytest.fixture
 def pipe() -> Iterator[Path]:
-    """A pipe folder whose control socket listens (a short path: a unix socket's is at most 107 bytes)."""
-    with tempfile.TemporaryDirectory(prefix="mps", dir="/tmp") as d:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(f"{d}/control")
-        sock.listen(64)
-        try:
-            yield Path(d)
-        finally:
-            sock.close()
-
-
-def process_lines(folder: Path) -> dict[str, int]:
-    files = [p for p in folder.iterdir() if "@" in p.name and "." not in p.name]
-    assert len(files) == 1, files
-    return {k: int(v) for k, v in (line.split() for line in files[0].read_text().splitlines())}
+    with MpsPipe() as p:
+        yield p.path
 
 
 def test_a_process_of_a_listening_pipe_is_an_mps_client_held_to_its_pinned_limit(
@@ -55,7 +41,7 @@ def test_a_process_of_a_listening_pipe_is_an_mps_client_held_to_its_pinned_limit
     r = run(built, "t_alloc", "procaddr", "alloc", "128", environ=environ)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (r.int("chunks"), r.int("refused"), r.int("again")) == (4, OUT_OF_MEMORY, 0)
-    assert process_lines(tmp_path) == {"0": 0, "mps": 1, "mps_threads": 40, "mps_pinned": 512 * MIB}
+    assert process_file(tmp_path) == {"0": 0, "mps": 1, "mps_threads": 40, "mps_pinned": 512 * MIB}
 
 
 def test_an_mps_client_with_no_variables_gets_all_threads_and_no_pinned_limit(
@@ -65,7 +51,7 @@ def test_an_mps_client_with_no_variables_gets_all_threads_and_no_pinned_limit(
     r = run(built, "t_alloc", "procaddr", "alloc", "1024", environ=environ)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.int("chunks") == 8  # the whole fake device
-    assert process_lines(tmp_path) == {"0": 0, "mps": 1, "mps_threads": 100, "mps_pinned": 0}
+    assert process_file(tmp_path) == {"0": 0, "mps": 1, "mps_threads": 100, "mps_pinned": 0}
 
 
 def test_with_no_daemon_listening_the_process_runs_outside_mps_and_ignores_the_variables(
@@ -82,4 +68,4 @@ def test_with_no_daemon_listening_the_process_runs_outside_mps_and_ignores_the_v
         r = run(built, "t_alloc", "procaddr", "alloc", "1024", environ=environ)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.int("chunks") == 8
-    assert process_lines(tmp_path) == {"0": 0}
+    assert process_file(tmp_path) == {"0": 0}
