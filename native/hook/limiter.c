@@ -827,11 +827,14 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (!hd) return 0;
     int idx = device_index();
     if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
+    /* under MPS the driver holds compute (the active thread percentage, mps.c): no cap, no flag */
+    if (__atomic_load_n(&vgpu_mps, __ATOMIC_RELAXED)) {
+        stamp(hd, idx, coarse_ns());
+        return 0;
+    }
     uint32_t limit = vgpu_sm_limit(idx);
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
-    /* under MPS the driver holds compute (the active thread percentage, mps.c): no cap, no flag */
-    if (((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) ||
-        __atomic_load_n(&vgpu_mps, __ATOMIC_RELAXED)) {
+    if ((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {
         stamp(hd, idx, coarse_ns());
         return 0;
     }
