@@ -118,10 +118,18 @@ int vgpu_grant_read(struct vgpu_grant *copy) {
     int fd = open_grant(&path);
     if (fd == -2) return 0;
     if (fd < 0) return -1;
-    ssize_t n = pread(fd, copy, sizeof *copy, 0);
+    /* the host changes a grant in place (seq odd meanwhile, a few microseconds): read again until
+     * a whole one comes, for at most about 100 ms */
+    int whole = 0;
+    for (int attempt = 0; attempt < 1000 && !whole; attempt++) {
+        if (attempt) usleep(100);
+        ssize_t n = pread(fd, copy, sizeof *copy, 0);
+        char why[160];
+        whole = n == (ssize_t)sizeof *copy && !(copy->seq & 1) && !check(copy, why, sizeof why);
+        if (n != (ssize_t)sizeof *copy) break;
+    }
     close(fd);
-    char why[160];
-    if (n != (ssize_t)sizeof *copy || (copy->seq & 1) || check(copy, why, sizeof why)) return -1;
+    if (!whole) return -1;
     copy->mps_pipe[sizeof copy->mps_pipe - 1] = '\0';
     return 1;
 }

@@ -85,9 +85,12 @@ static int control_answers(const char *pipe_dir) {
     return err;
 }
 
-/* The grant now, and the variables set from it when it is an MPS one: 1 MPS, 0 not (or none). */
+/* The grant now, and the variables set from it when it is an MPS one: 1 MPS, 0 not (or none),
+ * -1 unreadable (damaged, or held mid-change longer than a writer takes). */
 static int apply(struct vgpu_grant *g) {
-    if (vgpu_grant_read(g) <= 0 || g->sharing != VGPU_SHARING_MPS) return 0;
+    int read = vgpu_grant_read(g);
+    if (read <= 0) return read;
+    if (g->sharing != VGPU_SHARING_MPS) return 0;
     __atomic_store_n(&vgpu_mps, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&env_mu);
     set_variables(g);
@@ -100,7 +103,14 @@ CUresult vgpu_mps_prepare(void) {
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&mu);
     CUresult rc = CUDA_SUCCESS;
-    if (apply(&g)) {
+    int mps = apply(&g);
+    if (mps < 0 && __atomic_load_n(&vgpu_mps, __ATOMIC_RELAXED)) {
+        /* an MPS container whose grant cannot be read now: its variables may be the tenant's */
+        VGPU_LOG(VGPU_LOG_ERROR, "this container's card is shared through MPS, and its grant (" VGPU_GRANT_PATH
+                 ", or VGPU_GRANT_FILE run by hand) cannot be read whole now: cuInit fails rather than start the "
+                 "driver with MPS variables the grant did not set; restart the pod if this persists");
+        rc = CUDA_ERROR_MPS_CONNECTION_FAILED;
+    } else if (mps > 0) {
         int err = g.mps_pipe[0] ? control_answers(g.mps_pipe) : ENOENT;
         if (err) {
             VGPU_LOG(VGPU_LOG_ERROR, "this container's card is shared through MPS, and its MPS control daemon does "

@@ -16,7 +16,7 @@ import pytest
 from hook_harness import Built, MpsPipe, build, env, process_file, run
 
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.hookabi.layout import SHARING_MPS
+from vgpu.hookabi.layout import GRANT_LAYOUT, SHARING_MPS
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -219,3 +219,53 @@ def test_a_process_past_the_hook_is_an_mps_client_only_while_it_keeps_the_pipe(
         assert seen["0"] == 256 * MIB and f"rc={OUT_OF_MEMORY} " in lines[1], lines
     else:
         assert seen["0"] == 1024 * MIB and "rc=0 " in lines[1], lines
+
+
+def paused_before_cuinit(built: Built, environ: dict[str, str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [built.prog("t_alloc"), "link", "alloc", "256"],
+        env=environ | {"T_PAUSE_BEFORE_INIT": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "before_init=1"
+    return proc
+
+
+def poke(path: Path, offset: int, data: bytes) -> None:
+    """Changes the grant in place, as the host's writer does (the same inode, the hook's fd)."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_a_grant_damaged_after_start_fails_cuinit_rather_than_leave_the_tenants_variables(
+    built: Built, pipe: MpsPipe, tmp_path: Path
+) -> None:
+    grant = mps_grant(tmp_path / "grant", pipe.path, tmp_path / "region")
+    proc = paused_before_cuinit(built, mps_env(built, grant, tmp_path / "procs", T_MPS_ENV="raise"))
+    limit = GRANT_LAYOUT.offsets["limit"]
+    poke(grant, limit, (8 * GIB).to_bytes(8, "little"))  # a limit the checksum does not cover
+    out, err = proc.communicate("\n", timeout=30)
+    assert proc.returncode == 3 and f"fatal=cuInit rc={MPS_CONNECTION_FAILED}" in out, out + err
+    assert "cannot be read whole now" in err
+
+
+def test_a_grant_the_host_is_changing_at_cuinit_is_read_again_once_whole(
+    built: Built, pipe: MpsPipe, tmp_path: Path
+) -> None:
+    grant = mps_grant(tmp_path / "grant", pipe.path, tmp_path / "region")
+    proc = paused_before_cuinit(built, mps_env(built, grant, tmp_path / "procs", T_MPS_ENV="raise"))
+    seq = GRANT_LAYOUT.offsets["seq"]
+    poke(grant, seq, (1).to_bytes(8, "little"))  # a change under way
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    time.sleep(0.01)
+    poke(grant, seq, (2).to_bytes(8, "little"))  # done, within the hook's 100 ms of patience
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out + err
+    seen = process_file(tmp_path / "procs")
+    assert (seen["mps"], seen["mps_threads"], seen["mps_pinned"]) == (1, 30, GIB)

@@ -64,6 +64,13 @@ static inline void mps_env_change(void) {
 
 static inline void setup(const char *mode_name) {
     mps_env_change();
+    const char *pause = getenv("T_PAUSE_BEFORE_INIT"); /* after the hook's constructor, before cuInit */
+    if (pause && *pause) {
+        printf("before_init=1\n");
+        fflush(stdout);
+        char line[8];
+        if (!fgets(line, sizeof line, stdin)) die("stdin closed before cuInit", 0);
+    }
     if (strcmp(mode_name, "link") == 0) mode = M_LINK;
     else if (strcmp(mode_name, "dlsym") == 0) mode = M_DLSYM;
     else if (strcmp(mode_name, "procaddr") == 0) mode = M_PROCADDR;
