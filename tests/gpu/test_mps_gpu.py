@@ -139,7 +139,7 @@ class Daemon:
         while not self.answers():
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"{CONTROL} -d: no control socket in {self.pipe} after 15 s; {self.logs()}"
+                    f"{CONTROL} -d: no control socket in {self.pipe} after 15 s; see {self.log}"
                 )
             time.sleep(0.1)
 
@@ -156,9 +156,6 @@ class Daemon:
             [self.binary], input=command + "\n", env=self.env, capture_output=True, text=True, timeout=30
         )
         return out.stdout.strip()
-
-    def logs(self) -> str:
-        return " ".join(f"{p.name}: {p.read_text()[-1500:]!r}" for p in sorted(self.log.glob("*.log")))
 
     def stop(self) -> None:
         pid_file = self.pipe / "nvidia-cuda-mps-control.pid"
@@ -354,45 +351,48 @@ def test_two_mps_clients_of_one_grant_cannot_hold_3_gib_each(
     assert together <= LIMIT_MIB * MIB
 
 
-def bypass(
-    lib: Path, grant_file: Path, unset: str, below: int, target: int
-) -> tuple[Child, dict[str, str], dict[str, str]]:
+def fields(line: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in line.split() if "=" in p)
+
+
+def bypass(nvml: Any, card: str, lib: Path, grant_file: Path, unset: str) -> dict[str, Any]:
+    """t_bypass under the hook: 200 MiB, then (1 s later) 3000 MiB, past the hook; NVML's lists
+    between the two (a client the driver refuses exits after the second)."""
     child = Child(
-        [str(BUILD / "tests" / "t_bypass"), str(below), str(target)],
-        hooked(lib, grant_file, T_BYPASS_UNSET_MPS=unset),
+        [str(BUILD / "tests" / "t_bypass"), "200", "3000"], hooked(lib, grant_file, T_BYPASS_UNSET_MPS=unset)
     )
-    first, second = (dict(p.split("=", 1) for p in child.line().split() if "=" in p) for _ in range(2))
-    return child, first, second
+    try:
+        below = fields(child.line())
+        plain, clients = lists(nvml, card)
+        crossed = fields(child.line())
+        plain_after, _ = lists(nvml, card)
+    finally:
+        child.proc.kill()
+        child.finish()
+    found = {"below": below, "crossed": crossed, "plain": plain, "mps": clients, "after": plain_after}
+    return found | {"pid": child.proc.pid}
 
 
 def test_past_the_hook_the_driver_holds_an_mps_client_to_its_pinned_limit(
     mps: Daemon, lib: Path, tmp_path: Path, card: str, nvml: Any
 ) -> None:
-    child, below, crossed = bypass(lib, grant(tmp_path, card, mps, limit_mib=1000), "0", 200, 3000)
-    try:
-        plain, clients = lists(nvml, card)
-    finally:
-        child.proc.kill()
-        child.finish()
-    record("mps-bypass-pinned", below=below, crossed=crossed, mps_pids=sorted(clients))
-    assert below["rc"] == "0", below
-    assert crossed["rc"] != "0", f"the driver let an MPS client pinned at 1000 MiB take 3000 MiB: {crossed}"
-    assert child.proc.pid in clients and child.proc.pid not in plain
+    got = bypass(nvml, card, lib, grant(tmp_path, card, mps, limit_mib=1000), "0")
+    record("mps-bypass-pinned", **{k: v for k, v in got.items() if k != "after"})
+    assert got["below"]["rc"] == "0", got
+    assert got["crossed"]["rc"] != "0", (
+        f"the driver let an MPS client pinned at 1000 MiB take 3000 MiB: {got}"
+    )
+    assert got["pid"] in got["mps"] and got["pid"] not in got["plain"], got
 
 
 def test_a_process_past_the_hook_that_drops_the_pipe_is_a_plain_process_to_nvml(
     mps: Daemon, lib: Path, tmp_path: Path, card: str, nvml: Any
 ) -> None:
-    child, below, crossed = bypass(lib, grant(tmp_path, card, mps, limit_mib=1000), "1", 200, 3000)
-    try:
-        plain, clients = lists(nvml, card)
-    finally:
-        child.proc.kill()
-        child.finish()
-    record("mps-bypass-plain", below=below, crossed=crossed, plain=plain, mps_pids=sorted(clients))
-    assert below["rc"] == "0" and crossed["rc"] == "0", (below, crossed)  # no MPS limit reached it
-    assert child.proc.pid in plain and child.proc.pid not in clients, (plain, clients)
-    assert (plain[child.proc.pid] or 0) >= 3000 * MIB
+    got = bypass(nvml, card, lib, grant(tmp_path, card, mps, limit_mib=1000), "1")
+    record("mps-bypass-plain", **got)
+    assert got["below"]["rc"] == "0" and got["crossed"]["rc"] == "0", got  # no MPS limit reached it
+    assert got["pid"] in got["plain"] and got["pid"] not in got["mps"], got
+    assert (got["after"].get(got["pid"]) or 0) >= 3000 * MIB, got
 
 
 def test_the_nodes_second_line_kills_a_process_that_dropped_the_pipe_past_its_grant(
@@ -426,7 +426,7 @@ def test_the_nodes_second_line_kills_a_process_that_dropped_the_pipe_past_its_gr
             try:
                 assert "rc=0" in greedy.line(), "the bypasser could not take its first 200 MiB"
                 died = reaped_at(greedy.proc)
-                crossed = dict(p.split("=", 1) for p in greedy.line().split() if "=" in p)
+                crossed = fields(greedy.line())
                 assert crossed["rc"] == "0", crossed
                 wait_for(lambda: died, "the bypassing process to be killed", 5, every=0.005)
                 seconds = (died[0] - int(crossed["mono_ns"])) / 1e9
