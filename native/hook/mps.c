@@ -132,8 +132,7 @@ CUresult vgpu_mps_prepare(void) {
  * asked at cuInit: a process that never starts CUDA needs no daemon). */
 static void at_load(void) __attribute__((constructor));
 static void at_load(void) {
-    static struct vgpu_grant g;
-    vgpu_log_init();
+    static struct vgpu_grant g; /* no log here: VGPU_LOG_LEVEL is read at first use, as before */
     apply(&g);
 }
 
