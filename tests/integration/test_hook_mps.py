@@ -269,3 +269,22 @@ def test_a_grant_the_host_is_changing_at_cuinit_is_read_again_once_whole(
     assert proc.returncode == 0, out + err
     seen = process_file(tmp_path / "procs")
     assert (seen["mps"], seen["mps_threads"], seen["mps_pinned"]) == (1, 30, GIB)
+
+
+def test_a_time_sliced_grant_leaves_mps_alone(built: Built, tmp_path: Path) -> None:
+    """No MPS grant: the hook sets no MPS variable and asks no socket; the driver runs it outside MPS."""
+    grant = tmp_path / "grant"
+    write_grant(
+        grant, Grant(("GPU-stub-0",), (GIB,), (30,), region_path=str(tmp_path / "region"), context_reserve=0)
+    )
+    out = subprocess.run(
+        ["sh", "-c", 'echo "${CUDA_MPS_PIPE_DIRECTORY-unset} ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE-unset}"'],
+        env=mps_env(built, grant, tmp_path / "procs"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["unset", "unset"]
+    r = run(built, "t_alloc", "link", "alloc", "256", environ=mps_env(built, grant, tmp_path / "procs"))
+    assert r.returncode == 0 and r.int("chunks") == 4, r.stdout + r.stderr
+    assert "mps" not in process_file(tmp_path / "procs")
