@@ -13,6 +13,11 @@ capped within 10 % of bare, no cap within the noise.
 Without --gpu it runs over the stub driver (native/hook/build/stub), whose launch is nearly free,
 so the hook's own work shows at full size; with --gpu over the machine's real driver, and it says
 which card. --hook picks another libvgpu.so (for a before/after on one machine).
+
+--mps adds rows under an MPS grant (docs/mps.md) at each cap: the hook makes the process an MPS
+client and keeps its limiter out of the launches (the driver's thread percentage holds compute),
+so these rows should cost what "no cap" costs. Over the stub a socket of this script's stands in
+for the MPS control daemon; with --gpu, --mps-pipe names a running daemon's pipe folder.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ import argparse
 import math
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from vgpu.hookabi.grant import Grant, write_grant
+from vgpu.hookabi.layout import SHARING_MPS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = ROOT / "native" / "hook"
@@ -65,6 +74,22 @@ def run_once(env: dict[str, str], launches: int, repeats: int, burst: int) -> di
     return {key: float(value) for key, value in values.items()}
 
 
+def mps_grant(folder: Path, pipe: Path, cap: int) -> str:
+    """A grant file for an MPS client at ``cap`` % of the threads, no memory limit, no reserve."""
+    path = folder / f"grant-mps-{cap}"
+    grant = Grant(
+        ("GPU-bench-0",),
+        (0,),
+        (cap,),
+        region_path=str(folder / "region"),
+        context_reserve=0,
+        sharing=SHARING_MPS,
+        mps_pipe=str(pipe),
+    )
+    write_grant(path, grant)
+    return str(path)
+
+
 def p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
@@ -87,7 +112,11 @@ def main() -> int:
     parser.add_argument(
         "--compare", type=Path, help="a second libvgpu.so (say, before a change), its rows interleaved too"
     )
+    parser.add_argument("--mps", action="store_true", help="also rows under an MPS grant at each cap")
+    parser.add_argument("--mps-pipe", type=Path, help="with --gpu --mps: a running MPS daemon's pipe folder")
     args = parser.parse_args()
+    if args.mps and args.gpu and args.mps_pipe is None:
+        raise SystemExit("--gpu --mps: name the pipe folder of a running MPS control daemon with --mps-pipe")
     caps = [int(c) for c in args.caps.split(",") if c.strip()]
     if any(not 0 < c < 100 for c in caps):
         raise SystemExit(f"--caps: {args.caps!r}: each cap is a percent from 1 to 99")
@@ -117,11 +146,28 @@ def main() -> int:
             configs[f"{label}, no cap"] = hooked
             for cap in caps:
                 configs[f"{label}, cap {cap} %"] = hooked | {"CUDA_DEVICE_SM_LIMIT": str(cap)}
+        listener = None
+        if args.mps:
+            pipe = args.mps_pipe
+            if pipe is None:  # the stub: a listening socket is all an MPS client asks at cuInit
+                pipe = Path(tmp) / "mps"
+                pipe.mkdir()
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(str(pipe / "control"))
+                listener.listen(128)
+            for cap in caps:
+                configs[f"hook, MPS {cap} %"] = base | {
+                    "LD_PRELOAD": str(hook),
+                    "VGPU_GRANT_FILE": mps_grant(Path(tmp), pipe, cap),
+                    "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(Path(tmp) / "region"),
+                }
         names = list(configs)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 results[name].append(run_once(configs[name], launches, args.repeats, args.burst))
+        if listener is not None:
+            listener.close()
     print(f"bench_launch on {where}")
     print(f"hook {hook}" + (f", compare {other}" if other else ""))
     print(f"{args.rounds} rounds, interleaved; per process {args.repeats} loops of {launches} launches")

@@ -10,6 +10,7 @@
  * allocation until the host rewrites it. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -111,6 +112,31 @@ static int open_grant(const char **used) {
     if (!env || !*env) return -2;
     *used = env;
     return open(env, O_RDONLY | O_CLOEXEC);
+}
+
+int vgpu_grant_read(struct vgpu_grant *copy) {
+    const char *path;
+    int fd = open_grant(&path);
+    if (fd == -2) return 0;
+    if (fd < 0) return -1;
+    /* the host changes a grant in place (seq odd meanwhile, a few microseconds): read again while
+     * a change is under way (seq odd, or moved during the read), for at most about 100 ms; a grant
+     * that fails its checks at a steady even seq is damaged, at once */
+    int whole = 0;
+    for (int attempt = 0; attempt < 1000; attempt++) {
+        if (attempt) usleep(100);
+        uint64_t seq = 1;
+        if (pread(fd, copy, sizeof *copy, 0) != (ssize_t)sizeof *copy) break;
+        if (pread(fd, &seq, sizeof seq, offsetof(struct vgpu_grant, seq)) != (ssize_t)sizeof seq) break;
+        if ((copy->seq & 1) || seq != copy->seq) continue;
+        char why[160];
+        whole = !check(copy, why, sizeof why);
+        break;
+    }
+    close(fd);
+    if (!whole) return -1;
+    copy->mps_pipe[sizeof copy->mps_pipe - 1] = '\0';
+    return 1;
 }
 
 static void refuse_all(struct vgpu_config *cfg) {

@@ -99,12 +99,20 @@ HIDDEN const char *vgpu_grant_path(void);
  * with one load per launch, no call */
 HIDDEN extern const struct vgpu_grant *vgpu_grant_mapped;
 HIDDEN uint64_t vgpu_fnv1a64(const void *data, size_t len);
+/* a private copy of the grant read from its file now, without mapping it or touching the state
+ * above (the constructor's and cuInit's look at the sharing mode): 1 whole, 0 none, -1 unusable */
+HIDDEN int vgpu_grant_read(struct vgpu_grant *copy);
 /* grant.c calls nothing in region.c: region.c reads the grant and keeps its own copy following it */
 
 /* region.c: the limits as they hold now, the grant's where one governs */
 HIDDEN uint32_t vgpu_sm_limit(int idx);
 HIDDEN uint32_t vgpu_priority(void);
 HIDDEN uint32_t vgpu_sm_policy(void);
+
+/* mps.c: a grant with sharing == VGPU_SHARING_MPS makes every process an MPS client of the
+ * grant's pipe, its MPS variables set from the grant before the driver's cuInit */
+extern HIDDEN int vgpu_mps; /* 1 once an MPS grant was seen: the compute limiter stays out of launches */
+HIDDEN CUresult vgpu_mps_prepare(void); /* CUDA_SUCCESS, or why cuInit must fail */
 
 /* track.c: what this process allocated, so frees can be uncharged */
 enum { VGPU_KIND_PTR = 1, VGPU_KIND_HANDLE = 2, VGPU_KIND_ARRAY = 3, VGPU_KIND_MIPMAP = 4, VGPU_KIND_SPILL = 5 };

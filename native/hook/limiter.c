@@ -31,6 +31,7 @@
  *     coarse last_launch_ns stamp. At most FAST_AHEAD launches' prediction may be charged past
  *     the last completed measurement (a deep queue, kernels turning long): beyond, every launch
  *     is measured again.
+ * Under MPS (mps.c) the driver holds compute: every launch takes the no-limit path below.
  * With no limit and no yield or guard flag a launch costs a few relaxed loads and, at most once a
  * millisecond, a store of last_launch_ns[i]. Launches into a capturing stream are forwarded
  * untouched; the limiter's own driver calls run in relaxed capture mode. */
@@ -826,6 +827,11 @@ static inline int enter(struct launch *l, CUstream h, int ptds) {
     if (!hd) return 0;
     int idx = device_index();
     if (idx < 0 || idx >= VGPU_MAX_DEVICES) return 0;
+    /* under MPS the driver holds compute (the active thread percentage, mps.c): no cap, no flag */
+    if (__atomic_load_n(&vgpu_mps, __ATOMIC_RELAXED)) {
+        stamp(hd, idx, coarse_ns());
+        return 0;
+    }
     uint32_t limit = vgpu_sm_limit(idx);
     uint32_t flags = __atomic_load_n(&hd->flags[idx], __ATOMIC_RELAXED);
     if ((limit == 0 || limit >= 100) && !(flags & (VGPU_FLAG_YIELD | VGPU_FLAG_GUARD))) {

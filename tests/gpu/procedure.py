@@ -14,7 +14,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# part -> (the bundle part it needs staged, its modules); about 9, 8 and 9 minutes on an H200
+# part -> (the bundle part it needs staged, its modules); about 9, 8 and 9 minutes on an H200 (a-c)
 PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "a": ("a", ("test_compute_share_gpu.py", "test_compute_gate_gpu.py")),
     "b": ("b", ("test_dra_gpu.py", "test_pod_on_gpu.py", "test_hook_gpu.py", "test_container_on_gpu.py")),
@@ -31,6 +31,9 @@ PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
             "test_plugin_on_gpu.py",
         ),
     ),
+    # MPS mode: the hook, PyTorch and a real MPS control daemon, no real node; bundle part a only
+    # for the node's enforcer (the product's wheels); about 3 minutes
+    "d": ("a", ("test_mps_gpu.py",)),
 }
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,3 +130,40 @@ class Holder:
                 return
             time.sleep(0.005)
         raise AssertionError(f"process {self.proc.pid} still running 10 s after SIGKILL")
+
+
+class MpsPipe:
+    """An MPS pipe folder whose ``control`` socket takes connections, as a running MPS control
+    daemon's does (what the hook and the stub driver ask at cuInit). Made under /tmp: a unix
+    socket's path is at most 107 bytes. ``stop()`` closes and removes the socket (the daemon gone);
+    ``stale()`` leaves its file behind, refusing connections (the daemon died)."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="mps", dir="/tmp"))
+        self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(self.path / "control"))
+        self.sock.listen(128)
+
+    def __enter__(self) -> MpsPipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def stale(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def stop(self) -> None:
+        self.stale()
+        (self.path / "control").unlink(missing_ok=True)
+
+
+def process_file(folder: Path) -> dict[str, int]:
+    """The one process file the stub driver wrote in its STUB_CUDA_PROCESS_DIR ``folder``:
+    ``{"<device>": bytes, "mps": 1, "mps_threads": pct, "mps_pinned": bytes}``."""
+    files = [p for p in folder.iterdir() if "@" in p.name and "." not in p.name]
+    assert len(files) == 1, files
+    return {k: int(v) for k, v in (line.split() for line in files[0].read_text().splitlines())}

@@ -49,9 +49,12 @@ def test_cuGetProcAddress_answers_policed_names_with_the_hook_per_version_and_fl
     assert t[("procaddr", "cuGetProcAddress", "11080", "0")] == ("0", "libvgpu.so", "cuGetProcAddress")
 
 
+def test_cuinit_is_the_hooks_so_an_mps_grant_sets_the_driver_up_first(built: Built) -> None:
+    assert lookups(built)[("procaddr", "cuInit", "12080", "0")] == ("0", "libvgpu.so", "cuInit")
+
+
 def test_names_the_hook_does_not_police_come_straight_from_the_driver_never_null(built: Built) -> None:
     t = lookups(built)
-    assert t[("procaddr", "cuInit", "12080", "0")] == ("0", "libcuda.so.1", "cuInit")
     assert t[("procaddr", "cuCtxGetDevice", "12080", "0")] == ("0", "libcuda.so.1", "cuCtxGetDevice")
     assert t[("dlsym", "cuDeviceGet", "0", "0")][1] == "libcuda.so.1"
     # what the driver refuses stays refused, with its own error code

@@ -25,6 +25,14 @@
  * once per device, across processes, and refuses the next with CUDA_ERROR_OUT_OF_MEMORY, as an
  * H200 (driver 580.159.04, in a VM) made 31 of 200 with 143 GB free. A context takes the flock of
  * one of N files ctx-<device>-<k> in the folder, held while the process lives.
+ * MPS: at cuInit, when $CUDA_MPS_PIPE_DIRECTORY/control (default /tmp/nvidia-mps/control) accepts
+ * a connection, the process is an MPS client, as with the real driver (which otherwise runs it
+ * outside MPS, silently): its process file also gets the lines "mps 1", "mps_threads <pct>"
+ * (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 100 when unset) and "mps_pinned <bytes>" (device 0's
+ * CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "<ordinal>=<n>[K|M|G|T][B],..."; 0 when unset), written at
+ * cuInit and with every allocation, and an allocation past a device's pinned limit fails with
+ * CUDA_ERROR_OUT_OF_MEMORY as MPS refuses it. Old readers of the file skip these lines (no device
+ * is named "mps...").
  * STUB_CUDA_PROC_TRAMPOLINES=1: cuGetProcAddress hands out internal addresses, not the exported
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
@@ -37,6 +45,8 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "../api.h"
@@ -72,6 +82,9 @@ enum { K_PTR = 1, K_HANDLE, K_ARRAY, K_MIPMAP };
 static struct alloc { unsigned long long key, size; int dev, kind, backed; } *allocs;
 static size_t nallocs, capallocs;
 static unsigned long long next_addr = 0x7f0000000000ULL, next_handle = 1;
+/* MPS client state, set at cuInit (see the top). */
+static int mps_client, mps_threads = 100;
+static unsigned long long mps_pinned[MAX_DEV];
 
 /* This process's file in STUB_CUDA_PROCESS_DIR (<pid>@<start time>), or NULL when none is asked for. */
 static const char *proc_path(void) {
@@ -125,6 +138,7 @@ static void record_usage(void) {
         device_key(d, key, sizeof key);
         fprintf(f, "%s %llu\n", key, dev_used[d]);
     }
+    if (mps_client) fprintf(f, "mps 1\nmps_threads %d\nmps_pinned %llu\n", mps_threads, mps_pinned[0]);
     if (fclose(f) == 0) rename(tmp, path);
 }
 
@@ -190,7 +204,8 @@ static CUresult take(int dev, unsigned long long size, int kind, unsigned long l
     if (dev < 0 || dev >= ndev) return CUDA_ERROR_INVALID_DEVICE;
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
-    if (dev_used[dev] + size > dev_mem || over_cgroup_cap(dev, size)) {
+    if (dev_used[dev] + size > dev_mem || (mps_client && mps_pinned[dev] && dev_used[dev] + size > mps_pinned[dev]) ||
+        over_cgroup_cap(dev, size)) {
         pthread_mutex_unlock(&mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -239,13 +254,60 @@ static CUresult alloc_current(CUdeviceptr *dptr, size_t size) {
     return take(current_dev(), size, K_PTR, dptr);
 }
 
+/* 1 when the MPS control daemon's socket in the pipe folder takes a connection. */
+static int mps_listening(void) {
+    const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (snprintf(addr.sun_path, sizeof addr.sun_path, "%s/control", dir && *dir ? dir : "/tmp/nvidia-mps") >=
+        (int)sizeof addr.sun_path)
+        return 0;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int ok = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0;
+    close(fd);
+    return ok;
+}
+
+/* CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: "<ordinal>=<n>[K|M|G|T][B]" pairs, comma-separated. */
+static void mps_parse_pinned(const char *v) {
+    while (v && *v) {
+        char *end;
+        long dev = strtol(v, &end, 10);
+        if (*end == '=') {
+            unsigned long long n = strtoull(end + 1, &end, 10);
+            int shift = 0;
+            switch (*end) {
+            case 'K': case 'k': shift = 10, end++; break;
+            case 'M': case 'm': shift = 20, end++; break;
+            case 'G': case 'g': shift = 30, end++; break;
+            case 'T': case 't': shift = 40, end++; break;
+            }
+            if (*end == 'B' || *end == 'b') end++;
+            if (dev >= 0 && dev < MAX_DEV) mps_pinned[dev] = n << shift;
+        }
+        v = strchr(end, ',');
+        if (v) v++;
+    }
+}
+
 CUresult impl_cuInit(unsigned int flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
     const char *d = getenv("STUB_CUDA_DEVICES"), *m = getenv("STUB_CUDA_MEMORY_MIB");
     if (d) ndev = atoi(d) > 0 && atoi(d) <= MAX_DEV ? atoi(d) : 1;
     if (m) dev_mem = strtoull(m, NULL, 10) << 20;
     for (int i = 0; i < MAX_DEV; i++) ctxs[i].dev = i;
+    pthread_mutex_lock(&mu);
+    if (!initialized && mps_listening()) {
+        /* the driver reads the MPS variables once, at its first cuInit */
+        const char *t = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+        double pct = t && *t ? strtod(t, NULL) : 100;
+        mps_threads = pct >= 1 && pct <= 100 ? (int)(pct + 0.5) : 100;
+        mps_parse_pinned(getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+        mps_client = 1;
+        record_usage();
+    }
     initialized = 1;
+    pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
 

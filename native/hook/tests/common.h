@@ -43,7 +43,34 @@ static inline void *resolve(const char *versioned, void *linked, const char *bas
 }
 #define R(name, base) ((__typeof__(&name))resolve(#name, (void *)&name, base))
 
+/* T_MPS_ENV: the process changes its MPS variables after it started (after the hook's constructor
+ * set them), before its cuInit: "unset" drops all three, "raise" asks for all threads, 64 GiB
+ * pinned on device 0 and another pipe folder. */
+static inline void mps_env_change(void) {
+    const char *how = getenv("T_MPS_ENV");
+    if (!how || !*how) return;
+    if (strcmp(how, "unset") == 0) {
+        unsetenv("CUDA_MPS_PIPE_DIRECTORY");
+        unsetenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+        unsetenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
+    } else if (strcmp(how, "raise") == 0) {
+        setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/t-mps-elsewhere", 1);
+        setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100", 1);
+        setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=64G", 1);
+    } else {
+        die("T_MPS_ENV is unset or raise", 0);
+    }
+}
+
 static inline void setup(const char *mode_name) {
+    mps_env_change();
+    const char *pause = getenv("T_PAUSE_BEFORE_INIT"); /* after the hook's constructor, before cuInit */
+    if (pause && *pause) {
+        printf("before_init=1\n");
+        fflush(stdout);
+        char line[8];
+        if (!fgets(line, sizeof line, stdin)) die("stdin closed before cuInit", 0);
+    }
     if (strcmp(mode_name, "link") == 0) mode = M_LINK;
     else if (strcmp(mode_name, "dlsym") == 0) mode = M_DLSYM;
     else if (strcmp(mode_name, "procaddr") == 0) mode = M_PROCADDR;

@@ -13,7 +13,11 @@
  * launches 1 ms kernels (the stub's STUB_CUDA_KERNEL_US) on the legacy stream, waiting for the
  * queue every 16 launches, for SECONDS of wall time, as a program that bypasses the compute limit
  * would: says "started mono_ns=...", then "second=N share=..." (the stub's busy time over each
- * wall second) and at the end "share=... wall_ns=...". Only the node's freezer can hold it. */
+ * wall second) and at the end "share=... wall_ns=...". Only the node's freezer can hold it.
+ *
+ * T_BYPASS_UNSET_MPS=1: unset CUDA_MPS_PIPE_DIRECTORY (which the hook's constructor set under an
+ * MPS grant) before its cuInit, so the driver runs it outside MPS: on an MPS card it is a plain
+ * compute process, past the MPS limits, which only the node's second line can see. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
@@ -102,6 +106,8 @@ static int launch_for(struct link_map *lm, double seconds) {
 
 int main(int argc, char **argv) {
     if (argc != 3) fail("usage: t_bypass BELOW_MIB TARGET_MIB | t_bypass launch SECONDS");
+    const char *unset_mps = getenv("T_BYPASS_UNSET_MPS");
+    if (unset_mps && strcmp(unset_mps, "1") == 0) unsetenv("CUDA_MPS_PIPE_DIRECTORY");
     unsigned long long below = strtoull(argv[1], NULL, 10) << 20, target = strtoull(argv[2], NULL, 10) << 20;
     void *handle = dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!handle) fail("dlmopen libcuda.so.1");
