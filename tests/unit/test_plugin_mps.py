@@ -92,6 +92,12 @@ def test_each_card_gets_its_daemon_with_its_own_pipe_and_log(daemons: MpsDaemons
     env = daemons.env("GPU-a")
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemons.paths.mps_pipe("GPU-a"))
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(daemons.control_binary).parent)  # the server's
+    daemons.library_dirs = ["/driver-root/usr/lib/x86_64-linux-gnu"]
+    assert (
+        daemons.env("GPU-a")["LD_LIBRARY_PATH"].split(os.pathsep)[0]
+        == "/driver-root/usr/lib/x86_64-linux-gnu"
+    )
 
 
 def test_a_live_daemon_is_adopted_not_started_again(daemons: MpsDaemons, tmp_path: Path) -> None:

@@ -58,9 +58,19 @@ class MpsDaemons:
         self._up: dict[str, bool] = {}
         self.restarts: dict[str, int] = dict.fromkeys(self.uuids, 0)
         self.errors: dict[str, str] = {}  # why a card's daemon is down (logged once per change)
+        # where the driver's libraries are when the tool is the host's, run from the driver root in
+        # the plugin's pod (driverInject plugin or cdi): the daemon and its server load libcuda
+        self.library_dirs: list[str] = []
 
     def env(self, uuid: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        folder = os.path.dirname(self.control_binary)
+        if folder:  # the daemon starts nvidia-cuda-mps-server, found beside it
+            env["PATH"] = os.pathsep.join(p for p in (folder, env.get("PATH", "")) if p)
+        if self.library_dirs:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                [*self.library_dirs, env.get("LD_LIBRARY_PATH", "")]
+            ).rstrip(os.pathsep)
         env.update(
             CUDA_VISIBLE_DEVICES=uuid,
             CUDA_MPS_PIPE_DIRECTORY=str(self.paths.mps_pipe(uuid)),

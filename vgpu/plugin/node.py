@@ -165,6 +165,8 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         mps_control=mps_control(settings, config),
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
+    if daemon.mps is not None:
+        daemon.mps.library_dirs = mps_library_dirs(settings)
     return daemon
 
 
@@ -180,6 +182,19 @@ def mps_control(settings: NodeSettings, config: NodeConfig) -> str:
             ", ".join(BIN_DIRS),
         )
     return str(found) if found is not None else CONTROL_BINARY
+
+
+def mps_library_dirs(settings: NodeSettings) -> list[str]:
+    """The folder of the driver's libraries under the driver root, for the host's MPS tool run in
+    the plugin's pod; none where the root is the plugin's own (the runtime gave it the driver)."""
+    if settings.driver_root == Path("/") or settings.fake_nvml is not None:
+        return []
+    try:
+        found = find_driver(settings.driver_root, settings.driver_host_root, settings.root / "dev")
+    except ConfigError as err:
+        log.warning("sharingMode: mps: the driver's libraries are not under the driver root (%s)", err)
+        return []
+    return [str(found.nvml.parent)] if found.nvml is not None else []
 
 
 def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -> MigControl | None:
