@@ -57,6 +57,7 @@ class MpsDaemons:
         self.uuids = list(dict.fromkeys(uuids))
         self._up: dict[str, bool] = {}
         self.restarts: dict[str, int] = dict.fromkeys(self.uuids, 0)
+        self._died: set[str] = set()  # found dead, not yet running again
         self.errors: dict[str, str] = {}  # why a card's daemon is down (logged once per change)
         # where the driver's libraries are when the tool is the host's, run from the driver root in
         # the plugin's pod (driverInject plugin or cdi): the daemon and its server load libcuda
@@ -123,10 +124,13 @@ class MpsDaemons:
                 continue
             was = self._up.get(uuid)
             if was:
-                self.restarts[uuid] += 1
+                self._died.add(uuid)
                 log.warning("MPS daemon of card %s died: starting it again", uuid)
             problem = self._start(uuid)
             if problem is None:
+                if uuid in self._died:  # counted once it runs again
+                    self._died.discard(uuid)
+                    self.restarts[uuid] += 1
                 log.info("MPS daemon of card %s started (pipe %s)", uuid, self.paths.mps_pipe(uuid))
                 self.errors.pop(uuid, None)
                 self._up[uuid] = True
