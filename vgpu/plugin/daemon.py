@@ -171,7 +171,7 @@ class Daemon:
         if self.mps is None:
             return
         for uuid, up in self.mps.ensure().items():
-            if not up and uuid not in self._mps_down:
+            if not up:  # every check: a health event may have marked the card healthy meanwhile
                 self._mps_down.add(uuid)
                 self.state.set_health(uuid, False)
             elif up and uuid in self._mps_down:
