@@ -213,3 +213,13 @@ def test_an_mps_container_on_two_cards_fails_with_the_fix(tmp_path: Path) -> Non
     )
     with pytest.raises(PodFailure, match=r"one card.*nvidia.com/vgpu-mode: mps"):
         container_response(DeviceState(CARDS, MPS), MPS, HostPaths(tmp_path), None, "n", "u", container, "1")
+
+
+def test_a_failing_daemon_is_down_with_what_it_said(tmp_path: Path) -> None:
+    tool = tmp_path / "bin/nvidia-cuda-mps-control"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 1\n")
+    tool.chmod(0o755)
+    d = MpsDaemons(HostPaths(tmp_path / "root"), str(tool), ["GPU-a"])
+    assert d.ensure() == {"GPU-a": False} and not d.up("GPU-a")
+    assert "exited 1: An instance of this daemon is already running" in d.errors["GPU-a"]

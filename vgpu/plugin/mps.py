@@ -87,22 +87,29 @@ class MpsDaemons:
 
     def _start(self, uuid: str) -> str | None:
         """Start the card's daemon; None when its socket opened, else why not (with the fix)."""
+        # the daemon's stderr goes to a file, not a pipe: a daemon that kept a pipe open would
+        # hold this call until its time-out
+        said = self.paths.mps_log(uuid) / "start.err"
         try:
             self._folders(uuid)
-            done = subprocess.run(
-                [self.control_binary, "-d"],
-                env=self.env(uuid),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                timeout=START_WAIT_S,
-                check=False,
-            )
+            with open(said, "wb") as err_file:
+                done = subprocess.run(
+                    [self.control_binary, "-d"],
+                    env=self.env(uuid),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err_file,
+                    timeout=START_WAIT_S,
+                    check=False,
+                )
         except (OSError, subprocess.SubprocessError) as err:
             return f"cannot run {self.control_binary} -d ({err})"
         if done.returncode != 0:
-            said = done.stderr.decode(errors="replace").strip()[-300:]
-            return f"{self.control_binary} -d exited {done.returncode}: {said or 'no message'}"
+            try:
+                text = said.read_text(errors="replace").strip()[-300:]
+            except OSError:
+                text = ""
+            return f"{self.control_binary} -d exited {done.returncode}: {text or 'no message'}"
         deadline = time.monotonic() + START_WAIT_S
         pipe = self.paths.mps_pipe(uuid)
         while time.monotonic() < deadline:
