@@ -16,9 +16,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Protocol
 
-from vgpu.core.annotations import ContainerAllocation, DeviceAllocation
+from vgpu.core.annotations import SHARING_MPS, ContainerAllocation, DeviceAllocation
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER
+from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER, MPS_PIPE_IN_CONTAINER
+from vgpu.hookabi.layout import SHARING_MPS as SHARING_MPS_GRANT
+from vgpu.hookabi.layout import SHARING_TIMESLICE as SHARING_TIMESLICE_GRANT
 from vgpu.plugin import folders, inject
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
@@ -88,7 +90,8 @@ def container_response(
     # folder is open to all; its parent is closed (0700), so on the host only root reaches it; a
     # tmpfs of its own with containerFolder: tmpfs (vgpu/plugin/folders.py).
     folders.make(host_dir, config.container_folder)
-    envs, grant = limits(shares, config, f"{inside}/{REGION_FILE_NAME}", priority)
+    mps = mps_card(state, container, node)
+    envs, grant = limits(shares, config, f"{inside}/{REGION_FILE_NAME}", priority, mps=mps is not None)
     record = write_grant_file(paths, host_dir.name, grant)
     # Which hook version the container gets, where it cannot reach: the version stays on the
     # host while the record does (vgpu/plugin/hooklib.py).
@@ -102,6 +105,12 @@ def container_response(
             api_pb2.Mount(container_path=CONTAINER_HOOK_PATH, host_path=str(hook.library), read_only=True),
             api_pb2.Mount(container_path="/etc/ld.so.preload", host_path=str(hook.preload), read_only=True),
         ]
+    if mps is not None:  # the card's MPS daemon's pipe folder, read-only (the hook enforces its use)
+        mounts.append(
+            api_pb2.Mount(
+                container_path=MPS_PIPE_IN_CONTAINER, host_path=str(paths.mps_pipe(mps)), read_only=True
+            )
+        )
     if driver is not None:
         mounts += driver.mounts()
     uuids = [d.uuid for d in shares]
@@ -116,6 +125,26 @@ def container_response(
     return api_pb2.ContainerAllocateResponse(
         envs=envs, mounts=mounts, devices=devices, cdi_devices=cdi_devices
     )
+
+
+def mps_card(state: DeviceState, container: ContainerAllocation, node: str) -> str | None:
+    """The MPS card of ``container`` (None: its cards are time-sliced); ``PodFailure`` for a
+    placement MPS cannot serve: more than one card, or MPS and time-sliced cards mixed."""
+    on_mps = []
+    for d in container.devices:
+        card = state.card(d.uuid)
+        whole = card is not None and state.mig_device(d.uuid) is None
+        if card is not None and whole and state.offered(card).sharing == SHARING_MPS:
+            on_mps.append(d.uuid)
+    if not on_mps:
+        return None
+    if len(container.devices) != 1:
+        raise PodFailure(
+            f"container {container.name} is placed on {len(container.devices)} cards, {len(on_mps)} of them "
+            f"in MPS mode on node {node}: an MPS container gets one card (one process talks to one MPS "
+            "daemon); ask nvidia.com/gpu: 1 with nvidia.com/vgpu-mode: mps (docs/mps.md)"
+        )
+    return on_mps[0]
 
 
 def write_grant_file(paths: HostPaths, folder_name: str, grant: Grant) -> Path:
@@ -143,10 +172,14 @@ class Share(Protocol):
 
 
 def limits(
-    devices: Sequence[Share], config: NodeConfig, region_path: str, priority: str
+    devices: Sequence[Share], config: NodeConfig, region_path: str, priority: str, mps: bool = False
 ) -> tuple[dict[str, str], Grant]:
     """Contract 4's environment and the grant for a container holding ``devices`` (the device
-    plugin's Allocate and the DRA plugin's prepared claims hold a container alike)."""
+    plugin's Allocate and the DRA plugin's prepared claims hold a container alike).
+
+    ``mps``: the card runs an MPS daemon (docs/mps.md): the grant makes the container its client
+    through :data:`MPS_PIPE_IN_CONTAINER`, its cores the active thread percentage; the MPS
+    variables here are a convenience, the hook sets them from the grant before cuInit."""
     envs = {
         "NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in devices),
         "CUDA_DEVICE_MEMORY_SHARED_CACHE": region_path,
@@ -163,6 +196,14 @@ def limits(
     if config.oversubscribe:
         envs["CUDA_OVERSUBSCRIBE"] = "true"
     envs["CUDA_SM_POLICY"] = config.sm_policy
+    if mps:
+        envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+        threads = min(devices[0].cores, 100) if devices else 0
+        if threads > 0:  # 0: no thread cap, the daemon's default (every SM)
+            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
+        envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+            f"{i}={d.memory_mib}M" for i, d in enumerate(devices)
+        )
     # The limits themselves go where the container can only read them: the hook takes them
     # from the grant at GRANT_PATH_IN_CONTAINER and ignores the environment's copy above.
     grant = Grant(
@@ -174,5 +215,7 @@ def limits(
         sm_policy=1 if config.sm_policy == "elastic" else 0,
         oversubscribe=config.oversubscribe,
         region_path=region_path,
+        sharing=SHARING_MPS_GRANT if mps else SHARING_TIMESLICE_GRANT,
+        mps_pipe=MPS_PIPE_IN_CONTAINER if mps else "",
     )
     return envs, grant

@@ -77,6 +77,7 @@ class NodeConfig:
     default_cores: int = 0  # the scheduler's defaultCores
     container_folder: str = "directory"  # containerFolder: tmpfs or directory (vgpu/plugin/folders.py)
     mig_strategy: str = "none"  # migStrategy: none, single, mixed or dynamic (docs/mig.md)
+    sharing_mode: str = "timeslice"  # sharingMode: timeslice or mps (docs/mps.md)
 
     @cached_property
     def request_settings(self) -> SchedulerConfig:
@@ -97,7 +98,9 @@ _FIELDS = {
     "defaultCores": "default_cores",
     "containerFolder": "container_folder",
     "migStrategy": "mig_strategy",
+    "sharingMode": "sharing_mode",
 }
+SHARING_MODES = ("timeslice", "mps")
 MIG_STRATEGIES = ("none", "single", "mixed", "dynamic")
 SM_POLICIES = ("cap", "elastic")
 INJECT_MODES = ("plugin", "cdi", "runtime")
@@ -231,6 +234,14 @@ def _apply(cfg: NodeConfig, doc: dict[str, Any], source: str, prefix: str) -> No
                 f"MIG device as nvidia.com/mig-<profile>) or dynamic (MIG on demand: each vGPU a MIG "
                 f"instance made at Allocate and reclaimed after), got {value!r}",
             )
+        elif key == "sharingMode" and value not in SHARING_MODES:
+            raise ConfigError(
+                source,
+                path,
+                f"must be timeslice (containers share each card in time slices under the hook) or mps "
+                f"(each card's MPS daemon shares it by threads; pods opt in with nvidia.com/vgpu-mode: "
+                f"mps, docs/mps.md), got {value!r}",
+            )
         elif key == "cdiKind" and (not isinstance(value, str) or not _RESOURCE.match(value)):
             raise ConfigError(source, path, f"must be a CDI kind like nvidia.com/gpu, got {value!r}")
         cfg = replace(cfg, **{_FIELDS[key]: value})
@@ -263,6 +274,15 @@ def parse_node_config(text: str, node: str, source: str) -> NodeConfig:
             where,
             f"{cfg.device_memory_scaling} promises more memory than the cards have; "
             "set oversubscribe: true to spill the excess to host memory, or use a value <= 1",
+        )
+    if cfg.sharing_mode == "mps" and cfg.mig_strategy == "dynamic":
+        where = f"nodes.{node}." if "sharingMode" in own or "migStrategy" in own else ""
+        raise ConfigError(
+            source,
+            f"{where}sharingMode",
+            "sharingMode: mps cannot go with migStrategy: dynamic (a card is either cut into MIG instances "
+            "on demand or shared through its MPS daemon): set sharingMode: timeslice, or another "
+            "migStrategy",
         )
     return cfg
 

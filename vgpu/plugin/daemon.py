@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from vgpu.core.annotations import SHARING_MPS
 from vgpu.core.errors import KubeError
 from vgpu.core.service import Service
 from vgpu.plugin.allocate import Allocator, PodSource
@@ -27,6 +28,7 @@ from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import region_usage
 from vgpu.plugin.monitor.enforce import PodActions
 from vgpu.plugin.monitor.service import NodeMonitor
+from vgpu.plugin.mps import CONTROL_BINARY, MpsCollector, MpsDaemons
 from vgpu.plugin.paths import HostPaths, sweep_container_dirs
 from vgpu.plugin.report import NodeAPI, NodeReporter
 from vgpu.plugin.server import PluginServer
@@ -57,6 +59,8 @@ class Daemon:
     mig: MigControl | None = None
     # migStrategy: dynamic: the cards' MIG control (vgpu/plugin/mig.py); None: no MIG on demand
     dynamic_mig: MigControl | None = None
+    # sharingMode: mps: the MPS control tool run for each MPS card (vgpu/plugin/mps.py)
+    mps_control: str = CONTROL_BINARY
 
     def __post_init__(self) -> None:
         cards = self.discovery.cards()
@@ -76,6 +80,12 @@ class Daemon:
             )
             self.state.mig_dynamic = self.dynamic.describe
             self.allocator.dynamic = self.dynamic
+        self.mps: MpsDaemons | None = None
+        mps_cards = [c.uuid for c in self.state.cards() if self.state.offered(c).sharing == SHARING_MPS]
+        if mps_cards:
+            self.mps = MpsDaemons(self.paths, self.mps_control, mps_cards)
+        self.mps_check_s = 2.0
+        self._mps_down: set[str] = set()  # cards this plugin reported unhealthy for their daemon
         self.reclaim_s = 5.0  # how often instances no live pod names are reclaimed
         # The order pods arrive on the node is kubelet's admission order: watch it where the
         # client can (vgpu.kube.client can; the tests' in-memory clients cannot, and lists stand in).
@@ -110,6 +120,8 @@ class Daemon:
         )
         if self.dynamic is not None:
             self.monitor.extra_collectors.append(MigCollector(self.dynamic))
+        if self.mps is not None:
+            self.monitor.extra_collectors.append(MpsCollector(self.node, self.mps))
         self._stop = threading.Event()  # ends the health and sweep loops
         self._health = Service(
             "dp-health", lambda stop: watch_health(self.discovery, self.state, stop), self._stop
@@ -120,6 +132,7 @@ class Daemon:
             lambda stop: self.dynamic.run(stop, self.reclaim_s) if self.dynamic else None,
             self._stop,
         )
+        self._mps_watch = Service.every("dp-mps", self.mps_check_s, self._check_mps, self._stop, log)
         self.sweep_s = 60.0
         self.sweep_min_age_s = 300.0
 
@@ -142,12 +155,28 @@ class Daemon:
                 len(done.busy),
             )
             self._reclaimer.start()
+        if self.mps is not None:  # before kubelet hears of the cards: their pods need the daemons
+            self._check_mps()
+            self._mps_watch.start()
         self.reporter.start()
         for server in self.servers:
             server.start()
         self._health.start()
         self._sweeper.start()
         self.monitor.start()
+
+    def _check_mps(self) -> None:
+        """Start, adopt or restart each MPS card's daemon; a card whose daemon is down is unhealthy
+        (its pods would wait at cuInit) until the daemon runs again."""
+        if self.mps is None:
+            return
+        for uuid, up in self.mps.ensure().items():
+            if not up:  # every check: a health event may have marked the card healthy meanwhile
+                self._mps_down.add(uuid)
+                self.state.set_health(uuid, False)
+            elif up and uuid in self._mps_down:
+                self._mps_down.discard(uuid)
+                self.state.set_health(uuid, True)
 
     def _sweep(self) -> None:
         """Every ``sweep_s``, remove the region folders, grants and hook records of pods that
@@ -182,6 +211,7 @@ class Daemon:
         self.reporter.stop()
         self._health.stop()  # joins it: it may be blocked in the discovery's wait, closed next
         self._sweeper.stop(timeout_s=None)
+        self._mps_watch.stop()  # the daemons keep running: their clients' work goes on (docs/mps.md)
         if self.dynamic is not None:
             self._reclaimer.stop()
         self.discovery.close()

@@ -16,7 +16,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from vgpu.core.annotations import GPU_RESOURCE, Device, MigDynamic, MigSlice, NodeInventory
+from vgpu.core.annotations import (
+    GPU_RESOURCE,
+    SHARING_MPS,
+    SHARING_TIMESLICE,
+    Device,
+    MigDynamic,
+    MigSlice,
+    NodeInventory,
+)
 from vgpu.core.mig import resource_for
 from vgpu.plugin.api import api_pb2
 from vgpu.plugin.config import NodeConfig
@@ -269,6 +277,7 @@ class DeviceState:
             healthy=c.healthy,
             links=dict(c.links),
             mig_dynamic=dynamic,
+            sharing=SHARING_MPS if cfg.sharing_mode == "mps" and dynamic is None else SHARING_TIMESLICE,
         )
 
     def inventory(self) -> NodeInventory:

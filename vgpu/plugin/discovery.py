@@ -77,6 +77,7 @@ class GpuProcess:
     memory_bytes: int  # device memory the driver says it holds, its context included
     sm_percent: int | None = None  # its share of the card's SMs in the driver's latest samples
     codec: Codec | None = None  # its media engines' share in the same samples; None: not sampled
+    mps: bool = False  # a client of the card's MPS daemon (NVML's MPS process list), docs/mps.md
 
 
 @dataclass(frozen=True)

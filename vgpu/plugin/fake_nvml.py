@@ -239,15 +239,25 @@ class FakeDiscovery:
         found: list[GpuProcess] = []
         for stem, pid, lines in rows:
             held = 0
+            mps = False
             for line in lines:
                 key, _, value = line.partition(" ")
                 if key in keys and value.strip().isdigit():
                     held += int(value)
+                mps = mps or (key == "mps" and value.strip() == "1")  # the stub's MPS client
             if held:
                 assert self.process_dir is not None  # files came from it
                 codec = read_codec(self.process_dir / f"{stem}.codec", keys)
-                found.append(GpuProcess(pid, held, codec=codec))
+                found.append(GpuProcess(pid, held, codec=codec, mps=mps))
         return found
+
+    def mps_processes(self, uuid: str) -> list[GpuProcess]:
+        """``nvmlDeviceGetMPSComputeRunningProcesses``: the card's MPS clients only."""
+        return [p for p in self.processes(uuid) or [] if p.mps]
+
+    def compute_processes(self, uuid: str) -> list[GpuProcess]:
+        """``nvmlDeviceGetComputeRunningProcesses`` on an MPS card: the processes outside MPS."""
+        return [p for p in self.processes(uuid) or [] if not p.mps]
 
     def memory_caps(self, uuid: str) -> bool:
         return self.caps.memory_caps(uuid)

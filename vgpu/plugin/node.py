@@ -31,12 +31,13 @@ from vgpu.plugin.config import NodeConfig, load_node_config
 from vgpu.plugin.daemon import Daemon
 from vgpu.plugin.devices import DeviceState, watch_health
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.driver import DriverFiles, find_driver
+from vgpu.plugin.driver import BIN_DIRS, DriverFiles, find_driver
 from vgpu.plugin.hooklib import HookInstall, install_hook
 from vgpu.plugin.mig import MigControl, mig_layout
 from vgpu.plugin.monitor.arbiter import DEFAULT_INTERVAL_S, DEFAULT_WINDOW_S
 from vgpu.plugin.monitor.collector import PodLister
 from vgpu.plugin.monitor.service import NodeMonitor
+from vgpu.plugin.mps import CONTROL_BINARY, find_control
 from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
@@ -161,9 +162,39 @@ def build_plugin(settings: NodeSettings) -> Daemon:
         driver,
         mig=control if config.mig_strategy != "dynamic" else None,
         dynamic_mig=control if config.mig_strategy == "dynamic" else None,
+        mps_control=mps_control(settings, config),
     )
     daemon.sweep_s, daemon.sweep_min_age_s = interval, min_age
+    if daemon.mps is not None:
+        daemon.mps.library_dirs = mps_library_dirs(settings)
     return daemon
+
+
+def mps_control(settings: NodeSettings, config: NodeConfig) -> str:
+    """``nvidia-cuda-mps-control`` under the driver root (else the bare name, found on PATH or
+    failing at start with the fix logged and the cards unhealthy: vgpu/plugin/mps.py)."""
+    found = find_control(settings.driver_root)
+    if found is None and config.sharing_mode == "mps":
+        log.warning(
+            "sharingMode: mps but no %s under %s (%s): looking on PATH",
+            CONTROL_BINARY,
+            settings.driver_root,
+            ", ".join(BIN_DIRS),
+        )
+    return str(found) if found is not None else CONTROL_BINARY
+
+
+def mps_library_dirs(settings: NodeSettings) -> list[str]:
+    """The folder of the driver's libraries under the driver root, for the host's MPS tool run in
+    the plugin's pod; none where the root is the plugin's own (the runtime gave it the driver)."""
+    if settings.driver_root == Path("/") or settings.fake_nvml is not None:
+        return []
+    try:
+        found = find_driver(settings.driver_root, settings.driver_host_root, settings.root / "dev")
+    except ConfigError as err:
+        log.warning("sharingMode: mps: the driver's libraries are not under the driver root (%s)", err)
+        return []
+    return [str(found.nvml.parent)] if found.nvml is not None else []
 
 
 def open_mig(settings: NodeSettings, config: NodeConfig, discovery: Discovery) -> MigControl | None:

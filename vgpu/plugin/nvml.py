@@ -181,16 +181,28 @@ class NvmlDiscovery:
         except (ValueError, nv.NVMLError):
             return None
         sm = self._utilization(index)
+        clients = self._mps_clients(index)
         found: dict[int, int] = {}
-        for p in listed:
+        mps: dict[int, int] = {}  # an MPS client's memory, from the MPS list (some drivers list it in both)
+        for p, into in [*((p, found) for p in listed), *((p, mps) for p in clients)]:
             used = getattr(p, "usedGpuMemory", None)
             if used is None and not self._no_memory_told:
                 # NVML_VALUE_NOT_AVAILABLE: the driver will not say (no permission); counted as 0
                 self._no_memory_told = True
                 log.warning("NVML does not give per-process memory on %s; memory is not enforced", uuid)
-            found[int(p.pid)] = found.get(int(p.pid), 0) + int(used or 0)  # one entry per context
+            into[int(p.pid)] = into.get(int(p.pid), 0) + int(used or 0)  # one entry per context
+        found.update(mps)
         codec = self._codec[index]
-        return [GpuProcess(pid, used, sm.get(pid), codec.get(pid)) for pid, used in found.items()]
+        return [GpuProcess(pid, used, sm.get(pid), codec.get(pid), pid in mps) for pid, used in found.items()]
+
+    def _mps_clients(self, index: int) -> list[Any]:
+        """The card's MPS clients (``nvmlDeviceGetMPSComputeRunningProcesses``, v3 in pynvml), which
+        the driver lists apart from the other compute processes; none where the driver has no MPS."""
+        nv = self._nvml
+        try:
+            return list(nv.nvmlDeviceGetMPSComputeRunningProcesses(self._handles[index]))
+        except (AttributeError, nv.NVMLError):
+            return []
 
     def memory_caps(self, uuid: str) -> bool:
         return self.caps.memory_caps(uuid)

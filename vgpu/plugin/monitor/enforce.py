@@ -38,12 +38,13 @@ from prometheus_client.registry import Collector
 
 from vgpu.core.errors import KubeError
 from vgpu.core.service import Service
-from vgpu.plugin.monitor.hostview import Held, HostView, View
+from vgpu.plugin.monitor.hostview import Held, HostView, Owner, View
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 REASON = "VgpuMemoryOverGrant"
+REASON_LEFT_MPS = "VgpuLeftMps"  # a process of an MPS container outside the card's MPS daemon
 KILLED_KEEP_S = 10.0  # a killed process the driver still lists is not counted, nor picked, again
 
 
@@ -94,6 +95,21 @@ def decide(view: View, tolerance: int, spared: set[int], over: set[tuple[str, st
     return found
 
 
+def left_mps(view: View, spared: set[int], seen: set[tuple[str, str, int]]) -> list[tuple[Held, int]]:
+    """The processes of MPS containers the driver lists outside the card's MPS daemon (docs/mps.md),
+    but those in ``spared``; ``seen`` (updated in place) keeps the (folder, card, PID) still found."""
+    found = [(held, pid) for held in view.held for pid in sorted(held.left_mps) if pid not in spared]
+    seen.intersection_update((h.owner.folder, h.uuid, pid) for h, pid in found)
+    return found
+
+
+def _who(o: Owner) -> str:
+    where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid or '(unknown)'}"
+    if o.claim:
+        where += f" under ResourceClaim UID {o.claim}"
+    return f"{o.container or '(not yet named)'} of {where}"
+
+
 @dataclass
 class EnforcementStats:
     passes: int = 0
@@ -124,6 +140,7 @@ class Enforcer:
         self._kill = kill
         self.killed: dict[int, float] = {}  # pid -> when
         self.over: set[tuple[str, str]] = set()
+        self.left: set[tuple[str, str, int]] = set()  # MPS containers' processes outside MPS, acted on
         self.stats = EnforcementStats(actions={})
         self._lock = threading.Lock()
         self._calls: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1000)
@@ -137,6 +154,11 @@ class Enforcer:
         self.killed = {pid: at for pid, at in self.killed.items() if now - at < KILLED_KEEP_S}
         before = set(self.over)
         decisions = decide(view, self.tolerance, set(self.killed), self.over)
+        for held, pid in left_mps(view, set(self.killed), self.left):
+            key3 = (held.owner.folder, held.uuid, pid)
+            if self.action == "kill" or key3 not in self.left:
+                self.left.add(key3)
+                self._act_left_mps(held, pid)
         done = []
         for d in decisions:
             key = (d.held.owner.folder, d.held.uuid)
@@ -153,31 +175,45 @@ class Enforcer:
 
     def _act(self, d: Decision) -> None:
         o = d.held.owner
-        where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid or '(unknown)'}"
-        if o.claim:
-            where += f" under ResourceClaim UID {o.claim}"
-        who = o.container or "(not yet named)"
         what = (
-            f"container {who} of {where} holds {d.total} bytes ({d.total // MIB} MiB) "
+            f"container {_who(o)} holds {d.total} bytes ({d.total // MIB} MiB) "
             f"on {d.held.uuid}, "
             f"granted {d.held.granted} bytes ({d.held.granted // MIB} MiB; {d.allowed // MIB} MiB with the "
             f"tolerance for {len(d.held.pids)} process(es)); PID {d.pid} holds {d.pid_bytes} bytes"
         )
+        message = self._stop_process(d.pid, what)
+        log.warning("memory over grant: %s [at monotonic %.6f s]", message, time.monotonic())
+        self._record(o, message, what, REASON)
+
+    def _act_left_mps(self, held: Held, pid: int) -> None:
+        """A process of an MPS container outside the card's MPS daemon: no thread cap, no pinned
+        memory limit holds it, so it is acted on as a bypass (enforcement.memory's action)."""
+        what = (
+            f"PID {pid} of container {_who(held.owner)} on {held.uuid} is not a client of the card's MPS "
+            f"daemon: it left MPS (unset CUDA_MPS_PIPE_DIRECTORY or reached the driver past the hook)"
+        )
+        message = self._stop_process(pid, what)
+        log.warning("MPS bypass: %s", message)
+        self._record(held.owner, message, what, REASON_LEFT_MPS)
+
+    def _stop_process(self, pid: int, what: str) -> str:
+        """Kill ``pid`` under the kill action; the message saying what was done."""
         if self.action == "kill":
             try:
-                if not self.view.same_process(d.pid):  # gone since the read, its number maybe reused
+                if not self.view.same_process(pid):  # gone since the read, its number maybe reused
                     raise ProcessLookupError(3, "the process is gone")
-                self._kill(d.pid, signal.SIGKILL)
-                self.killed[d.pid] = time.monotonic()
-                message = f"killed PID {d.pid}: {what}"
+                self._kill(pid, signal.SIGKILL)
+                self.killed[pid] = time.monotonic()
+                return f"killed PID {pid}: {what}"
             except OSError as err:
-                self.killed[d.pid] = time.monotonic()  # tried: not again every pass
-                message = f"could not kill PID {d.pid} ({err.strerror}): {what}"
-        elif self.action == "evict":
-            message = f"evicting the pod: {what}"
-        else:
-            message = f"reported only (enforcement.memory: report): {what}"
-        log.warning("memory over grant: %s [at monotonic %.6f s]", message, time.monotonic())
+                self.killed[pid] = time.monotonic()  # tried: not again every pass
+                return f"could not kill PID {pid} ({err.strerror}): {what}"
+        if self.action == "evict":
+            return f"evicting the pod: {what}"
+        return f"reported only (enforcement.memory: report): {what}"
+
+    def _record(self, o: Owner, message: str, what: str, reason: str) -> None:
+        where = f"{o.namespace}/{o.pod}" if o.pod else f"pod {o.pod_uid or '(unknown)'}"
         with self._lock:
             assert self.stats.actions is not None
             key = (self.action, o.namespace, o.pod, o.container)
@@ -194,7 +230,7 @@ class Enforcer:
                 except KubeError as err:  # a disruption budget, say: the Event tells it
                     log.warning("enforcer: %s", err)
                     said = f"could not evict the pod ({err}): {what}"
-            actions.pod_event(o.namespace, o.pod, o.pod_uid, REASON, said, node)
+            actions.pod_event(o.namespace, o.pod, o.pod_uid, reason, said, node)
 
         try:
             self._calls.put_nowait(call)

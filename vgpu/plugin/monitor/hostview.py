@@ -38,12 +38,15 @@ from typing import Any
 
 from vgpu.core.errors import KubeError
 from vgpu.hookabi.grant import GRANT_SUFFIX, Grant, GrantError, read_grant
+from vgpu.hookabi.layout import SHARING_MPS
 from vgpu.plugin.discovery import Codec, ProcessSource
 from vgpu.plugin.monitor.cgroup import ContainerRef, container_of, start_time
 from vgpu.plugin.monitor.mounts import claim_of, device_of, process_grant
 from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
+
+MPS_SERVER_COMM = "nvidia-cuda-mps-server"[:15]  # the kernel keeps 15 characters of a process name
 
 PodLister = Callable[[str], list[dict[str, Any]]]
 
@@ -80,6 +83,9 @@ class Held:
     pids: dict[int, int] = field(default_factory=dict)  # host PID -> bytes
     sm_percent: int = 0  # the processes' SM shares in the driver's latest samples, summed
     codec: Codec | None = None  # their media engines' shares, summed; None: no process sampled
+    # under an MPS grant (docs/mps.md): its processes the driver lists outside the card's MPS
+    # daemon (they left MPS: unset the pipe, or reached the driver past the hook)
+    left_mps: set[int] = field(default_factory=set)
 
     @property
     def total(self) -> int:
@@ -272,7 +278,7 @@ class HostView:
                     if owner.folder not in grants:
                         grants[owner.folder] = self._grant(owner.folder)
                     grant = grants[owner.folder]
-                if owner is None or grant is None or uuid not in grant.uuids:
+                if owner is None or grant is None or uuid not in grant.uuids or self._mps_server(proc.pid):
                     unattributed[uuid] += proc.memory_bytes
                     continue
                 entry = held.get((owner.folder, uuid))
@@ -280,11 +286,21 @@ class HostView:
                     granted = device_grant(grant, grant.uuids.index(uuid))
                     entry = held[(owner.folder, uuid)] = Held(owner, uuid, granted)
                 entry.pids[proc.pid] = entry.pids.get(proc.pid, 0) + proc.memory_bytes
+                if grant.sharing == SHARING_MPS and not proc.mps:
+                    entry.left_mps.add(proc.pid)
                 entry.sm_percent += proc.sm_percent or 0
                 if proc.codec is not None:
                     entry.codec = proc.codec if entry.codec is None else entry.codec + proc.codec
         self._refs = {pid: v for pid, v in self._refs.items() if pid in live}
         return View(list(held.values()), unattributed, time.monotonic() - started)
+
+    def _mps_server(self, pid: int) -> bool:
+        """An MPS server (``nvidia-cuda-mps-server``, its comm cut to 15 characters) belongs to no
+        container: the card's daemon started it for all of them."""
+        try:
+            return (self.proc / str(pid) / "comm").read_text().strip() == MPS_SERVER_COMM
+        except OSError:
+            return False
 
     def _grant(self, folder: str) -> Grant | None:
         try:
