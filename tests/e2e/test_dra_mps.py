@@ -12,6 +12,9 @@ one, even with room on both.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from vgpu.dra.api import dra_pb2, dra_pb2_grpc
 from vgpu.dra.migslices import MPS_SELECTOR, SHARED_SELECTOR
 from vgpu.dra.slices import DRIVER
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER
+from vgpu.plugin.mps import accepts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -59,10 +63,15 @@ class Plugin:
             f"  - {{uuid: {self.uuid}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, "
             "computeCapability: '9.0'}\n"
         )
-        # the card's MPS control daemon's pipe folder (the node agent's MpsDaemons makes it)
+        # the card's MPS control daemon's pipe folder: the plugin starts the daemon there itself
+        # (vgpu/plugin/mps.py), here the fake one (vgpu/plugin/fake_mps.py) found on PATH
         self.pipe = top / "state/mps" / self.uuid / "pipe"
-        if sharing == "mps":
-            self.pipe.mkdir(parents=True)
+        tools = top / "tools"
+        tools.mkdir()
+        self.tool = tools / "nvidia-cuda-mps-control"
+        self.tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.plugin.fake_mps "$@"\n')
+        self.tool.chmod(0o755)
+        env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ.get('PATH', '')}")
         self.log = top / "plugin.log"
         self.proc = start(
             [
@@ -79,6 +88,15 @@ class Plugin:
                 "--slice-interval=1",
             ],
             self.log,
+            env,
+        )
+
+    def quit_daemon(self) -> None:
+        """``echo quit | nvidia-cuda-mps-control`` with the card's pipe: the plugin leaves its
+        daemons running when it stops (their clients' work goes on)."""
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(self.pipe))
+        subprocess.run(
+            [str(self.tool)], input=b"quit\n", env=env, capture_output=True, timeout=10, check=False
         )
 
     def prepare(self, claim: dict[str, Any]) -> Any:
@@ -102,6 +120,7 @@ def plugins(cluster: Sandbox) -> Iterator[tuple[Plugin, Plugin]]:
         finally:
             stop(mps.proc)
             stop(ts.proc)
+            mps.quit_daemon()
 
 
 def _apply(sb: Sandbox, *objs: dict[str, Any]) -> None:
@@ -175,6 +194,8 @@ def test_an_mps_claim_lands_on_the_mps_share_with_the_pipe_mounted_and_others_ne
 
     claim = _allocated(cluster, "mps")
     assert claim is not None
+    # the plugin started the card's MPS daemon before it published (its control socket answers)
+    assert accepts(mps_plugin.pipe), (mps_plugin.pipe, mps_plugin.log.read_text()[-2000:])
     entry = mps_plugin.prepare(claim)
     assert entry.error == "", entry.error
     spec = json.loads(cdi.spec_path(mps_plugin.top / "cdi", claim["metadata"]["uid"]).read_text())

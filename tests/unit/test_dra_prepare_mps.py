@@ -6,6 +6,8 @@ mode, a request of two cards or a card with no MPS daemon is refused with nothin
 from __future__ import annotations
 
 import json
+import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,26 @@ from vgpu.hookabi.grant import read_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS, SHARING_TIMESLICE
 from vgpu.plugin.config import NodeConfig
 
+_LISTENING: list[socket.socket] = []  # the stand-in daemons' control sockets, open for the session
+
+
+def listening(pipe: Path) -> None:
+    """A control socket answering at ``pipe``/control, as the card's MPS daemon's does: bound at a
+    short path (a unix socket path is at most 107 bytes) and linked there."""
+    pipe.mkdir(parents=True)
+    where = Path(tempfile.mkdtemp(prefix="vdp", dir="/tmp")) / "control"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(where))
+    s.listen(8)
+    _LISTENING.append(s)
+    (pipe / "control").symlink_to(where)
+
 
 def preparer(tmp_path: Path, claims: Claims, sharing: str = "mps", daemons: bool = True) -> Preparer:
     paths = StatePaths(Path("/"), tmp_path / "state")
-    if daemons:  # what the card's MPS control daemon makes (vgpu/plugin/mps.py)
+    if daemons:  # the card's MPS control daemon answering (vgpu/plugin/mps.py starts it)
         for card in CARDS:
-            paths.mps_pipe(card.uuid).mkdir(parents=True)
+            listening(paths.mps_pipe(card.uuid))
     return Preparer(NODE, paths, tmp_path / "cdi", NodeConfig(), claims, lambda: list(CARDS), sharing=sharing)
 
 
@@ -94,10 +110,12 @@ def test_an_mps_request_of_two_cards_or_on_a_card_without_its_daemon_is_refused(
         preparer(tmp_path, Claims(two)).prepare("ns", UID, "c")
     bare = tmp_path / "bare"
     bare.mkdir()
-    with pytest.raises(
-        ClaimError, match="MPS pipe folder .* is missing: its MPS control daemon is not running"
-    ):
+    with pytest.raises(ClaimError, match="MPS control daemon does not answer at .*: it is not running"):
         preparer(bare, Claims(claim()), daemons=False).prepare("ns", UID, "c")
+    folder_only = tmp_path / "folder-only"  # a pipe folder left by a daemon that died
+    StatePaths(Path("/"), folder_only / "state").mps_pipe(CARDS[0].uuid).mkdir(parents=True)
+    with pytest.raises(ClaimError, match="MPS control daemon does not answer"):
+        preparer(folder_only, Claims(claim()), daemons=False).prepare("ns", UID, "c")
 
 
 def test_vgpu_config_reads_sharing_and_refuses_another_value_naming_the_field() -> None:

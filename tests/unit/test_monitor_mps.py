@@ -117,7 +117,7 @@ def test_an_mps_client_over_its_grant_is_held_to_it_as_any_process(node: tuple[H
     assert REASON != REASON_LEFT_MPS
 
 
-def test_the_fake_nvml_lists_mps_clients_apart_as_the_driver_does(tmp_path: Path) -> None:
+def test_the_fake_nvml_lists_mps_clients_in_both_lists_as_the_driver_does(tmp_path: Path) -> None:
     procs = tmp_path / "procs"
     procs.mkdir()
     gpus = tmp_path / "gpus.yaml"
@@ -127,4 +127,7 @@ def test_the_fake_nvml_lists_mps_clients_apart_as_the_driver_does(tmp_path: Path
     (procs / f"{parent}@{start_time(parent)}").write_text(f"0 {200 * MIB}\n")
     fake = FakeDiscovery(gpus)
     assert fake.mps_processes("GPU-a") == [GpuProcess(me, 300 * MIB, mps=True)]
-    assert fake.compute_processes("GPU-a") == [GpuProcess(parent, 200 * MIB)]
+    by_pid = sorted(fake.compute_processes("GPU-a"), key=lambda p: p.pid)
+    assert by_pid == sorted(
+        [GpuProcess(me, 300 * MIB, mps=True), GpuProcess(parent, 200 * MIB)], key=lambda p: p.pid
+    )

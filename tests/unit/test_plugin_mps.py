@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import short_dir
 from vgpu.core.annotations import SHARING_MPS, SHARING_TIMESLICE, ContainerAllocation, DeviceAllocation
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import read_grant
@@ -42,9 +43,11 @@ def fake_control(folder: Path) -> Path:
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[MpsDaemons]:
     tool = fake_control(tmp_path / "driver/usr/bin")
-    d = MpsDaemons(HostPaths(tmp_path / "root"), str(tool), ["GPU-a", "GPU-b"])
-    yield d
-    d.stop()
+    # a short root: <root>/var/lib/vgpu/mps/<uuid>/pipe/control must fit a unix socket path
+    with short_dir("vmps-") as short:
+        d = MpsDaemons(HostPaths(short / "root"), str(tool), ["GPU-a", "GPU-b"])
+        yield d
+        d.stop()
 
 
 def daemon_pid(d: MpsDaemons, uuid: str) -> int:
@@ -136,9 +139,17 @@ def test_stop_quits_each_daemon(daemons: MpsDaemons) -> None:
 
 
 def test_a_daemon_that_cannot_start_is_down_with_the_reason(tmp_path: Path) -> None:
-    d = MpsDaemons(HostPaths(tmp_path), str(tmp_path / "missing/nvidia-cuda-mps-control"), ["GPU-a"])
+    with short_dir("vmps-") as short:
+        d = MpsDaemons(HostPaths(short), str(tmp_path / "missing/nvidia-cuda-mps-control"), ["GPU-a"])
+        assert d.ensure() == {"GPU-a": False}
+        assert "cannot run" in d.errors["GPU-a"]
+
+
+def test_a_pipe_too_long_for_a_unix_socket_is_refused_with_the_fix(tmp_path: Path) -> None:
+    tool = fake_control(tmp_path / "driver/usr/bin")
+    d = MpsDaemons(HostPaths(tmp_path / ("r" * 80)), str(tool), ["GPU-a"])
     assert d.ensure() == {"GPU-a": False}
-    assert "cannot run" in d.errors["GPU-a"]
+    assert "longer than a unix socket path may be" in d.errors["GPU-a"] and "--root" in d.errors["GPU-a"]
 
 
 def test_the_fake_answers_the_control_commands_from_stdin(daemons: MpsDaemons) -> None:
@@ -220,6 +231,7 @@ def test_a_failing_daemon_is_down_with_what_it_said(tmp_path: Path) -> None:
     tool.parent.mkdir()
     tool.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 1\n")
     tool.chmod(0o755)
-    d = MpsDaemons(HostPaths(tmp_path / "root"), str(tool), ["GPU-a"])
-    assert d.ensure() == {"GPU-a": False} and not d.up("GPU-a")
-    assert "exited 1: An instance of this daemon is already running" in d.errors["GPU-a"]
+    with short_dir("vmps-") as short:
+        d = MpsDaemons(HostPaths(short), str(tool), ["GPU-a"])
+        assert d.ensure() == {"GPU-a": False} and not d.up("GPU-a")
+        assert "exited 1: An instance of this daemon is already running" in d.errors["GPU-a"]

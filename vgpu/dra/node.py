@@ -13,18 +13,28 @@ from pathlib import Path
 
 from vgpu.core.claimconfig import SHARINGS
 from vgpu.core.errors import ConfigError
+from vgpu.core.service import Service
 from vgpu.dra.mig import MIG_MODES, MigNode, in_mig_mode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
 from vgpu.dra.server import DraServer, HealthService
 from vgpu.plugin.config import load_node_config
 from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.node import NodeSettings, driver_files, hook_install, open_discovery
+from vgpu.plugin.mps import MpsDaemons
+from vgpu.plugin.node import (
+    NodeSettings,
+    driver_files,
+    hook_install,
+    mps_control,
+    mps_library_dirs,
+    open_discovery,
+)
 
 log = logging.getLogger(__name__)
 
 # Unix socket paths must fit sockaddr_un (107 bytes and a NUL).
 SOCKET_PATH_MAX = 107
+MPS_CHECK_S = 2.0  # how often the MPS cards' daemons are checked (and a dead one started again)
 
 
 @dataclass(frozen=True)
@@ -50,19 +60,36 @@ class DraPlugin:
     """The publisher of the node's slice and the kubelet's gRPC server, started and stopped together."""
 
     def __init__(
-        self, discovery: Discovery, publisher: SlicePublisher, server: DraServer, preparer: Preparer
+        self,
+        discovery: Discovery,
+        publisher: SlicePublisher,
+        server: DraServer,
+        preparer: Preparer,
+        mps: MpsDaemons | None = None,
     ):
         self.discovery = discovery
         self.publisher = publisher
         self.server = server
         self.preparer = preparer
+        # --sharing-mode mps: each whole card's MPS control daemon (vgpu/plugin/mps.py), as the
+        # device plugin runs them; Prepare refuses a share whose card's pipe folder is missing
+        self.mps = mps
+        self._mps_watch = Service.every("dra-mps", MPS_CHECK_S, self._check_mps, logger=log)
+
+    def _check_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.ensure()
 
     def start(self) -> None:
         self.preparer.mig_view()  # reclaim the MIG instances no prepared claim holds, first
+        if self.mps is not None:  # before kubelet hears of the shares: their pods need the daemons
+            self._check_mps()
+            self._mps_watch.start()
         self.publisher.start()
         self.server.start()
 
     def stop(self) -> None:
+        self._mps_watch.stop()  # the daemons keep running: their clients' work goes on (docs/mps.md)
         self.server.stop()
         self.publisher.stop()
         self.discovery.close()
@@ -153,4 +180,12 @@ def build(settings: DraSettings) -> DraPlugin:
     server = DraServer(
         preparer, settings.plugin_dir, settings.registry_dir, on_registered=publisher.kick, health=health
     )
-    return DraPlugin(discovery, publisher, server, preparer)
+    mps = None
+    if settings.sharing_mode == "mps":
+        cards = [c.uuid for c in publisher.cards()]
+        # cards in MIG mode are never MPS cards: left out (--mig off) or cut on demand (dynamic)
+        parted = publisher.unoffered if mig is None else frozenset(in_mig_mode(discovery, cards))
+        whole = [u for u in cards if u not in parted]
+        mps = MpsDaemons(paths, mps_control(node_settings, config, sharing_mode="mps"), whole)
+        mps.library_dirs = mps_library_dirs(node_settings)
+    return DraPlugin(discovery, publisher, server, preparer, mps)

@@ -17,6 +17,7 @@ from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra.claims import ClaimError, ClaimPlan, Share
 from vgpu.hookabi.grant import Grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
+from vgpu.plugin.mps import accepts
 from vgpu.plugin.paths import HostPaths
 
 
@@ -50,12 +51,13 @@ def check_sharing(
             "card's MPS daemon: ask for count 1 (one request per card)",
         )
     pipe = paths.mps_pipe(shares[0].uuid)
-    if not pipe.is_dir():
+    if not accepts(pipe):
         raise ClaimError(
             where,
             "",
-            f"card {shares[0].uuid}'s MPS pipe folder {pipe} is missing: its MPS control daemon is not "
-            "running; see the DRA plugin's log (docs/mps.md)",
+            f"card {shares[0].uuid}'s MPS control daemon does not answer at {pipe}: it is not "
+            "running (the DRA plugin starts it and restarts it every 2 s); see the DRA plugin's log "
+            "(docs/mps.md#when-it-fails)",
         )
 
 

@@ -256,8 +256,9 @@ class FakeDiscovery:
         return [p for p in self.processes(uuid) or [] if p.mps]
 
     def compute_processes(self, uuid: str) -> list[GpuProcess]:
-        """``nvmlDeviceGetComputeRunningProcesses`` on an MPS card: the processes outside MPS."""
-        return [p for p in self.processes(uuid) or [] if not p.mps]
+        """``nvmlDeviceGetComputeRunningProcesses``: every process of the card, its MPS clients too
+        (driver 580 on an H100 lists the MPS server, each client and each plain process there)."""
+        return list(self.processes(uuid) or [])
 
     def memory_caps(self, uuid: str) -> bool:
         return self.caps.memory_caps(uuid)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 CONTROL_SOCKET = "control"  # the daemon's unix socket in its pipe folder
 PID_FILE = "nvidia-cuda-mps-control.pid"
+SOCKET_PATH_MAX = 107  # sockaddr_un's sun_path, less its NUL
 START_WAIT_S = 5.0  # how long a started daemon has to open its control socket
 
 
@@ -90,6 +91,12 @@ class MpsDaemons:
         # the daemon's stderr goes to a file, not a pipe: a daemon that kept a pipe open would
         # hold this call until its time-out
         said = self.paths.mps_log(uuid) / "start.err"
+        socket_path = self.paths.mps_pipe(uuid) / CONTROL_SOCKET
+        if len(str(socket_path).encode()) > SOCKET_PATH_MAX:
+            return (
+                f"its control socket {socket_path} would be longer than a unix socket path may be "
+                f"({SOCKET_PATH_MAX} bytes): give the plugin a shorter --root"
+            )
         try:
             self._folders(uuid)
             with open(said, "wb") as err_file:

@@ -170,11 +170,12 @@ def build_plugin(settings: NodeSettings) -> Daemon:
     return daemon
 
 
-def mps_control(settings: NodeSettings, config: NodeConfig) -> str:
+def mps_control(settings: NodeSettings, config: NodeConfig, sharing_mode: str | None = None) -> str:
     """``nvidia-cuda-mps-control`` under the driver root (else the bare name, found on PATH or
-    failing at start with the fix logged and the cards unhealthy: vgpu/plugin/mps.py)."""
+    failing at start with the fix logged and the cards unhealthy: vgpu/plugin/mps.py).
+    ``sharing_mode``: the DRA plugin's ``--sharing-mode`` (the device plugin's is the config's)."""
     found = find_control(settings.driver_root)
-    if found is None and config.sharing_mode == "mps":
+    if found is None and (sharing_mode or config.sharing_mode) == "mps":
         log.warning(
             "sharingMode: mps but no %s under %s (%s): looking on PATH",
             CONTROL_BINARY,
