@@ -73,15 +73,21 @@ static void set_variables(const struct vgpu_grant *g) {
     set("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", at ? pinned : NULL);
 }
 
-/* 0 when the control socket in the pipe folder takes a connection, else errno. */
+/* 0 when the control socket in the pipe folder takes a connection, else errno. The socket's type
+ * is the daemon's to choose (driver 580's is not a stream: a stream connect gets EPROTOTYPE), so
+ * each type is tried in turn. */
 static int control_answers(const char *pipe_dir) {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     if (snprintf(addr.sun_path, sizeof addr.sun_path, "%s/control", pipe_dir) >= (int)sizeof addr.sun_path)
         return ENAMETOOLONG;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return errno;
-    int err = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 ? 0 : errno;
-    close(fd);
+    static const int types[] = {SOCK_SEQPACKET, SOCK_STREAM, SOCK_DGRAM};
+    int err = EPROTOTYPE;
+    for (size_t i = 0; i < sizeof types / sizeof types[0] && err == EPROTOTYPE; i++) {
+        int fd = socket(AF_UNIX, types[i] | SOCK_CLOEXEC, 0);
+        if (fd < 0) return errno;
+        err = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0 ? 0 : errno;
+        close(fd);
+    }
     return err;
 }
 

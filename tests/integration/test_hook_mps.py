@@ -170,7 +170,6 @@ def test_launches_under_mps_are_never_held(built: Built, pipe: MpsPipe, tmp_path
     environ = mps_env(built, grant, tmp_path / "procs", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region))
     r = run(built, "t_sm", "link", "rate", "kernel", "1", environ=environ)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert float(r.values["share"]) >= 0.8
     assert r.int("throttled_ns") == 0 and r.int("region_busy_ns") == 0 and r.int("tokens") == 0
     assert r.int("last_launch_ns") >= r.int("start_ns")  # the monitor still sees it launching
 
@@ -186,7 +185,8 @@ def test_neither_the_yield_flag_nor_the_nodes_gate_holds_an_mps_container(
     )
     r = run(built, "t_sm", "link", "phases", "kernel", "0.4,0.5:flags=1+fresh=1,0.4", environ=environ)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert min(r.int(f"step{i}_launches") for i in range(3)) > 150, r.values
+    # a closed gate would hold every launch of the run (3 s): each phase launches all the same
+    assert min(r.int(f"step{i}_launches") for i in range(3)) >= 20, r.values
     assert r.int("throttled_ns") == 0
 
 

@@ -12,6 +12,7 @@ counted as a restart. The DRA plugin runs the same class for its MPS cards.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -36,17 +37,23 @@ START_WAIT_S = 5.0  # how long a started daemon has to open its control socket
 
 
 def accepts(pipe: Path, timeout_s: float = 1.0) -> bool:
-    """Whether ``pipe``/control accepts a connection (the daemon is up and listening)."""
-    path = pipe / CONTROL_SOCKET
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout_s)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    """Whether ``pipe``/control accepts a connection (the daemon is up and listening).
+
+    The socket's type is the daemon's to choose: driver 580's control socket is not a stream (a
+    stream connect fails with EPROTOTYPE), the fake's is; each type is tried in turn."""
+    path = str(pipe / CONTROL_SOCKET)
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.settimeout(timeout_s)
+        try:
+            s.connect(path)
+            return True
+        except OSError as err:
+            if err.errno != errno.EPROTOTYPE:
+                return False
+        finally:
+            s.close()
+    return False
 
 
 class MpsDaemons:
@@ -125,10 +132,25 @@ class MpsDaemons:
             time.sleep(0.05)
         return f"{self.control_binary} -d started but {pipe / CONTROL_SOCKET} accepts no connection"
 
+    def _running(self, uuid: str) -> bool:
+        """Whether the card's daemon runs: the process its pid file names is alive and an MPS
+        control (its command line says so) and its socket is there, once it was seen to answer;
+        else whether the socket answers. The daemon logs every connection ("User did not send
+        valid credentials"), so a check every 2 s by connecting would fill its log."""
+        pipe = self.paths.mps_pipe(uuid)
+        if self._up.get(uuid):
+            try:
+                pid = int((pipe / PID_FILE).read_text().strip())
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (OSError, ValueError):
+                return accepts(pipe)
+            return b"mps" in cmdline and (pipe / CONTROL_SOCKET).exists()
+        return accepts(pipe)
+
     def ensure(self) -> dict[str, bool]:
         """Start each card's daemon that is not up (adopting a live one); returns up by card."""
         for uuid in self.uuids:
-            if accepts(self.paths.mps_pipe(uuid)):
+            if self._running(uuid):
                 if uuid not in self._up:
                     log.info("MPS daemon of card %s is already running: adopted", uuid)
                 elif not self._up[uuid]:

@@ -37,6 +37,7 @@
  * ones, as a driver may. Entry points are defined hidden and exported through aliases, so the
  * stub's own table never resolves to a preloaded library's functions. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -261,10 +262,15 @@ static int mps_listening(void) {
     if (snprintf(addr.sun_path, sizeof addr.sun_path, "%s/control", dir && *dir ? dir : "/tmp/nvidia-mps") >=
         (int)sizeof addr.sun_path)
         return 0;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return 0;
-    int ok = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0;
-    close(fd);
+    static const int types[] = {SOCK_SEQPACKET, SOCK_STREAM, SOCK_DGRAM}; /* the daemon's choice */
+    int ok = 0, wrong = 1;
+    for (size_t i = 0; i < sizeof types / sizeof types[0] && !ok && wrong; i++) {
+        int fd = socket(AF_UNIX, types[i] | SOCK_CLOEXEC, 0);
+        if (fd < 0) return 0;
+        ok = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0;
+        wrong = !ok && errno == EPROTOTYPE;
+        close(fd);
+    }
     return ok;
 }
 
