@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu, realruntime
+from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu, realmps, realruntime
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -739,6 +739,9 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
 
     ctk = binaries.bin_dir() / "nvidia-ctk"
     values = chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
+    if spec.sharing == "mps":  # the plugin's fake MPS tool in a stub driver root (realmps)
+        realmps.write_driver_root(lay.root)
+        values = _merge(values, realmps.chart_values(lay.root, NAME))
     if not spec.local_scheduler:
         values = _merge(values, scheduler_values(sandbox))
     inventory_file(sandbox).write_text(
