@@ -10,14 +10,20 @@ image (``python3 -m vgpu.plugin.fake_mps``, vgpu/plugin/fake_mps.py). The plugin
 folder first on the daemon's PATH, which is why the root holds nothing else: ``python3`` is then
 the image's (``/opt/vgpu/bin``, where ``vgpu`` is installed), never a host's.
 
+The daemons' pipe and log folders are the host's (``/var/lib/vgpu/mps/<uuid>``, vgpu/plugin/paths.py),
+which the plugin leaves behind; ``down`` removes those of the node's cards (:func:`forget`).
+
 The node's sharing mode is set for this node alone (``devicePlugin.nodeOverrides``), as an
 operator turns MPS on for some nodes of a cluster (docs/mps.md).
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
+
+from vgpu.plugin.paths import HostPaths
 
 CONTROL = "nvidia-cuda-mps-control"
 WRAPPER = (
@@ -54,3 +60,14 @@ def chart_values(node_root: Path, node: str) -> dict[str, Any]:
         "driver": {"root": str(driver_root(node_root))},
         "devicePlugin": {"nodeOverrides": [{"name": node, "sharingMode": "mps"}]},
     }
+
+
+def card_folders(uuids: list[str]) -> list[str]:
+    """Each MPS card's folder on the host (its daemon's pipe and log folders), for the node's record."""
+    return [str(HostPaths(Path("/")).mps_dir / uuid) for uuid in uuids]
+
+
+def forget(folders: list[str]) -> None:
+    """Remove the cards' folders at ``down``, once the plugin and its daemons are gone."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)

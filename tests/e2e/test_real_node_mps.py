@@ -29,6 +29,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +75,7 @@ HONEST = (
 @pytest.fixture(scope="module")
 def mps_node() -> Iterator[Node]:
     """The real node with its one card in MPS mode, the playbook run, the plugin's daemon up."""
+    folders: list[str] = []
     with real_node_sandbox("vgpu-rnmps-") as sandbox:
         started = time.monotonic()
         spec = Spec(
@@ -100,7 +102,13 @@ def mps_node() -> Iterator[Node]:
             ignore=FLAKY,
         )
         _log(f"up, played and advertised in {time.monotonic() - started:.1f}s")
+        record = json.loads(node.lay.record.read_text())
+        folders = record["mps_folders"]
+        assert [Path(f).name for f in folders] == _mps_cards(node), record
+        assert all((Path(f) / "pipe" / "control").is_socket() for f in folders), folders
         yield node
+    # down removed the daemons' folders, which the plugin leaves behind
+    assert folders and not any(Path(f).exists() for f in folders), folders
 
 
 def _advertised(node: Node) -> int:

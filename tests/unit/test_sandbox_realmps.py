@@ -57,3 +57,12 @@ def test_the_plugin_finds_the_wrapper_in_the_stub_driver_root(tmp_path: Path) ->
     values = realmps.chart_values(node_root, "real-node-0")
     assert values["driver"] == {"root": str(realmps.driver_root(node_root))}
     assert values["devicePlugin"]["nodeOverrides"] == [{"name": "real-node-0", "sharingMode": "mps"}]
+
+
+def test_down_removes_the_cards_daemon_folders_it_recorded(tmp_path: Path) -> None:
+    assert realmps.card_folders(["GPU-a", "GPU-b"]) == ["/var/lib/vgpu/mps/GPU-a", "/var/lib/vgpu/mps/GPU-b"]
+    left = tmp_path / "mps" / "GPU-a"
+    (left / "pipe").mkdir(parents=True)
+    (left / "pipe" / "nvidia-cuda-mps-control.pid").write_text("4242\n")
+    realmps.forget([str(left), str(tmp_path / "mps" / "GPU-gone")])  # one never made: no error
+    assert not left.exists() and (tmp_path / "mps").is_dir()
