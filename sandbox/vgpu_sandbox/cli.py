@@ -73,6 +73,15 @@ def register(parser: argparse.ArgumentParser) -> None:
         "through ResourceClaims of the DeviceClass vgpu.openaios.io (docs/dra.md)",
     )
     up.add_argument(
+        "--sharing-mode",
+        choices=("timeslice", "mps"),
+        default=defaults.sharing,
+        help="with --real-node (not --real-gpu nor --dra): how the real node's cards are shared; mps: "
+        "the chart's device plugin there runs with sharingMode mps and a fake nvidia-cuda-mps-control "
+        "in the node's stub driver root, and only pods annotated nvidia.com/vgpu-mode: mps land "
+        "on its cards (docs/mps.md, docs/sandbox.md)",
+    )
+    up.add_argument(
         "--scheduler-in-cluster",
         action="store_true",
         help="with --real-node: no local extender, kube-scheduler or webhook; the chart's scheduler "
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 gpu_model=args.gpu_model,
                 split=args.split,
                 mig=args.mig or "none",
+                sharing=args.sharing_mode,
                 apiserver_port=args.apiserver_port,
                 product=not args.control_plane_only,
                 real_node=args.real_node,

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu, realruntime
+from vgpu_sandbox import binaries, nodes, procs, realdra, realgpu, realmps, realruntime
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -739,6 +739,11 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
 
     ctk = binaries.bin_dir() / "nvidia-ctk"
     values = chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
+    if spec.sharing == "mps":  # the plugin's fake MPS tool in a stub driver root (realmps)
+        realmps.write_driver_root(lay.root)
+        values = _merge(values, realmps.chart_values(lay.root, NAME))
+        record["mps_folders"] = realmps.card_folders([str(g["uuid"]) for g in gpus])
+        _save_record(lay, record)
     if not spec.local_scheduler:
         values = _merge(values, scheduler_values(sandbox))
     inventory_file(sandbox).write_text(
@@ -881,6 +886,7 @@ def stop(sandbox: Handle, pids: dict[str, int]) -> None:
         procs.stop_all(shims, None, grace=5)
     unmount_under(lay.root)
     realruntime.remove_stub_spec()
+    realmps.forget(record.get("mps_folders") or [])
     if record.get("shared_state"):  # the containers' tmpfs folders and the shared bind under them
         unmount_under(realruntime.STATE_DIR)
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)

@@ -66,6 +66,11 @@ class Spec:
     # "dynamic" with dra only: the stub driver's first card an H100 80GB in MIG mode, offered as
     # MIG slices (the DRA plugin's ``--mig dynamic``, docs/mig.md#mig-with-dra) instead of shares.
     mig: str = "none"
+    # How the real node's cards are shared (docs/mps.md): "timeslice" (the hook's time slices) or
+    # "mps": the chart's device plugin there runs with ``sharingMode: mps`` for that node
+    # (``nodeOverrides``) and finds a fake ``nvidia-cuda-mps-control`` (vgpu/plugin/fake_mps.py)
+    # in a stub driver root of its own (vgpu_sandbox.realmps).
+    sharing: str = "timeslice"
 
     def validate(self) -> None:
         checks = [
@@ -87,6 +92,12 @@ class Spec:
             (
                 self.mig != "dynamic" or not self.real_gpu,
                 "--mig runs on the stub driver's fake card: leave out --real-gpu",
+            ),
+            (self.sharing in ("timeslice", "mps"), "--sharing-mode must be timeslice or mps"),
+            (
+                self.sharing == "timeslice" or (self.real_node and not (self.real_gpu or self.dra)),
+                "--sharing-mode mps is for the real node on the stub driver with the chart's device "
+                "plugin: add --real-node, leave out --real-gpu and --dra",
             ),
             (self.nodes <= 2000, "--nodes must be at most 2000"),
             (1 <= self.gpus_per_node <= 16, "--gpus-per-node must be between 1 and 16"),
