@@ -31,9 +31,10 @@ PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
             "test_plugin_on_gpu.py",
         ),
     ),
-    # MPS mode: the hook, PyTorch and a real MPS control daemon, no real node; bundle part a only
-    # for the node's enforcer (the product's wheels); about 3 minutes
-    "d": ("a", ("test_mps_gpu.py",)),
+    # issue 39: MPS mode (the hook, PyTorch and a real MPS control daemon, no real node) and two
+    # tenants capped 50/50 under time-slicing with the node; bundle part a for the node's parts
+    # (the product's wheels); about 4 minutes
+    "d": ("a", ("test_mps_gpu.py", "test_compute_pair_gpu.py")),
 }
 
 
