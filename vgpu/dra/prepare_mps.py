@@ -57,7 +57,7 @@ def check_sharing(
             "",
             f"card {shares[0].uuid}'s MPS control daemon does not answer at {pipe}: it is not "
             "running (the DRA plugin starts it and restarts it every 2 s); see the DRA plugin's log "
-            "(docs/mps.md#when-it-fails)",
+            "(docs/mps.md#failures-and-fixes)",
         )
 
 
