@@ -16,7 +16,7 @@ import pytest
 from tests.support import short_dir
 from vgpu.core.annotations import SHARING_MPS, SHARING_TIMESLICE, ContainerAllocation, DeviceAllocation
 from vgpu.core.errors import ConfigError
-from vgpu.hookabi.grant import read_grant
+from vgpu.hookabi.grant import Grant, read_grant, write_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER
 from vgpu.hookabi.layout import SHARING_MPS as GRANT_MPS
 from vgpu.hookabi.layout import SHARING_TIMESLICE as GRANT_TIMESLICE
@@ -235,3 +235,66 @@ def test_a_failing_daemon_is_down_with_what_it_said(tmp_path: Path) -> None:
         d = MpsDaemons(HostPaths(short), str(tool), ["GPU-a"])
         assert d.ensure() == {"GPU-a": False} and not d.up("GPU-a")
         assert "exited 1: An instance of this daemon is already running" in d.errors["GPU-a"]
+
+
+# -- the servers' ceilings ----------------------------------------------------------------------
+
+
+def _mps_grant(d: MpsDaemons, name: str, uuid: str, threads: int, mib: int, sharing: int = GRANT_MPS) -> None:
+    write_grant(
+        d.paths.grant(name),
+        Grant(
+            (uuid,),
+            (mib << 20,),
+            sm_limits=(threads,),
+            sharing=sharing,
+            mps_pipe=MPS_PIPE_IN_CONTAINER if sharing == GRANT_MPS else "",
+        ),
+    )
+
+
+def test_each_cards_server_ceilings_follow_the_largest_mps_grant_on_it(daemons: MpsDaemons) -> None:
+    """A client that never loads the hook (a static binary) gets the server's defaults: the
+    largest grant on the card, never more, never below a live grant."""
+    daemons.ensure()
+    _mps_grant(daemons, "p1_main", "GPU-a", 30, 1000)
+    _mps_grant(daemons, "p2_main", "GPU-a", 70, 2000)
+    _mps_grant(daemons, "p3_main", "GPU-b", 0, 500)  # no thread cap asked: 100 %
+    _mps_grant(daemons, "p4_main", "GPU-b", 90, 9000, sharing=0)  # time-sliced: not this card's
+    daemons.hold_grants()
+    assert daemons.ask("GPU-a", "get_default_active_thread_percentage") == "70.0"
+    assert daemons.ask("GPU-a", "get_default_device_pinned_mem_limit 0") == "2000M"
+    assert daemons.ask("GPU-b", "get_default_active_thread_percentage") == "100.0"
+    assert daemons.ask("GPU-b", "get_default_device_pinned_mem_limit 0") == "500M"
+    daemons.paths.grant("p2_main").unlink()  # the 70 % container left and was swept
+    daemons.hold_grants()
+    assert daemons.ask("GPU-a", "get_default_active_thread_percentage") == "30.0"
+    assert daemons.ask("GPU-a", "get_default_device_pinned_mem_limit 0") == "1000M"
+
+
+def test_at_allocate_the_ceilings_only_rise(daemons: MpsDaemons) -> None:
+    """Allocate raises a card's ceilings to a new grant before its first client connects, and
+    never lowers them there (a container may still be starting under the old ones)."""
+    daemons.ensure()
+    _mps_grant(daemons, "p1_main", "GPU-a", 60, 4000)
+    daemons.hold_grants()
+    daemons.paths.grant("p1_main").unlink()
+    _mps_grant(daemons, "p2_main", "GPU-a", 80, 1000)
+    daemons.hold_grants(only_up=True)
+    assert daemons.ask("GPU-a", "get_default_active_thread_percentage") == "80.0"
+    assert daemons.ask("GPU-a", "get_default_device_pinned_mem_limit 0") == "4000M"
+    assert daemons.ceilings["GPU-a"] == (80, 4000)
+
+
+def test_a_restarted_daemon_gets_its_ceilings_again(daemons: MpsDaemons) -> None:
+    daemons.ensure()
+    _mps_grant(daemons, "p1_main", "GPU-a", 40, 1500)
+    daemons.hold_grants()
+    os.kill(daemon_pid(daemons, "GPU-a"), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while accepts(daemons.paths.mps_pipe("GPU-a")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemons.ensure()["GPU-a"]
+    daemons.hold_grants()
+    assert daemons.ask("GPU-a", "get_default_active_thread_percentage") == "40.0"
+    assert daemons.ask("GPU-a", "get_default_device_pinned_mem_limit 0") == "1500M"

@@ -47,6 +47,7 @@ from vgpu.plugin.devices import DeviceState, card_of, prefer
 from vgpu.plugin.driver import DriverFiles
 from vgpu.plugin.hooklib import HookInstall
 from vgpu.plugin.migdynamic import DynamicMig
+from vgpu.plugin.mps import MpsDaemons
 from vgpu.plugin.paths import HostPaths
 from vgpu.plugin.waiting import Waiting, find_waiting, meta_of, pod_ref
 
@@ -118,6 +119,7 @@ class Allocator:
         self.hook = hook
         self.driver: DriverFiles | None = None  # driverInject: plugin (vgpu/plugin/driver.py)
         self.dynamic: DynamicMig | None = None  # migStrategy: dynamic (vgpu/plugin/migdynamic.py)
+        self.mps: MpsDaemons | None = None  # sharingMode: mps (vgpu/plugin/mps.py)
         # Fed by a watch of the node's pods (ArrivalWatch); without one, each list is an observation.
         self.arrivals = arrivals or Arrivals()
         self.catch_up_s = 2.0  # how long to wait for the watch to deliver a pod the list shows
@@ -343,7 +345,7 @@ class Allocator:
                 f"container {container.name} is placed as MIG on demand but this node's "
                 f"migStrategy is {self.config.mig_strategy}, not dynamic"
             )
-        return container_response(
+        response = container_response(
             self.state,
             self.config,
             self.paths,
@@ -355,6 +357,9 @@ class Allocator:
             self.driver,
             made,
         )
+        if self.mps is not None:  # before its first client: the card's ceilings up to its grant
+            self.mps.hold_grants(only_up=True)
+        return response
 
     def _mark(self, w: Waiting, phase: str, reason: str | None) -> None:
         try:

@@ -84,6 +84,7 @@ class Daemon:
         mps_cards = [c.uuid for c in self.state.cards() if self.state.offered(c).sharing == SHARING_MPS]
         if mps_cards:
             self.mps = MpsDaemons(self.paths, self.mps_control, mps_cards)
+            self.allocator.mps = self.mps
         self.mps_check_s = 2.0
         self._mps_down: set[str] = set()  # cards this plugin reported unhealthy for their daemon
         self.reclaim_s = 5.0  # how often instances no live pod names are reclaimed
@@ -177,6 +178,7 @@ class Daemon:
             elif up and uuid in self._mps_down:
                 self._mps_down.discard(uuid)
                 self.state.set_health(uuid, True)
+        self.mps.hold_grants()  # the servers' ceilings follow the grants on each card
 
     def _sweep(self) -> None:
         """Every ``sweep_s``, remove the region folders, grants and hook records of pods that

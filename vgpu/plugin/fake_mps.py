@@ -34,6 +34,7 @@ class _Daemon:
         self.pipe = pipe
         self.logs = logs
         self.threads = 100.0
+        self.pinned: dict[str, str] = {}  # device -> the default pinned limit as set ("8000M")
 
     def log(self, line: str) -> None:
         with open(self.logs / "control.log", "a") as f:
@@ -59,6 +60,13 @@ class _Daemon:
                 return f"Invalid percentage {words[1]}", False
             self.threads = value
             return f"{self.threads:.1f}", False
+        if words[0] == "set_default_device_pinned_mem_limit" and len(words) == 3:
+            if not words[2][:-1].isdigit() or words[2][-1] not in "MG":
+                return f"Invalid limit {words[2]}", False
+            self.pinned[words[1]] = words[2]
+            return "", False
+        if words[0] == "get_default_device_pinned_mem_limit" and len(words) == 2:
+            return self.pinned.get(words[1], "0"), False
         return f"Unrecognized command {command.strip()!r}", False
 
     def serve(self) -> int:

@@ -24,6 +24,8 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vgpu.hookabi.grant import GRANT_SUFFIX, GrantError, read_grant
+from vgpu.hookabi.layout import SHARING_MPS
 from vgpu.plugin.driver import BIN_DIRS
 from vgpu.plugin.paths import HostPaths
 
@@ -67,6 +69,7 @@ class MpsDaemons:
         self.restarts: dict[str, int] = dict.fromkeys(self.uuids, 0)
         self._died: set[str] = set()  # found dead, not yet running again
         self.errors: dict[str, str] = {}  # why a card's daemon is down (logged once per change)
+        self.ceilings: dict[str, tuple[int, int]] = {}  # per card: (threads %, pinned MiB) as set
         # where the driver's libraries are when the tool is the host's, run from the driver root in
         # the plugin's pod (driverInject plugin or cdi): the daemon and its server load libcuda
         self.library_dirs: list[str] = []
@@ -168,6 +171,7 @@ class MpsDaemons:
                     self._died.discard(uuid)
                     self.restarts[uuid] += 1
                 log.info("MPS daemon of card %s started (pipe %s)", uuid, self.paths.mps_pipe(uuid))
+                self.ceilings.pop(uuid, None)  # a new daemon: its ceilings are set again
                 self.errors.pop(uuid, None)
                 self._up[uuid] = True
                 continue
@@ -185,6 +189,68 @@ class MpsDaemons:
             self.errors[uuid] = problem
             self._up[uuid] = False
         return dict(self._up)
+
+    def ask(self, uuid: str, command: str) -> str:
+        """One command to the card's daemon through the tool (``echo CMD | nvidia-cuda-mps-control``
+        with the card's pipe); its answer, stripped."""
+        done = subprocess.run(
+            [self.control_binary],
+            input=command.encode() + b"\n",
+            env=self.env(uuid),
+            capture_output=True,
+            timeout=START_WAIT_S,
+            check=False,
+        )
+        return done.stdout.decode(errors="replace").strip()
+
+    def hold(self, uuid: str, threads: int, pinned_mib: int, *, only_up: bool = False) -> None:
+        """Set the card's server ceilings: the active thread percentage and the pinned device
+        memory that a client gets when it sets none itself (a client's own variables only lower
+        them). ``threads`` 0 means 100; ``pinned_mib`` 0 leaves the pinned default alone. The hook
+        sets each client's own limits from its grant; these bound a client that never loads it (a
+        static binary) to the largest grant on the card. ``only_up``: only raise what is set (at
+        Allocate, before the new container's first client connects)."""
+        threads = threads or 100
+        old = self.ceilings.get(uuid)
+        if only_up and old is not None:
+            threads, pinned_mib = max(threads, old[0]), max(pinned_mib, old[1])
+        if old == (threads, pinned_mib) or not self._up.get(uuid):
+            return
+        commands = [f"set_default_active_thread_percentage {threads}"]
+        if pinned_mib:
+            commands.append(f"set_default_device_pinned_mem_limit 0 {pinned_mib}M")
+        try:
+            servers = [w for w in self.ask(uuid, "get_server_list").split() if w.isdigit()]
+            for pid in servers:  # a running server keeps the defaults it started with
+                commands.append(f"set_active_thread_percentage {pid} {threads}")
+                if pinned_mib:
+                    commands.append(f"set_device_pinned_mem_limit {pid} 0 {pinned_mib}M")
+            said = [self.ask(uuid, c) for c in commands]
+        except (OSError, subprocess.SubprocessError) as err:
+            log.warning("cannot set the MPS ceilings of card %s: %s", uuid, err)
+            return
+        refused = [
+            f"{c}: {a}"
+            for c, a in zip(commands, said, strict=True)
+            if a.lower().startswith(("inval", "unrec"))
+        ]
+        if refused:
+            log.warning("MPS daemon of card %s refused: %s", uuid, "; ".join(refused))
+            return
+        self.ceilings[uuid] = (threads, pinned_mib)
+        log.info(
+            "MPS ceilings of card %s: %d %% of the threads, %s",
+            uuid,
+            threads,
+            f"{pinned_mib} MiB" if pinned_mib else "memory unset",
+        )
+
+    def hold_grants(self, *, only_up: bool = False) -> None:
+        """Each card's ceilings from the grants on the node (:func:`grant_ceilings`)."""
+        found = grant_ceilings(self.paths, self.uuids)
+        for uuid in self.uuids:
+            threads, pinned = found.get(uuid, (0, 0))
+            self.hold(uuid, threads, pinned, only_up=only_up)
 
     def up(self, uuid: str) -> bool:
         """Whether the card's daemon was up at the last ``ensure``."""
@@ -212,6 +278,35 @@ class MpsDaemons:
             while time.monotonic() < deadline and accepts(pipe, 0.2):
                 time.sleep(0.05)
             self._up[uuid] = False
+
+
+def grant_ceilings(paths: HostPaths, uuids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Per MPS card, the largest thread percentage (100 for a grant without one) and the largest
+    memory limit in MiB (0 where a grant has none: no pinned ceiling) of the MPS grants on it; a
+    grant of a container that left counts until the plugin sweeps it (a ceiling too high, never
+    one below a live grant)."""
+    out: dict[str, tuple[int, int]] = {}
+    unlimited: set[str] = set()
+    try:
+        files = sorted(paths.grants_dir.glob(f"*{GRANT_SUFFIX}"))
+    except OSError:
+        return out
+    for path in files:
+        try:
+            grant = read_grant(path)
+        except GrantError:
+            continue
+        if grant.sharing != SHARING_MPS:
+            continue
+        for i, uuid in enumerate(grant.uuids):
+            if uuid not in uuids:
+                continue
+            threads, mib = out.get(uuid, (0, 0))
+            limit = grant.value("limit", i)
+            if limit == 0:
+                unlimited.add(uuid)
+            out[uuid] = (max(threads, grant.value("sm_limit", i) or 100), max(mib, -(-limit // (1 << 20))))
+    return {u: (t, 0 if u in unlimited else m) for u, (t, m) in out.items()}
 
 
 def find_control(driver_root: Path) -> Path | None:
