@@ -35,7 +35,7 @@ from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra import cdi
 from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.mig import Held, MigNode, MigView, held_of
-from vgpu.dra.prepare_mps import check_sharing, mps_limits
+from vgpu.dra.prepare_mps import check_sharing
 from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
 from vgpu.hookabi.grant import GRANT_SUFFIX
@@ -303,9 +303,8 @@ class Preparer:
         host_dir = self.paths.containers_dir / folder
         folders.make(host_dir, self.config.container_folder)  # as the device plugin's (plugin/folders.py)
         node_config = dataclasses.replace(self.config, sm_policy=config.sm_policy or self.config.sm_policy)
-        env, grant = limits(shares, node_config, f"{inside}/{REGION_FILE_NAME}", str(config.priority))
-        if mps:  # the card's MPS daemon's client (docs/dra.md#mps-shares)
-            env, grant = mps_limits(env, grant, shares[0])
+        # mps: the card's MPS daemon's client (docs/dra.md#mps-shares), as the device plugin's
+        env, grant = limits(shares, node_config, f"{inside}/{REGION_FILE_NAME}", str(config.priority), mps)
         grant_file = write_grant_file(self.paths, folder, grant)
         hand_out(self.paths, folder, self.hook)
         mounts: list[tuple[str, str, bool]] = [

@@ -1,22 +1,18 @@
 """A claim's share on a card its node shares through MPS (``vgpu dra-plugin --sharing-mode mps``,
-docs/dra.md#mps-shares): what Prepare checks and writes beyond a time-sliced share.
+docs/dra.md#mps-shares): what Prepare checks beyond a time-sliced share.
 
-The grant says ``sharing = SHARING_MPS`` and names the pipe folder as the container sees it
+What it writes is the device plugin's (:func:`vgpu.plugin.answer.limits` with ``mps``): the grant
+says ``sharing = SHARING_MPS`` and names the pipe folder as the container sees it
 (:data:`~vgpu.hookabi.layout.MPS_PIPE_IN_CONTAINER`, where the CDI spec mounts the card's
 :meth:`~vgpu.plugin.paths.HostPaths.mps_pipe` read-only); the hook makes every process of the
 container a client of the card's MPS daemon with the grant's cores as its active thread percentage
-and its memory as its pinned memory limit. The three ``CUDA_MPS_*`` variables are set too, as a
-convenience only: the hook sets them from the grant whatever the environment says.
+and its memory as its pinned memory limit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra.claims import ClaimError, ClaimPlan, Share
-from vgpu.hookabi.grant import Grant
-from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
 from vgpu.plugin.mps import accepts
 from vgpu.plugin.paths import HostPaths
 
@@ -59,14 +55,3 @@ def check_sharing(
             "running (the DRA plugin starts it and restarts it every 2 s); see the DRA plugin's log "
             "(docs/mps.md#failures-and-fixes)",
         )
-
-
-def mps_limits(env: dict[str, str], grant: Grant, share: Share) -> tuple[dict[str, str], Grant]:
-    """``env`` and ``grant`` (of one card's share) made an MPS client's."""
-    out = dict(env)
-    out["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
-    cores = min(share.cores, 100)
-    if cores > 0:
-        out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cores)
-    out["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={share.memory_mib}M"
-    return out, dataclasses.replace(grant, sharing=SHARING_MPS, mps_pipe=MPS_PIPE_IN_CONTAINER)
