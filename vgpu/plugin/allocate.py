@@ -357,8 +357,8 @@ class Allocator:
             self.driver,
             made,
         )
-        if self.mps is not None:  # before its first client: the card's ceilings up to its grant
-            self.mps.hold_grants(only_up=True)
+        if self.mps is not None and any(d.uuid in self.mps.uuids for d in container.devices):
+            self.mps.hold_grants(only_up=True)  # before its first client: the card's ceilings up to its grant
         return response
 
     def _mark(self, w: Waiting, phase: str, reason: str | None) -> None:

@@ -5,9 +5,11 @@ Each card of a ``sharingMode: mps`` node gets ``nvidia-cuda-mps-control -d`` wit
 ``CUDA_MPS_LOG_DIRECTORY=<HostPaths.mps_log(uuid)>``; the pipe folder is mounted read-only into the
 card's containers (vgpu/plugin/answer.py), whose processes become the daemon's clients.
 
-A daemon is up when its ``control`` socket in the pipe folder accepts a connection: a live one is
-adopted at start (the plugin restarted, the daemon did not), a dead one is started again and
-counted as a restart. The DRA plugin runs the same class for its MPS cards.
+A daemon is up when its ``control`` socket in the pipe folder accepts a connection, and stays up
+while the process its pid file names runs: a live one is adopted at start (the plugin restarted,
+the daemon did not), a dead one is started again and counted as a restart. Each card's server
+ceilings follow the largest MPS grant on it (:meth:`MpsDaemons.hold`). The DRA plugin runs the
+same class for its MPS cards.
 """
 
 from __future__ import annotations
@@ -263,14 +265,7 @@ class MpsDaemons:
             if not accepts(pipe):
                 continue
             try:
-                subprocess.run(
-                    [self.control_binary],
-                    input=b"quit\n",
-                    env=self.env(uuid),
-                    capture_output=True,
-                    timeout=START_WAIT_S,
-                    check=False,
-                )
+                self.ask(uuid, "quit")
             except (OSError, subprocess.SubprocessError) as err:
                 log.warning("cannot quit the MPS daemon of card %s: %s", uuid, err)
                 continue
