@@ -48,10 +48,10 @@ class Recorder:
         pass
 
 
-def proc_tree(root: Path, pid: int, uid: str, comm: str = "python") -> None:
+def proc_tree(root: Path, pid: int, uid: str, comm: str = "python", cgroup: str = "") -> None:
     (root / str(pid)).mkdir(parents=True)
     (root / str(pid) / "cgroup").write_text(
-        f"0::/kubepods/burstable/pod{uid}/cri-containerd-{pid:064d}.scope\n"
+        f"0::{cgroup or f'/kubepods/burstable/pod{uid}/cri-containerd-{pid:064d}.scope'}\n"
     )
     (root / str(pid) / "stat").write_text(f"{pid} (t) S " + " ".join(["0"] * 18) + f" {1000 + pid} 0 0\n")
     (root / str(pid) / "comm").write_text(comm + "\n")
@@ -67,7 +67,9 @@ def node(tmp_path: Path) -> tuple[HostView, Source]:
     proc = tmp_path / "proc"
     proc_tree(proc, 101, UID_M)  # an MPS client
     proc_tree(proc, 102, UID_M)  # left MPS
-    proc_tree(proc, 103, UID_M, "nvidia-cuda-mps")  # an MPS server where the container's cgroup is
+    # the card's MPS server, the node's MPS daemon's child: in the device plugin's cgroup
+    proc_tree(proc, 103, "", "nvidia-cuda-mps", "/system.slice/vgpu-device-plugin.service")
+    proc_tree(proc, 104, UID_M, "nvidia-cuda-mps")  # a tenant's process named as an MPS server
     proc_tree(proc, 201, UID_T)  # a time-sliced container's process: never an MPS client
     source = Source()
     return HostView("n1", paths, source, lambda: ["GPU-a"], None, proc), source
@@ -105,6 +107,22 @@ def test_a_process_of_an_mps_container_outside_mps_is_acted_on_with_the_reason(
     assert "PID 102" in message and "not a client of the card's MPS daemon: it left MPS" in message
     assert "team/mps-pod" in message
     assert any("MPS bypass" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tenants_process_named_as_the_mps_server_is_still_its_containers(
+    node: tuple[HostView, Source],
+) -> None:
+    """A process's name is its own to set (prctl): one in an MPS container calling itself
+    nvidia-cuda-mps is held to the container's grant, and acted on as outside MPS."""
+    view, source = node
+    killed: list[int] = []
+    enforcer = Enforcer("n1", view, "kill", 0, kill=lambda p, s: killed.append(p))
+    source.procs = [GpuProcess(101, 300 * MIB, mps=True), GpuProcess(104, 900 * MIB)]
+    enforcer.run_pass()
+    assert enforcer.stats.view is not None and enforcer.stats.view.unattributed["GPU-a"] == 0
+    [held] = enforcer.stats.view.held
+    assert held.pids == {101: 300 * MIB, 104: 900 * MIB} and held.left_mps == {104}
+    assert 104 in killed
 
 
 def test_an_mps_client_over_its_grant_is_held_to_it_as_any_process(node: tuple[HostView, Source]) -> None:

@@ -46,8 +46,6 @@ from vgpu.plugin.paths import HostPaths
 
 log = logging.getLogger(__name__)
 
-MPS_SERVER_COMM = "nvidia-cuda-mps-server"[:15]  # the kernel keeps 15 characters of a process name
-
 PodLister = Callable[[str], list[dict[str, Any]]]
 
 
@@ -278,7 +276,9 @@ class HostView:
                     if owner.folder not in grants:
                         grants[owner.folder] = self._grant(owner.folder)
                     grant = grants[owner.folder]
-                if owner is None or grant is None or uuid not in grant.uuids or self._mps_server(proc.pid):
+                # (the card's MPS server is the node's MPS daemon's child, in the plugin's cgroup,
+                # which holds no grant: unattributed here, never by its name, which a tenant sets)
+                if owner is None or grant is None or uuid not in grant.uuids:
                     unattributed[uuid] += proc.memory_bytes
                     continue
                 entry = held.get((owner.folder, uuid))
@@ -293,14 +293,6 @@ class HostView:
                     entry.codec = proc.codec if entry.codec is None else entry.codec + proc.codec
         self._refs = {pid: v for pid, v in self._refs.items() if pid in live}
         return View(list(held.values()), unattributed, time.monotonic() - started)
-
-    def _mps_server(self, pid: int) -> bool:
-        """An MPS server (``nvidia-cuda-mps-server``, its comm cut to 15 characters) belongs to no
-        container: the card's daemon started it for all of them."""
-        try:
-            return (self.proc / str(pid) / "comm").read_text().strip() == MPS_SERVER_COMM
-        except OSError:
-            return False
 
     def _grant(self, folder: str) -> Grant | None:
         try:
