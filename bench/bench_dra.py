@@ -1,10 +1,19 @@
 """Figures for DRA: vGPU pods per second through kube-scheduler's DRA allocator, beside the
 extender path, on the same KWOK nodes in one run (docs/dra.md).
 
-Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36; ``--without-policies``
-adds a fourth burst per round on slices whose capacities carry no ``requestPolicy``):
+Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36):
     .venv/bin/python bench/bench_dra.py \\
-        [--nodes 1000] [--pods 500] [--pairs 1] [--without-policies]
+        [--nodes 1000] [--pods 500] [--pairs 1] [--shapes main,current,bare,plain,current@10] \\
+        [--profile DIR [--profile-seconds 10]] [--keep DIR]
+
+``--shapes``: the slice, DeviceClass and claim shapes of bench/dra_shapes.py, a DRA burst each per
+round, in turn (each round starts where the last ended, so the slices are replaced as seldom as
+possible); ``NAME@P`` runs the shape with kube-scheduler's ``percentageOfNodesToScore`` P.
+``--profile``: a CPU profile of kube-scheduler over each DRA burst's first seconds
+(bench/dra_profile.py), its top frames printed. (The other processes' CPU per pod in a DRA burst
+is mostly the cluster's upkeep, which the run prints first: KWOK's node heartbeats cost the API
+server, etcd and KWOK the same CPU per second whatever is scheduled, so per pod they grow with
+the burst's length.)
 
 One control-plane-only sandbox in a temp folder with N KWOK nodes of 8 cards (80 GiB each), each
 node carrying both what the extender path reads (the inventory annotation and a fresh plugin
@@ -17,9 +26,9 @@ one mode). For each pair:
 
 1. kube-scheduler alone (no extender): P pods asking ``cpu``, the baseline;
 2. the extender path: P pods asking ``nvidia.com/gpumem: 1000`` through kube-scheduler + extender;
-3. the DRA path: P pods each with a claim from the template, kube-scheduler alone (its DRA
-   allocator). The claims are made by kube-controller-manager from the template when the pods are
-   created, before kube-scheduler starts.
+3. the DRA path, once per shape: P pods each with a claim from the template, kube-scheduler
+   alone (its DRA allocator). The claims are made by kube-controller-manager from the template
+   when the pods are created, before kube-scheduler starts.
 
 Pods/s from the first bound pod to the last, as a watch sees them (bench_scheduler.burst), CPU per
 pod of each process, and the share of kube-scheduler alone. Prints one line per figure and the
@@ -231,9 +240,6 @@ def run(
                 if profiled is not None and profiled.out.exists():
                     print(f"{tag}   profile {profiled.out}", flush=True)
                     print(top(sb.bin("kube-scheduler"), profiled.out), flush=True)
-                if profiled is not None and profiled.apiserver_out.exists():
-                    print(f"{tag}   kube-apiserver's profile {profiled.apiserver_out}", flush=True)
-                    print(top(sb.bin("kube-apiserver"), profiled.apiserver_out), flush=True)
                 delete_all(sb, kube)
         print(
             f"[{n} nodes] share of kube-scheduler alone, median over {pairs}: extender path "

@@ -35,7 +35,6 @@ class Profiled:
         self.sb, self.folder, self.seconds, self.out = sb, folder, seconds, out
         self.thread: threading.Thread | None = None
         self.error = ""
-        self.apiserver_out = out.with_name(out.name.replace(".pb.gz", "-apiserver.pb.gz"))
 
     def start(self, name: str, config_json: str) -> subprocess.Popen[bytes]:
         config = self.folder / f"{name}.json"
@@ -72,8 +71,6 @@ class Profiled:
                 except requests.RequestException:
                     pass
                 time.sleep(0.2)
-            apiserver = threading.Thread(target=self._take_apiserver, daemon=True)
-            apiserver.start()
             r = requests.get(
                 f"{base}/debug/pprof/profile",
                 params={"seconds": str(int(self.seconds))},
@@ -82,21 +79,8 @@ class Profiled:
             )
             r.raise_for_status()
             self.out.write_bytes(r.content)
-            apiserver.join(self.seconds + 60)
         except (requests.RequestException, OSError) as e:
             self.error = f"profile not taken: {e}"
-
-    def _take_apiserver(self) -> None:
-        """kube-apiserver's profile over the same window, as the sandbox's admin (its pprof
-        endpoint is on by default and needs an authorized user)."""
-        path = f"/debug/pprof/profile?seconds={int(self.seconds)}"
-        argv = [str(self.sb.bin("kubectl")), f"--kubeconfig={self.sb.kubeconfig}", "get", "--raw", path]
-        try:
-            r = subprocess.run(argv, capture_output=True, timeout=self.seconds + 60)
-            if r.returncode == 0:
-                self.apiserver_out.write_bytes(r.stdout)
-        except (subprocess.TimeoutExpired, OSError):
-            pass
 
     def wait(self) -> str:
         """Waits for the profile; '' when written, else why not."""

@@ -11,6 +11,11 @@ one run compares them interleaved on the same nodes.
   the two capacities and no policy, no attribute, and a class that selects on the driver only.
 - ``plain``: a further reduced case: 8 devices per slice that are not shared (no capacity, no
   ``allowMultipleAllocations``), a driver-only class, and a claim for one device by count.
+- ``main-driveronly``, ``main-nopolicy``, ``main-noattributes``: main with its class checking the
+  driver only, without its request policies, with only the attribute ``sharing``: what each part
+  of the shape costs the allocator (bench/dra_allocator).
+- ``bare-nocel``, ``plain-nocel``: the two with a class of no selector at all (it would take any
+  driver's device: a reduced case, never a product shape), for what the CEL evaluation costs.
 """
 
 from __future__ import annotations
@@ -93,6 +98,23 @@ def _plain_device(card: Card) -> dict[str, Any]:
     return {"name": f"gpu-{card.index}"}
 
 
+def _no_policy(device: Callable[[Card], dict[str, Any]]) -> Callable[[Card], dict[str, Any]]:
+    def made(card: Card) -> dict[str, Any]:
+        out = device(card)
+        for capacity in out["capacity"].values():
+            capacity.pop("requestPolicy", None)
+        return out
+
+    return made
+
+
+def _no_attributes(card: Card) -> dict[str, Any]:
+    """main's device with only the attribute its class reads (``sharing``)."""
+    out = _main_device(card)
+    out["attributes"] = {"sharing": out["attributes"]["sharing"]}
+    return out
+
+
 def _slice_of(node: str, device: Callable[[Card], dict[str, Any]]) -> dict[str, Any]:
     return {
         "apiVersion": "resource.k8s.io/v1",
@@ -125,11 +147,13 @@ class Shape:
         exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": 1}
         if self.capacity:
             exactly["capacity"] = {"requests": dict(self.capacity)}
+        selector = self.selector()
         device_class = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "DeviceClass",
             "metadata": {"name": DRIVER},
-            "spec": {"selectors": [{"cel": {"expression": self.selector()}}]},
+            # no selector: every device of every driver on the node (a reduced case only)
+            "spec": {"selectors": [{"cel": {"expression": selector}}] if selector else []},
         }
         claim_template = {
             "apiVersion": "resource.k8s.io/v1",
@@ -150,6 +174,25 @@ SHAPES = {
     ),
     "bare": Shape("bare", lambda node: _slice_of(node, _bare_device), lambda: DRIVER_ONLY, SHARE_REQUEST),
     "plain": Shape("plain", lambda node: _slice_of(node, _plain_device), lambda: DRIVER_ONLY, None),
+    # main with one part taken away each, for what that part costs (bench/dra_allocator)
+    "main-driveronly": Shape(
+        "main-driveronly", lambda node: _slice_of(node, _main_device), lambda: DRIVER_ONLY, SHARE_REQUEST
+    ),
+    "main-nopolicy": Shape(
+        "main-nopolicy",
+        lambda node: _slice_of(node, _no_policy(_main_device)),
+        lambda: MAIN_SELECTOR,
+        SHARE_REQUEST,
+    ),
+    "main-noattributes": Shape(
+        "main-noattributes",
+        lambda node: _slice_of(node, _no_attributes),
+        lambda: MAIN_SELECTOR,
+        SHARE_REQUEST,
+    ),
+    # the reduced cases without any CEL: what one selector evaluation per device tried costs
+    "bare-nocel": Shape("bare-nocel", lambda node: _slice_of(node, _bare_device), lambda: "", SHARE_REQUEST),
+    "plain-nocel": Shape("plain-nocel", lambda node: _slice_of(node, _plain_device), lambda: "", None),
 }
 
 
