@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
             # 0 when nothing is wrong: healthy, stopped by `down`, or never started here
             return 0 if report.get("ok") else 1
         if args.action == "restart":
-            from vgpu_sandbox import realnode
+            from vgpu_sandbox.realnode import lifecycle
 
-            seconds = realnode.restart(sandbox, args.component)
+            seconds = lifecycle.restart(sandbox, args.component)
             print(f"sandbox: {args.component} restarted in {seconds:.1f}s")
             return 0
         if args.action == "down":
