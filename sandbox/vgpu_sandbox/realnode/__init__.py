@@ -18,7 +18,8 @@ time: ``/var/lib/kubelet/device-plugins`` (kubelet's registration socket, whatev
 ``--root-dir``), ``/var/log/pods`` (container logs) and ``/var/lib/vgpu`` (the hook, grants and
 regions). Whatever of them the sandbox created, it removes at ``down``.
 
-One module per job; each imports only those above it in this list:
+One module per job; each imports only those above it in this list (a layers contract of
+import-linter in pyproject.toml holds it):
 
 - ``layout``: the node's name, taints, addresses, host paths and its folder's files
   (:class:`layout.NodeLayout`), the images ``make images`` built, the inventory's path;
