@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vgpu_sandbox.cluster import Sandbox, Spec, default_dir
 from vgpu_sandbox.errors import SandboxError
+from vgpu_sandbox.realnode.layout import MONITOR_PORT, NODE_IP
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -167,12 +168,12 @@ _PORTS = {
     "kwok": ("KWOK's server (metrics, health)", "http://127.0.0.1:{}/metrics"),
     "extender": ("the extender: filter, bind, webhook", "https://127.0.0.1:{}"),
     "extender-metrics": ("the extender's metrics", "http://127.0.0.1:{}/metrics"),
-    "kubelet": ("the real node's kubelet", "https://10.244.200.1:{}"),
+    "kubelet": ("the real node's kubelet", f"https://{NODE_IP}:{{}}"),
     "kubelet-healthz": ("the real node's kubelet health", "http://127.0.0.1:{}/healthz"),
-    "real-node-monitor": ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
-    "real-node-extender": ("the chart's extender, on the real node", "https://10.244.200.1:{}"),
-    "real-node-scheduler-metrics": ("the chart's scheduler metrics", "http://10.244.200.1:{}/metrics"),
-    "real-node-kube-scheduler": ("the chart's kube-scheduler (healthz)", "https://10.244.200.1:{}/healthz"),
+    MONITOR_PORT: ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
+    "real-node-extender": ("the chart's extender, on the real node", f"https://{NODE_IP}:{{}}"),
+    "real-node-scheduler-metrics": ("the chart's scheduler metrics", f"http://{NODE_IP}:{{}}/metrics"),
+    "real-node-kube-scheduler": ("the chart's kube-scheduler (healthz)", f"https://{NODE_IP}:{{}}/healthz"),
 }
 
 

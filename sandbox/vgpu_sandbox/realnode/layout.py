@@ -34,6 +34,9 @@ HOST_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 HOST_PATHS = (Path("/var/lib/kubelet"), Path("/var/log/pods"), realruntime.STATE_DIR)
 IMAGES = ("device-plugin", "scheduler", "kube-scheduler", "sample", "pause")
 COMPONENTS = ("containerd", "kubelet")
+# The port the node's monitor serves, by its name in state.json: the chart's plugin's, or with
+# --real-gpu the sandbox's own device plugin's (vgpu_sandbox.realgpu).
+MONITOR_PORT = "real-node-monitor"
 FAKE_NVML_MOUNT = "/etc/vgpu/fake-nvml"  # the real node's folder as the device plugin's pod sees it
 
 

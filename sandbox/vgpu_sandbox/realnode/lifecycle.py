@@ -25,6 +25,7 @@ from vgpu_sandbox.realnode.layout import (
     FAKE_NVML_MOUNT,
     HOST_PATHS,
     HOST_PLUGIN_DIR,
+    MONITOR_PORT,
     NAME,
     NODE_IP,
     POD_SUBNET,
@@ -152,7 +153,7 @@ def start(sandbox: Handle, spec: Spec, progress: Callable[[str], None]) -> None:
         return
 
     ctk = binaries.bin_dir() / "nvidia-ctk"
-    chart = values.chart_values(sandbox, spec, lay, sandbox.port("real-node-monitor"))
+    chart = values.chart_values(sandbox, spec, lay, sandbox.port(MONITOR_PORT))
     if spec.sharing == "mps":  # the plugin's fake MPS tool in a stub driver root (realmps)
         realmps.write_driver_root(lay.root)
         chart = values.merge(chart, realmps.chart_values(lay.root, NAME))
