@@ -157,16 +157,16 @@ def explain(logs: str) -> list[str]:
 
 def run_on_the_real_node(sandbox: Sandbox) -> None:
     """A pod from the sample image on the real node: its limits, the hook's refusal, its logs."""
-    from vgpu_sandbox import realnode
+    from vgpu_sandbox.realnode import layout, sample
 
     command = (
         "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "
         f"t_alloc link alloc {CHUNK_MIB} | grep -E 'chunks|refused'; sleep infinity | t_hold {HOLD_MIB}"
     )
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(LIMIT_MIB)}
-    pod = realnode.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
+    pod = sample.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
     say(
-        f"a pod on the real node {realnode.NAME}: the sample image, {LIMIT_MIB} MiB, "
+        f"a pod on the real node {layout.NAME}: the sample image, {LIMIT_MIB} MiB, "
         f"filled {CHUNK_MIB} at a time"
     )
     sandbox.kubectl("delete", "pod", REAL_NODE_POD, "--ignore-not-found", "--wait=true", check=False)

@@ -47,7 +47,6 @@ from vgpu_sandbox.nodes import ERROR_ANNOTATION, RECORD_ANNOTATION
 log = logging.getLogger("vgpu_sandbox.kubelet")
 
 __all__ = ["ERROR_ANNOTATION", "RECORD_ANNOTATION", "Kubelet"]
-KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 REJECT_REASON = "UnexpectedAdmissionError"  # what kubelet sets when a device plugin refuses Allocate
 
 

@@ -17,6 +17,8 @@ GPU_LABEL = ("gpu", "on")
 # Allocate answer, and why admission failed (absent when it did not).
 RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
 ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
+# The kubelet's registration socket under a KWOK node's folder, where its stand-in serves it.
+KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 
 
 @dataclass(frozen=True)

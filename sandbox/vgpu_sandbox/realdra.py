@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import product
+from vgpu_sandbox import procs, product
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
@@ -176,15 +176,7 @@ def kill_and_restart(sandbox: Handle) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(old.pid, signal.SIGKILL)
     # not watched as a component: its exit is what is waited for (a watched exit fails the wait)
-    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30)
+    sandbox.wait_for("the killed DRA plugin to exit", lambda: not procs.alive(old.pid), 30)
     sandbox.adopt(state)
     state.components.remove(old)
     sandbox.launch(COMPONENT, old.argv, old.port)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

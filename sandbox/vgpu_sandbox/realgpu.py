@@ -19,10 +19,10 @@ import yaml
 from vgpu.core.errors import ConfigError
 from vgpu.plugin.driver import find_driver
 from vgpu_sandbox import product
+from vgpu_sandbox.realnode.layout import MONITOR_PORT
 from vgpu_sandbox.runtime import Handle, Spec
 
 COMPONENT = "device-plugin-real-node"
-MONITOR_PORT = "real-node-monitor"
 
 
 def why_not() -> str | None:

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import realmps, realnode
+from vgpu_sandbox import realmps
 from vgpu_sandbox.cluster import Spec
+from vgpu_sandbox.realnode import layout, sample
 
 from tests.e2e.test_real_node import Node, _log, _plugin_running
 from tests.support import wait_for
@@ -47,7 +48,7 @@ from vgpu.plugin.monitor.enforce import REASON_LEFT_MPS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 
-NODE = realnode.NAME
+NODE = layout.NAME
 CARD_MIB = 8192
 SPLIT = 4
 MIB = 1 << 20
@@ -122,7 +123,7 @@ def _mps_cards(node: Node) -> list[str]:
 
 
 def _pod(node: Node, name: str, command: str, mode: str | None, env: dict[str, str] | None = None) -> None:
-    manifest = realnode.sample_pod(
+    manifest = sample.sample_pod(
         name,
         command,
         {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(GRANT_MIB), "nvidia.com/gpucores": str(CORES)},

@@ -35,7 +35,7 @@ from test_real_node import (  # noqa: F401  (node and prepared: this module's ow
     node,
     prepared,
 )
-from vgpu_sandbox import realnode
+from vgpu_sandbox.realnode import daemons
 
 from tests.support import wait_for
 from vgpu.plugin.hooklib import record_path
@@ -137,7 +137,7 @@ def test_a_running_container_keeps_its_hook_across_a_helm_upgrade_and_the_old_li
 ) -> None:
     real = prepared
     image = _dev2_image()
-    imported = realnode._ctr(real.lay, "images", "import", image["file"])
+    imported = daemons.ctr(real.lay, "images", "import", image["file"])
     assert imported.returncode == 0, imported.stderr
     plugin = wait_for(lambda: _plugin_running(real), "the dev plugin pod", 180, every=1.0, ignore=_FLAKY)
     assert plugin["status"]["containerStatuses"][0]["image"].endswith("device-plugin:dev")
