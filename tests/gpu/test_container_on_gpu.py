@@ -25,9 +25,9 @@ import pytest
 from test_plugin_on_gpu import bind_pod, plugin_on_real_nvml  # tests/gpu is on sys.path
 from vgpu_sandbox import binaries, realnode
 
-from vgpu.plugin.hooklib import install_hook
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.hooklib import install_hook
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 

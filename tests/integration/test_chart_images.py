@@ -117,7 +117,7 @@ def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_
     shutil.copytree(REPO / "vgpu", context / "vgpu", ignore=shutil.ignore_patterns("__pycache__"))
     wheel = _wheel(context, tmp_path, "vgpu-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
+    assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/deviceplugin/cli.py"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vgpu = vgpu.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -100,10 +100,10 @@ class Grant:
     region_path: str = ""
     context_reserve: int = DEFAULT_CONTEXT_RESERVE
     # the node's compute gate per device: no launch before this CLOCK_MONOTONIC ns (0 = open);
-    # written only by the node monitor (vgpu.plugin.monitor.compute), never at Allocate
+    # written only by the node monitor (vgpu.monitor.compute), never at Allocate
     hold_until: tuple[int, ...] = ()
     # the driver's measure of the container's GPU time over the hook's, x SHARE_SCALE_ONE (0 = 1.0);
-    # written only by the node monitor (vgpu.plugin.monitor.sharescale), never at Allocate
+    # written only by the node monitor (vgpu.monitor.sharescale), never at Allocate
     share_scales: tuple[int, ...] = ()
     # MPS mode (docs/mps.md): SHARING_MPS makes every process of the container a client of the
     # card's MPS daemon through mps_pipe (the pipe folder as the container sees it)
