@@ -134,7 +134,9 @@ def test_the_products_wheel_built_from_the_whole_repo_leaves_the_sandbox_out(tmp
     product = _wheel(clone, tmp_path / "product", "vgpu-*.whl")
     names = zipfile.ZipFile(product).namelist()
     floors = {n.split("/")[1] for n in names if n.startswith("vgpu/") and n.count("/") >= 2}
-    assert {"core", "hookabi", "kube", "commands", "extender", "plugin"} <= floors
+    product_floors = {"core", "hookabi", "kube", "commands", "extender"}
+    product_floors |= {"node", "deviceplugin", "dra", "monitor"}
+    assert product_floors <= floors
     assert not [n for n in names if "sandbox" in n.split("/")[0] or n.startswith("vgpu/sandbox")]
     sandbox = _wheel(clone / "sandbox", tmp_path / "sandbox", "vgpu_sandbox-*.whl")
     sandbox_names = zipfile.ZipFile(sandbox).namelist()

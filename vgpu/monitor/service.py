@@ -1,8 +1,8 @@
 """The node monitor's running parts for one node: the arbiter thread, the memory enforcer (the
 host's view of every container, ``enforce.py``) and ``/metrics``.
 
-``vgpu monitor`` runs it alone; the device plugin's ``Daemon`` runs it beside its own parts.
-Both are built from settings by ``vgpu.deviceplugin.node``.
+``vgpu monitor`` runs it alone (vgpu/monitor/node.py); ``vgpu device-plugin`` hands it to the device
+plugin's ``Daemon``, which runs it beside its own parts (vgpu/commands/device_plugin.py).
 """
 
 from __future__ import annotations

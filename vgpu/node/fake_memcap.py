@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import ConfigError
+from vgpu.hookabi.files import write_atomic
 from vgpu.node.memcap import LIMIT_MAX, CapError, Limits, error_of
 
 _CODE = {"missing": 13, "not-supported": 3, "no-permission": 4, "not-found": 6, "invalid-argument": 2}
@@ -133,9 +134,7 @@ class FakeCaps:
         if not lines:
             target.unlink(missing_ok=True)
             return
-        tmp = caps / f".{target.name}.tmp"
-        tmp.write_text("".join(lines))
-        tmp.rename(target)
+        write_atomic(target, "".join(lines).encode(), 0o644)
 
     def get_memory_limits(self, uuid: str, cgroup: str) -> Limits:
         refused = self._check(uuid, cgroup)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import uuid as uuidlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from typing import Any
 
 from vgpu.core.errors import ConfigError
 from vgpu.core.mig import MigError, MigTable, Placement, free_placements, table_for_model
+from vgpu.hookabi.files import write_atomic
 from vgpu.node.discovery import Card, GpuProcess
 from vgpu.node.mig import (
     IN_USE,
@@ -188,11 +188,7 @@ class FakeMig:
                     state["cards"][uuid] = self._seed(uuid, spec)
             yield state
             if json.dumps(state, sort_keys=True) != before:
-                tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-                with open(tmp) as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.state_path)
+                write_atomic(self.state_path, json.dumps(state, indent=1, sort_keys=True).encode(), 0o644)
 
     def _seed(self, uuid: str, spec: FakeMigSpec) -> dict[str, Any]:
         current, pending = MODES[spec.mode]

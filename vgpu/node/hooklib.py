@@ -30,11 +30,11 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from vgpu.hookabi.files import TMP_SUFFIX, write_atomic
 from vgpu.node.paths import CONTAINER_HOOK_PATH, HOOK_LIBRARY_NAME, HostPaths
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 PRELOAD_NAME = "ld.so.preload"
 RECORD_SUFFIX = ".hook"
 VERSION_RE = re.compile(r"^[0-9a-f]{16}$")
-_TMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
@@ -75,14 +74,6 @@ def _locked(paths: HostPaths, exclusive: bool) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _put(target: Path, data: bytes, mode: int) -> None:
     """``target`` holds ``data``: unchanged if it already does, else a new file renamed over it.
 
@@ -95,19 +86,7 @@ def _put(target: Path, data: bytes, mode: int) -> None:
             return
     except FileNotFoundError:
         pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=_TMP_SUFFIX, dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)  # mkstemp's 0600, whatever the umask
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
+    write_atomic(target, data, mode)
 
 
 def _install(data: bytes, source: Path | None, paths: HostPaths) -> HookInstall:
@@ -184,7 +163,7 @@ def collect(paths: HostPaths, keep: str | None, min_age_s: float, now: float) ->
         for folder in sorted(paths.lib_dir.iterdir()):
             if not folder.is_dir() or not VERSION_RE.match(folder.name):
                 continue  # nothing this module made: left alone
-            for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
+            for tmp in folder.glob(f".*{TMP_SUFFIX}"):
                 with contextlib.suppress(OSError):
                     if now - tmp.lstat().st_mtime >= min_age_s:
                         tmp.unlink()

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu.hookabi.grant import grant_path
+from vgpu.hookabi.grant import CONTAINERS_FOLDER, grant_path, grants_dir_of
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class HostPaths:
 
     @property
     def containers_dir(self) -> Path:
-        return self.vgpu_dir / "containers"
+        return self.vgpu_dir / CONTAINERS_FOLDER
 
     @property
     def lib_dir(self) -> Path:
@@ -67,7 +67,7 @@ class HostPaths:
     def grants_dir(self) -> Path:
         """What the device plugin granted each container, kept out of the container's reach: the
         container's own folder is mounted writable into it, so its region's words are claims."""
-        return self.vgpu_dir / "grants"
+        return grants_dir_of(self.vgpu_dir)
 
     def grant(self, folder_name: str) -> Path:
         """The container's grant (vgpu/hookabi/grant.py), mounted read-only into it."""
