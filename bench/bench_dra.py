@@ -55,7 +55,7 @@ from vgpu_sandbox.cluster import Sandbox, Spec
 
 from vgpu.dra.slices import DRIVER, build_slice
 from vgpu.kube.client import Kube
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 CARD_MIB = 81920
 TEMPLATE = "bench-1000mi-10"

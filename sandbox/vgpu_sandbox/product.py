@@ -76,7 +76,7 @@ def _installed(module: str) -> bool:
 def available() -> Parts:
     return Parts(
         extender=_installed("vgpu.extender.cli"),
-        plugins=_installed("vgpu.plugin.cli") and _installed("vgpu_sandbox.kubelet"),
+        plugins=_installed("vgpu.commands.device_plugin") and _installed("vgpu_sandbox.kubelet"),
     )
 
 
@@ -326,7 +326,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         gpus_file = root / "gpus.yaml"
         gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
-        # new cards for a new sandbox: their MIG instances start from gpus.yaml (vgpu/plugin/fake_mig.py)
+        # new cards for a new sandbox: their MIG instances start from gpus.yaml (vgpu/node/fake_mig.py)
         (root / "gpus.yaml.mig.json").unlink(missing_ok=True)
         config_file = root / "node-config.yaml"
         config_file.write_text(yaml.safe_dump({"split": spec.split, "migStrategy": spec.mig}))

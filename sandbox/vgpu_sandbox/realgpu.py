@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.driver import find_driver
+from vgpu.node.driver import find_driver
 from vgpu_sandbox import product
 from vgpu_sandbox.realnode.layout import MONITOR_PORT
 from vgpu_sandbox.runtime import Handle, Spec

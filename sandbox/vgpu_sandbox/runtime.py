@@ -76,7 +76,7 @@ class Spec:
     mig: str = "none"
     # How the real node's cards are shared (docs/mps.md): "timeslice" (the hook's time slices) or
     # "mps": the chart's device plugin there runs with ``sharingMode: mps`` for that node
-    # (``nodeOverrides``) and finds a fake ``nvidia-cuda-mps-control`` (vgpu/plugin/fake_mps.py)
+    # (``nodeOverrides``) and finds a fake ``nvidia-cuda-mps-control`` (vgpu/node/fake_mps.py)
     # in a stub driver root of its own (vgpu_sandbox.realmps).
     sharing: str = "timeslice"
 

@@ -3,7 +3,7 @@ plugin with ``sharingMode: mps`` for this node alone (``nodeOverrides``), and th
 
 ``vgpu sandbox up --real-node --sharing-mode mps`` gives the plugin a stub driver root whose
 ``usr/bin/nvidia-cuda-mps-control`` runs the fake daemon of the plugin's image
-(vgpu/plugin/fake_mps.py, vgpu_sandbox.realmps); the plugin starts one per card, its pipe folder
+(vgpu/node/fake_mps.py, vgpu_sandbox.realmps); the plugin starts one per card, its pipe folder
 under the host's /var/lib/vgpu/mps. The sample image's programs load the stub driver, which makes a
 process whose pipe's control socket accepts at cuInit an MPS client and writes ``mps 1``,
 ``mps_threads`` and ``mps_pinned`` into its process file, where the plugin's fake NVML reads it.
@@ -44,7 +44,7 @@ from tests.support.sandboxes import real_node_sandbox
 from vgpu.core import annotations as ann
 from vgpu.hookabi.grant import decode
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
-from vgpu.plugin.monitor.enforce import REASON_LEFT_MPS
+from vgpu.monitor.enforce import REASON_LEFT_MPS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 

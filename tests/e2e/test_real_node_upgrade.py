@@ -38,8 +38,8 @@ from test_real_node import (  # noqa: F401  (node and prepared: this module's ow
 from vgpu_sandbox.realnode import daemons
 
 from tests.support import wait_for
-from vgpu.plugin.hooklib import record_path
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.hooklib import record_path
+from vgpu.node.paths import HostPaths
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "dev2"
@@ -103,7 +103,7 @@ def _start(real: Node, name: str) -> tuple[dict[str, Any], str]:
 
 
 def _version_of(pod: dict[str, Any]) -> str:
-    """The hook version the plugin recorded for the pod's container (vgpu/plugin/hooklib.py)."""
+    """The hook version the plugin recorded for the pod's container (vgpu/node/hooklib.py)."""
     return record_path(HOST, f"{pod['metadata']['uid']}_cuda").read_text().strip()
 
 

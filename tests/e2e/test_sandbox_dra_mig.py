@@ -31,8 +31,8 @@ from tests.support import wait_for
 from tests.support.groups import REAL_NODE
 from vgpu.core.mig import H100_80GB, Placement
 from vgpu.dra.migslices import device_name
-from vgpu.plugin.fake_mig import FakeMig
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_mig import FakeMig
+from vgpu.node.fake_nvml import FakeDiscovery
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 EXAMPLE = repo_root() / "examples" / "dra-mig.yaml"

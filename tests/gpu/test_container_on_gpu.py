@@ -26,9 +26,9 @@ from test_plugin_on_gpu import bind_pod, plugin_on_real_nvml  # tests/gpu is on 
 from vgpu_sandbox import binaries
 from vgpu_sandbox.realnode import configs, layout, lifecycle, prechecks
 
-from vgpu.plugin.hooklib import install_hook
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.hooklib import install_hook
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 

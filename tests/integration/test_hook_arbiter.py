@@ -17,7 +17,7 @@ from hook_harness import Built, Holder, build, env
 
 from tests.support import VGPU, wait_for
 from vgpu.hookabi import layout, region
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 # the stub's device N has a UUID made of bytes 0x10+N
 UUID0 = "GPU-10101010-1010-1010-1010-101010101010"

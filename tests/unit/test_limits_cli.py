@@ -11,7 +11,7 @@ import pytest
 from vgpu.commands.cli import main
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, read_grant, write_grant
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.node.paths import REGION_FILE_NAME
 
 MIB = 1 << 20
 

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, grant_path, write_grant
-from vgpu.plugin.monitor.arbiter import Activity, Arbiter, add_arguments, decide, settings
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.monitor.arbiter import Activity, Arbiter, decide
+from vgpu.node.flags import add_arbiter_arguments as add_arguments
+from vgpu.node.flags import arbiter_settings as settings
+from vgpu.node.paths import REGION_FILE_NAME
 
 Y, A, G = layout.FLAG_YIELD, layout.FLAG_ALONE, layout.FLAG_GUARD
 MS = 1_000_000

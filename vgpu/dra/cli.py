@@ -8,8 +8,8 @@ from pathlib import Path
 
 from vgpu.core.claimconfig import SHARINGS
 from vgpu.dra.node import DraSettings, build
-from vgpu.plugin.cli import add_hook_arguments
-from vgpu.plugin.node import serve
+from vgpu.node.flags import add_hook_arguments
+from vgpu.node.wiring import serve
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ from vgpu.core.errors import VgpuError
 from vgpu.core.mig import COMPUTE_SLICES, MEMORY_SLICES, MigTable, Placement, Profile
 from vgpu.core.quantity import parse_quantity
 from vgpu.dra.slices import semver
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 MIB = 1 << 20
 COMPUTE_COUNTER = "compute-slices"

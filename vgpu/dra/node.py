@@ -2,7 +2,7 @@
 
 Discovery (NVML or ``--fake-nvml``), the node config, the hook library and, under
 ``driverInject: plugin``, the driver's files come from the device plugin's own pieces
-(vgpu/plugin/node.py), so a DRA container is held exactly as a device-plugin one.
+(vgpu/node/wiring.py), so a DRA container is held exactly as a device-plugin one.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from vgpu.dra.mig import MIG_MODES, MigNode, in_mig_mode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
 from vgpu.dra.server import DraServer, HealthService
-from vgpu.plugin.config import load_node_config
-from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.mps import MpsDaemons
-from vgpu.plugin.node import (
+from vgpu.node.config import load_node_config
+from vgpu.node.discovery import Discovery
+from vgpu.node.mps import MpsDaemons
+from vgpu.node.wiring import (
     NodeSettings,
     driver_files,
     hook_install,
@@ -71,7 +71,7 @@ class DraPlugin:
         self.publisher = publisher
         self.server = server
         self.preparer = preparer
-        # --sharing-mode mps: each whole card's MPS control daemon (vgpu/plugin/mps.py), as the
+        # --sharing-mode mps: each whole card's MPS control daemon (vgpu/node/mps.py), as the
         # device plugin runs them; Prepare refuses a share whose card's pipe folder is missing
         self.mps = mps
         self._mps_watch = Service.every("dra-mps", MPS_CHECK_S, self._check_mps, logger=log)

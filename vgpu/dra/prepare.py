@@ -40,13 +40,13 @@ from vgpu.dra.slices import device_name
 from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
 from vgpu.hookabi.grant import GRANT_SUFFIX
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER, MPS_PIPE_IN_CONTAINER
-from vgpu.plugin import folders, inject
-from vgpu.plugin.answer import limits, write_grant_file
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.driver import DriverFiles
-from vgpu.plugin.hooklib import RECORD_SUFFIX, HookInstall, hand_out
-from vgpu.plugin.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME, HostPaths
+from vgpu.node import folders, inject
+from vgpu.node.config import NodeConfig
+from vgpu.node.discovery import Card
+from vgpu.node.driver import DriverFiles
+from vgpu.node.grants import limits, write_grant_file
+from vgpu.node.hooklib import RECORD_SUFFIX, HookInstall, hand_out
+from vgpu.node.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME, HostPaths
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from vgpu.dra.api import (
 )
 from vgpu.dra.prepare import Preparer
 from vgpu.dra.slices import DRIVER
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 from vgpu.core.claimconfig import DRIVER, SHARINGS
 from vgpu.core.errors import VgpuError
 from vgpu.core.quantity import parse_quantity
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 API_VERSION = "resource.k8s.io/v1"
 MIB = 1 << 20
