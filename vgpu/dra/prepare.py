@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.core.claimconfig import VgpuConfig
+from vgpu.core.drarecord import RECORD_VERSION, record_path
 from vgpu.dra import cdi
 from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.mig import Held, MigNode, MigView, held_of
 from vgpu.dra.prepare_mps import check_sharing
 from vgpu.dra.slices import device_name
-from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
+from vgpu.dra.state import Checkpoint
 from vgpu.hookabi.grant import GRANT_SUFFIX
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER, MPS_PIPE_IN_CONTAINER
 from vgpu.plugin import folders, inject

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from vgpu.core.drarecord import record_path
 from vgpu.plugin.monitor.mounts import claim_of
 
 
@@ -25,10 +26,6 @@ class ClaimLabels:
     pod: str
     pod_uid: str
     container: str
-
-
-def record_path(vgpu_dir: Path, claim_uid: str) -> Path:
-    return vgpu_dir / "dra" / "claims" / f"{claim_uid}.json"
 
 
 def claim_labels(vgpu_dir: Path, folder: str) -> ClaimLabels | None:
