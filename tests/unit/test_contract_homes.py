@@ -42,6 +42,7 @@ HOMES = (
     # contract 8 (and 6: the kubelet's folders are named after it; the CDI vendor is it)
     Home("vgpu.openaios.io", "vgpu.core.claimconfig", "DRIVER", 8),
     Home("vgpu.openaios.io/v1", "vgpu.core.claimconfig", "API_VERSION", 8),
+    Home("VgpuConfig", "vgpu.core.claimconfig", "KIND", 8),
     Home("mps.vgpu.openaios.io", "vgpu.core.claimconfig", "MPS_CLASS", 8),
     Home("mig.vgpu.openaios.io", "vgpu.dra.migslices", "MIG_CLASS", 8),
     Home("openaios.io/gpu-mode", "vgpu.core.gpumode", "GPU_MODE_LABEL", 8),
@@ -57,6 +58,9 @@ HOMES = (
     Home("nvidia.com/use-gpuuuid", "vgpu.core.annotations", "USE_GPUUUID_ANNOTATION", 1),
     Home("nvidia.com/nouse-gpuuuid", "vgpu.core.annotations", "NOUSE_GPUUUID_ANNOTATION", 1),
     Home("nvidia.com/vgpu-mode", "vgpu.core.annotations", "HAMI_VGPU_MODE_ANNOTATION", 1),
+    Home("nvidia.com/numa-bind", "vgpu.core.annotations", "HAMI_NUMA_BIND_ANNOTATION", 1),
+    Home("hami.io/node-scheduler-policy", "vgpu.core.annotations", "HAMI_NODE_POLICY_ANNOTATION", 1),
+    Home("hami.io/gpu-scheduler-policy", "vgpu.core.annotations", "HAMI_GPU_POLICY_ANNOTATION", 1),
     Home("vgpu.openaios.io/node-policy", "vgpu.core.annotations", "NODE_POLICY_ANNOTATION", 1),
     Home("vgpu.openaios.io/gpu-policy", "vgpu.core.annotations", "GPU_POLICY_ANNOTATION", 1),
     # contract 2: the node inventory and the Lease's annotations
@@ -261,6 +265,22 @@ def test_the_charts_labels_annotations_and_ports_are_the_owners() -> None:
     assert f"startsWith('{ann.PREFIX}')" in boundary
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert str(values["scheduler"]["metrics"]["port"]) == SchedulerConfig.metrics_listen.rsplit(":", 1)[1]
+
+
+def test_the_charts_managed_resources_and_priority_rules_are_the_owners() -> None:
+    from vgpu.core.boundary import CLAIM_PRIORITY, POD_PRIORITY
+    from vgpu.core.mig import RESOURCE_PREFIX, mig_resources
+    from vgpu.core.requests import RESOURCE_PRIORITY, RESOURCES
+
+    config = _template("scheduler-config.yaml")
+    managed = re.findall(r"^\s+- name: (nvidia\.com/[\w.-]+)$", config, re.M)
+    assert managed == list(RESOURCES), "kube-scheduler must send the extender every resource it reads"
+    profiles = re.search(r'range list ((?:"[^"]+" ?)+)', config)
+    assert profiles is not None and f"- name: {RESOURCE_PREFIX}{{{{ . }}}}" in config
+    assert [RESOURCE_PREFIX + p for p in re.findall(r'"([^"]+)"', profiles.group(1))] == list(mig_resources())
+    boundary = _template("tenant-boundary.yaml")
+    assert f"[?'{RESOURCE_PRIORITY}']" in boundary
+    assert f"'{POD_PRIORITY}' : '{CLAIM_PRIORITY}'" in boundary
 
 
 def test_docs_contracts_names_each_literal_and_its_owner() -> None:
