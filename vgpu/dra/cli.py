@@ -31,14 +31,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cdi-dir",
         type=Path,
-        default=Path("/var/run/cdi"),
-        help="where the claims' CDI specs go (default /var/run/cdi)",
+        default=DraSettings.cdi_dir,
+        help=f"where the claims' CDI specs go (default {DraSettings.cdi_dir})",
     )
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=Path("/var/lib/vgpu"),
-        help="grants, region folders, hook versions, checkpoint, claim records (default /var/lib/vgpu)",
+        default=DraSettings.state_dir,
+        help="grants, region folders, hook versions, checkpoint, claim records "
+        f"(default {DraSettings.state_dir})",
     )
     parser.add_argument("--config", type=Path, help="the node config YAML the device plugin reads")
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")

@@ -50,7 +50,7 @@ class DraSettings:
     plugin_dir: Path = PLUGIN_DIR
     registry_dir: Path = REGISTRY_DIR
     cdi_dir: Path = Path("/var/run/cdi")
-    state_dir: Path = Path("/var/lib/vgpu")
+    state_dir: Path = StatePaths.state_dir
     config: Path | None = None
     fake_nvml: Path | None = None
     kubeconfig: Path | None = None
