@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import KubeError
+from vgpu.core.requests import RESOURCE_GPU
 from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs, product
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.realnode import lifecycle, prechecks
@@ -241,7 +242,7 @@ class Sandbox(Handle):
                             c["type"] == "Ready" and c["status"] == "True"
                             for c in n["status"].get("conditions", [])
                         ),
-                        "gpus": n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0"),
+                        "gpus": n["status"].get("allocatable", {}).get(RESOURCE_GPU, "0"),
                     }
                     for n in listed.get("items", [])
                 ]

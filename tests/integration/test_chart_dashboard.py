@@ -21,7 +21,7 @@ from chart_support import CHART, KUBE_VERSION, NS, find, helm, render
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu.hookabi import region
+from tests.support.region import format_region
 from vgpu.monitor.arbiter import Arbiter
 from vgpu.monitor.collector import NodeCollector, make_registry
 from vgpu.monitor.compute_metrics import ComputeCollector
@@ -135,7 +135,7 @@ def monitor_series(tmp: Path) -> set[str]:
     paths = HostPaths(tmp / "root")
     folder = paths.container_dir("uid-1", "train")
     folder.mkdir(parents=True)
-    region.format_region(folder / REGION_FILE_NAME, ["GPU-a"], limits=[1 << 30], sm_limits=[30])
+    format_region(folder / REGION_FILE_NAME, ["GPU-a"], limits=[1 << 30], sm_limits=[30])
     clock = iter(range(10**12, 10**13, 5 * 10**9))  # CLOCK_MONOTONIC, 5 s per reading
     arbiter = Arbiter(paths.containers_dir, clock=lambda: next(clock))
     arbiter.rescan()

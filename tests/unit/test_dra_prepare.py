@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from tests.support.dra import allocation_result, asked_for, vgpu_config
+from vgpu.core.drarecord import record_path
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, plan
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
-from vgpu.dra.state import Checkpoint, record_path
+from vgpu.dra.state import Checkpoint
 from vgpu.hookabi.grant import read_grant
 from vgpu.node.config import NodeConfig
 from vgpu.node.discovery import Card

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.region import format_region
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, grant_path, write_grant
@@ -94,7 +95,7 @@ class Clock:
 def container(root: Path, name: str, uuids: list[str], priority: int) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
-    region.format_region(folder / REGION_FILE_NAME, uuids, priority=priority)
+    format_region(folder / REGION_FILE_NAME, uuids, priority=priority)
     return folder / REGION_FILE_NAME
 
 
@@ -192,7 +193,7 @@ def test_new_removed_and_replaced_regions_are_picked_up_by_rescan(tmp_path: Path
     arbiter.rescan()
     assert arbiter.stats.regions == 1
     first.unlink()
-    region.format_region(first, ["GPU-a"], priority=0)  # the same path, a new file
+    format_region(first, ["GPU-a"], priority=0)  # the same path, a new file
     arbiter.rescan()
     arbiter.run_pass()
     assert word(first, "arbiter_ns") == Clock().ns

@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import FakeKube
+from vgpu.core.drarecord import claims_dir
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.monitor.arbiter import Arbiter
@@ -295,7 +296,7 @@ def test_a_dra_claims_region_is_labelled_with_its_claim_and_the_pod_it_serves(tm
         folder = paths.containers_dir / f"dra_{uid}_gpu"
         write_region(folder / REGION_FILE_NAME, [("GPU-a", 3000 * MIB, 30)], [(101, [100 * MIB])])
         write_grant(paths.grant(folder.name), Grant(("GPU-a",), (3000 * MIB,), (30,), priority=0))
-    records = paths.vgpu_dir / "dra" / "claims"
+    records = claims_dir(paths.vgpu_dir)
     records.mkdir(parents=True)
     pod = {"name": "trainer", "uid": "uid-9"}
     (records / f"{claim}.json").write_text(

@@ -17,8 +17,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from vgpu.commands.status_model import CardStatus, NodeStatus, Share
+from vgpu.core.claimconfig import DRIVER as DRA_DRIVER
 from vgpu.core.errors import RequestError
-from vgpu.core.gpumode import DRA, DRA_DRIVER
+from vgpu.core.gpumode import DRA
 from vgpu.core.quantity import parse_quantity
 
 MIB = 1 << 20

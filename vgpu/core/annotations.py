@@ -83,6 +83,7 @@ HAMI_NUMA_BIND_ANNOTATION = "nvidia.com/numa-bind"  # "true" (a hard rule) is re
 
 # contract 2 (docs/contracts.md): liveness Lease of a node's device plugin
 LEASE_PREFIX = "vgpu-"
+LEASE_HOLDER_PREFIX = "vgpu-device-plugin/"  # + the node's name: the Lease's holderIdentity
 
 
 def lease_name(node: str) -> str:

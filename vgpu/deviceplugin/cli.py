@@ -8,7 +8,12 @@ import os
 from pathlib import Path
 
 from vgpu.core.hostport import split_hostport
-from vgpu.node.flags import add_arbiter_arguments, add_hook_arguments, arbiter_settings
+from vgpu.node.flags import (
+    DEFAULT_MONITOR_LISTEN,
+    add_arbiter_arguments,
+    add_hook_arguments,
+    arbiter_settings,
+)
 from vgpu.node.wiring import NodeSettings
 
 
@@ -23,7 +28,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
     parser.add_argument("--config", type=Path, help="node config YAML (split, deviceMemoryScaling, ...)")
-    parser.add_argument("--monitor-listen", default="0.0.0.0:9394", help="HOST:PORT of /metrics")
+    parser.add_argument("--monitor-listen", default=DEFAULT_MONITOR_LISTEN, help="HOST:PORT of /metrics")
     add_hook_arguments(
         parser,
         inject_help="runtime: NVIDIA's container toolkit gives containers the driver; plugin: Allocate "

@@ -8,7 +8,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from vgpu.core.annotations import DEVICES_ANNOTATION, USAGE_ANNOTATION, encode_devices, lease_name
+from vgpu.core.annotations import (
+    DEVICES_ANNOTATION,
+    LEASE_HOLDER_PREFIX,
+    USAGE_ANNOTATION,
+    encode_devices,
+    lease_name,
+)
 from vgpu.core.backoff import Backoff
 from vgpu.core.errors import KubeError
 from vgpu.core.gpumode import device_plugin_refusal
@@ -112,7 +118,7 @@ class NodeReporter:
         self.api.renew_lease(
             self.namespace,
             lease_name(self.node),
-            f"vgpu-device-plugin/{self.node}",
+            LEASE_HOLDER_PREFIX + self.node,
             self.lease_duration_s,
             annotations,
         )

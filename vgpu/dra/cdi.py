@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vgpu.core.claimconfig import DRIVER
 from vgpu.hookabi.files import write_atomic
 
 CDI_VERSION = "0.6.0"
-VENDOR = "vgpu.openaios.io"
+VENDOR = DRIVER  # the CDI vendor is the driver's name
 CLASS = "claim"
 KIND = f"{VENDOR}/{CLASS}"
 

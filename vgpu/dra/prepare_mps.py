@@ -11,7 +11,7 @@ and its memory as its pinned memory limit.
 
 from __future__ import annotations
 
-from vgpu.core.claimconfig import VgpuConfig
+from vgpu.core.claimconfig import DRIVER, MPS_CLASS, VgpuConfig
 from vgpu.dra.claims import ClaimError, ClaimPlan, Share
 from vgpu.node.mps import accepts
 from vgpu.node.paths import HostPaths
@@ -35,7 +35,7 @@ def check_sharing(
             "spec.devices.config[].opaque.parameters.sharing",
             f"request {request} is configured sharing: {config.sharing}, but it was allocated on a card "
             f"this node shares as {sharing}: ask for the DeviceClass "
-            f"{'mps.vgpu.openaios.io' if config.sharing == 'mps' else 'vgpu.openaios.io'}, or drop sharing",
+            f"{MPS_CLASS if config.sharing == 'mps' else DRIVER}, or drop sharing",
         )
     if sharing != "mps":
         return

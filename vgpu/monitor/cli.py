@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vgpu.core.hostport import split_hostport
 from vgpu.monitor.node import build_monitor
-from vgpu.node.flags import add_arbiter_arguments, arbiter_settings
+from vgpu.node.flags import DEFAULT_MONITOR_LISTEN, add_arbiter_arguments, arbiter_settings
 from vgpu.node.wiring import NodeSettings, serve
 
 
@@ -26,7 +26,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=Path, default=Path("/"), help="prefix of every host path")
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
     parser.add_argument("--config", type=Path, help="node config YAML (split, scaling...)")
-    parser.add_argument("--listen", default="0.0.0.0:9394", help="HOST:PORT of /metrics")
+    parser.add_argument("--listen", default=DEFAULT_MONITOR_LISTEN, help="HOST:PORT of /metrics")
     add_arbiter_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))
 

@@ -15,6 +15,7 @@ from vgpu.node.config import INJECT_MODES
 
 DEFAULT_HOOK = "/usr/local/vgpu/libvgpu.so"
 # The arbiter's pass interval and activity window (vgpu/monitor/arbiter.py).
+DEFAULT_MONITOR_LISTEN = "0.0.0.0:9394"  # the node monitor's /metrics (contract 6), either command
 DEFAULT_INTERVAL_S = 0.025
 DEFAULT_WINDOW_S = 0.1
 
