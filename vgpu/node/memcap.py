@@ -53,10 +53,6 @@ class Limits:
     hard: int  # LIMIT_MAX: none
     used: int = 0  # currentUsed
 
-    @property
-    def cleared(self) -> bool:
-        return self.soft == 0 and self.hard == LIMIT_MAX
-
 
 @runtime_checkable
 class MemoryCaps(Protocol):
