@@ -399,14 +399,3 @@ def decode_allocation(text: str | bytes | None) -> Allocation:
             )
         containers.append(ContainerAllocation(name=name, devices=tuple(devs)))
     return Allocation(node=node, containers=tuple(containers))
-
-
-def decode_phase(text: str | None) -> str | None:
-    """The phase annotation's value, or None when absent; raises AnnotationError for an unknown one."""
-    if text is None:
-        return None
-    if text not in PHASES:
-        raise AnnotationError(
-            PHASE_ANNOTATION, "", f"unknown phase {text!r}; expected one of {', '.join(PHASES)}"
-        )
-    return text
