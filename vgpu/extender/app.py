@@ -57,7 +57,7 @@ def create_app(config: SchedulerConfig, state: SchedulerState | None = None) -> 
         "/webhook/validate-config": admission.validate_config,
     }
     for path, handler in routes.items():
-        guarded = bool(config.client_ca_file) and path in SCHEDULING_VERBS
+        guarded = bool(config.process.client_ca_file) and path in SCHEDULING_VERBS
         view = _certified(_view(handler), path.lstrip("/")) if guarded else _view(handler)
         app.add_url_rule(path, endpoint=handler.__name__, view_func=view, methods=["POST"])
     app.extensions["vgpu_verbs"] = routes  # path -> handler (body bytes -> status, answer): the fuzzers
