@@ -476,6 +476,22 @@ def run_pairs(
         )
 
 
+def profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` and its children (gunicorn's worker) until SIGINT, raw stacks in ``out``."""
+    spy = Path(sys.executable).with_name("py-spy")
+    argv = [str(spy), "record", "-p", str(pid), "-r", "250", "-f", "raw", "-o", str(out)]
+    return subprocess.Popen(
+        [*argv, "--threads", "--subprocesses"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def stop_profiles(spies: list[subprocess.Popen[bytes]]) -> None:
+    while spies:
+        spy = spies.pop()
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
 def run_ab(
     sb: Sandbox,
     kube: Kube,
@@ -503,25 +519,22 @@ def run_ab(
         order = [("base", src), ("new", None)]
         for variant, where in order if k % 2 else order[::-1]:
             ext = start_ext(variant, where)
-            spy = None
+            spies: list[subprocess.Popen[bytes]] = []
             try:
                 WATCHED["extender"] = ext.procs[0].pid
-                if PROFILE:  # py-spy on the extender over the burst (its CPU counts in the figures)
-                    out = Path(PROFILE) / f"{n}-{variant}-{k}.txt"
-                    spy = subprocess.Popen(
-                        [str(Path(sys.executable).with_name("py-spy")), "record", "-p",
-                         str(ext.procs[0].pid), "-r", "250", "-f", "raw", "-o", str(out), "--threads",
-                         "--subprocesses"],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    )  # fmt: skip
-                rate = burst(
-                    sb,
-                    kube,
-                    SCHEDULER,
-                    pods,
-                    {"nvidia.com/gpumem": "1000"},
-                    lambda: start_scheduler(sb, folder, "vgpu", ext.scheduler_config),  # noqa: B023
-                )
+
+                def go(
+                    e: Extender = ext,
+                    v: str = variant,
+                    k: int = k,
+                    spies: list[subprocess.Popen[bytes]] = spies,
+                ) -> subprocess.Popen[bytes]:
+                    if PROFILE:  # py-spy on the extender over the burst, once it settled
+                        spies.append(profile(e.procs[0].pid, Path(PROFILE) / f"{n}-{v}-{k}.txt"))
+                    return start_scheduler(sb, folder, "vgpu", e.scheduler_config)
+
+                rate = burst(sb, kube, SCHEDULER, pods, {"nvidia.com/gpumem": "1000"}, go)
+                stop_profiles(spies)
                 shares[variant].append(100.0 * rate / alone)
                 print(
                     f"{tag} {variant} extender: {pods} pods, {rate:6.1f} pods/s "
@@ -531,9 +544,7 @@ def run_ab(
                 print(f"{tag}   {variant} {LAST_CPU[0]}", flush=True)
                 print(f"{tag}   {variant} server side: {ext.verb_latency()}", flush=True)
             finally:
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(30)
+                stop_profiles(spies)
                 ext.stop()
                 WATCHED.pop("extender", None)
             delete_pods(sb, kube)
