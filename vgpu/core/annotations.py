@@ -158,12 +158,13 @@ class NodeInventory:
     def offering(self, resource: str) -> NodeInventory:
         """The devices offered as ``resource`` (the same object when all are, and for a second
         call with the same resource, so callers may compare by identity)."""
-        if all(d.resource == resource for d in self.devices):
-            return self
         memo: dict[str, NodeInventory] = self.__dict__.setdefault("_offering", {})
-        found = memo.get(resource)
+        found = memo.get(resource)  # asked per candidate node in filter: one dict look-up
         if found is None:
-            found = memo[resource] = NodeInventory(tuple(d for d in self.devices if d.resource == resource))
+            if all(d.resource == resource for d in self.devices):
+                found = memo[resource] = self
+            else:
+                found = memo[resource] = NodeInventory(tuple(d for d in self.devices if d.resource == resource))
         return found
 
 

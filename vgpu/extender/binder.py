@@ -105,8 +105,7 @@ class Binder:
             if isinstance(outcome, Rejection):
                 cache.forget(uid)
                 return f"node {node} {outcome.reason}", "conflict"
-            cache.binding.add(uid)
-            cache.assumed.pop(uid, None)  # the bind's own reservation replaces filter's
+            cache.begin_bind(uid)  # the bind's own reservation replaces filter's assumption
             m.ledger.commit(uid, node, outcome.footprint)
         try:
             annotations = {
@@ -124,7 +123,7 @@ class Binder:
             return error, "error"
         finally:
             with m.lock:
-                cache.binding.discard(uid)
+                cache.end_bind(uid)
 
     def _undo(self, uid: str) -> None:
         with self.mirror.lock:

@@ -161,6 +161,15 @@ class PodCache:
         others = self.ledger.usage(node, excluding=uid)
         return plan if _beside(inventory, others, plan.footprint) else None
 
+    def begin_bind(self, uid: str) -> None:
+        """The pod's bind reserved its plan in the ledger: that entry replaces filter's assumption
+        (no deadline any more), and the pod counts as being bound."""
+        self.binding.add(uid)
+        self.assumed.pop(uid, None)
+
+    def end_bind(self, uid: str) -> None:
+        self.binding.discard(uid)
+
     def forget(self, uid: str) -> bool:
         """Free what filter assumed for the pod (filtered again, its bind failed, or it is gone);
         True when it held something."""
