@@ -164,7 +164,8 @@ class NodeInventory:
             if all(d.resource == resource for d in self.devices):
                 found = memo[resource] = self
             else:
-                found = memo[resource] = NodeInventory(tuple(d for d in self.devices if d.resource == resource))
+                offered = tuple(d for d in self.devices if d.resource == resource)
+                found = memo[resource] = NodeInventory(offered)
         return found
 
 
