@@ -47,7 +47,9 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
     main``): before and after in one run. Each round runs kube-scheduler alone, then the
     extender from DIR ("base") and this checkout's ("new"), the two in turn first, one extender
     process at a time (each started for its burst, so neither's watches take CPU from the
-    other's), then ``/filter`` idle twice each; the median share of each. Policies off.
+    other's), then ``/filter`` idle twice each; the median share of each. Policies off. With
+    ``VGPU_BENCH_PROFILE=DIR`` (and py-spy in the venv), py-spy samples each extender and its
+    gunicorn worker over each burst into ``DIR/<nodes>-<base|new>-<round>.txt`` (raw stacks).
 
 Prints one line per figure and the machine; asserts nothing.
 """
