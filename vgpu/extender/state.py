@@ -23,6 +23,7 @@ from vgpu.core.fit import Plan, fit_node, for_nodes
 from vgpu.core.ledger import Footprint, Ledger, Usage
 from vgpu.core.placement import Cache, FilterResult, Placement, binpacks
 from vgpu.core.policy import node_scores
+from vgpu.core.requests import PodRequest
 from vgpu.extender.binder import Binder, KubeAPI
 from vgpu.extender.cache import ASSUME_TTL_S, PodCache
 from vgpu.extender.mirror import Mirror, NodeEntry
@@ -220,7 +221,7 @@ class SchedulerState:
             return result
 
     def _assume(
-        self, uid: str | None, request: Any, nodes: list[str], now: float, plans: Mapping[str, Plan]
+        self, uid: str | None, request: PodRequest, nodes: list[str], now: float, plans: Mapping[str, Plan]
     ) -> None:
         """Hold the pod's capacity on the one node filter answered, until bind.
 
