@@ -79,7 +79,7 @@ lint: venv tools ## ruff, mypy, the floors' import contracts and cycles, ansible
 	@if [ -d charts/vgpu ]; then $(VGPU_BIN_DIR)/current/helm lint --strict charts/vgpu; fi
 
 proto: venv ## regenerate the kubelet device-plugin and DRA stubs
-	@if [ -f vgpu/plugin/proto.mk ]; then $(MAKE) -f vgpu/plugin/proto.mk BIN=$(BIN); fi
+	@if [ -f vgpu/deviceplugin/proto.mk ]; then $(MAKE) -f vgpu/deviceplugin/proto.mk BIN=$(BIN); fi
 	@if [ -f vgpu/dra/proto.mk ]; then $(MAKE) -f vgpu/dra/proto.mk BIN=$(BIN); fi
 
 demo: setup ## the sandbox, the playbook, sample pods placed and shown (REAL_NODE=1: and a pod on a real node, as root)

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.discovery import GpuProcess, SmSample
-from vgpu.plugin.monitor.compute import ComputeEnforcer
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.compute import ComputeEnforcer
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.node.discovery import GpuProcess, SmSample
+from vgpu.node.paths import HostPaths
 
 CARD = "GPU-bench"
 POD = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"

@@ -34,12 +34,12 @@ from vgpu.core.annotations import (
     DeviceAllocation,
     encode_allocation,
 )
+from vgpu.deviceplugin.api import api_pb2
+from vgpu.deviceplugin.daemon import Daemon
 from vgpu.kube.agent import NodeAgentClient
-from vgpu.plugin.api import api_pb2
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 NS = "bench"
 

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu_sandbox import realnode
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import layout, prechecks, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pod(name: str, gpu: bool) -> dict[str, Any]:
     command = "t_alloc link alloc 256 >/dev/null; echo started; sleep 3600"
     limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"} if gpu else None
-    return realnode.sample_pod(name, command, limits, 8192)
+    return sample.sample_pod(name, command, limits, 8192)
 
 
 def _start_time(sandbox: Sandbox, name: str, gpu: bool) -> float:
@@ -57,7 +57,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=5)
     args = parser.parse_args()
-    reason = realnode.why_not()
+    reason = prechecks.why_not()
     if reason:
         print(f"bench_real_node: skipped: {reason}")
         return 0
@@ -65,7 +65,7 @@ def main() -> int:
     sandbox = Sandbox(state_dir)
     try:
         up = sandbox.up(Spec(nodes=1, gpus_per_node=2, gpu_memory_mib=8192, split=8, real_node=True))
-        timings = json.loads((realnode.layout_of(sandbox).record).read_text())["timings"]
+        timings = json.loads((layout.layout_of(sandbox).record).read_text())["timings"]
         print(
             f"sandbox up --real-node: {up:.1f} s (containerd to node Ready "
             f"{timings['containerd_to_ready_s']} s, of which importing the images "
@@ -77,7 +77,7 @@ def main() -> int:
             [
                 str(Path(sys.executable).with_name("ansible-playbook")),
                 "-i",
-                str(realnode.inventory_file(sandbox)),
+                str(layout.inventory_file(sandbox)),
                 str(ROOT / "playbooks" / "site.yml"),
             ],
             cwd=ROOT,
@@ -93,7 +93,7 @@ def main() -> int:
         # The plugin must have registered before a vGPU pod can be admitted by the kubelet.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            node = json.loads(sandbox.kubectl("get", "node", realnode.NAME, "-o", "json").stdout)
+            node = json.loads(sandbox.kubectl("get", "node", layout.NAME, "-o", "json").stdout)
             if int(node["status"]["allocatable"].get("nvidia.com/gpu", "0")) > 0:
                 break
             time.sleep(0.5)

@@ -1,6 +1,7 @@
 """Figures for the scheduler: pods per second through the real kube-scheduler, and filter latency.
 
 Run: .venv/bin/python bench/bench_scheduler.py [--nodes 100,1000] [--pods 500] [--pairs 1]
+         [--extender-src DIR]
          [--filter-calls 200] [--percentage-of-nodes-to-score P] [--kube-api-qps Q]
          [--short-parser on|off] [--client-auth on|off] [--policies both|off|on]
 
@@ -42,6 +43,13 @@ with a kube-scheduler profile calling it over verified TLS. Then, on the same cl
     pod write and Binding. The extender runs as the scheduler's account in both (the sandbox's
     identity impersonating it, as the sandbox runs it), which the placement policy trusts.
     ``off`` or ``on``: one of the two.
+11. ``--extender-src DIR`` (a checkout of another commit, e.g. ``git worktree add --detach DIR
+    main``): before and after in one run. Each round runs kube-scheduler alone, then the
+    extender from DIR ("base") and this checkout's ("new"), the two in turn first, one extender
+    process at a time (each started for its burst, so neither's watches take CPU from the
+    other's), then ``/filter`` idle twice each; the median share of each. Policies off. With
+    ``VGPU_BENCH_PROFILE=DIR`` (and py-spy in the venv), py-spy samples each extender and its
+    gunicorn worker over each burst into ``DIR/<nodes>-<base|new>-<round>.txt`` (raw stacks).
 
 Prints one line per figure and the machine; asserts nothing.
 """
@@ -249,6 +257,7 @@ def settle(quiet_s: int = 6, limit_s: float = 90.0) -> None:
         quiet = quiet + 1 if cpu_seconds(pid) - before < 0.05 else 0
 
 
+PROFILE = os.environ.get("VGPU_BENCH_PROFILE", "")  # a folder: py-spy's samples of each A/B burst
 WATCHED: dict[str, int] = {}  # name -> pid of the processes whose CPU a burst reports
 LAST_CPU = [""]
 
@@ -257,6 +266,22 @@ def delete_pods(sb: Sandbox, kube: Kube) -> None:
     sb.kubectl("delete", "pods", "-n", NAMESPACE, "--all", "--wait=false", timeout=600)
     while kube.list_pods(field_selector=f"metadata.namespace={NAMESPACE}")[0]:
         time.sleep(0.5)
+
+
+def python_of(src: str | None) -> list[str]:
+    """The command that runs ``vgpu.commands.cli`` from ``src`` (a checkout of another commit,
+    ``--extender-src``) instead of this one: the editable install's finder is taken out of the
+    import path first, so ``vgpu`` is the one in ``src``."""
+    if src is None:
+        return [sys.executable, "-m", "vgpu.commands.cli"]
+    boot = (
+        "import runpy, sys; "
+        "sys.meta_path[:] = [f for f in sys.meta_path "
+        "if not getattr(f, '__module__', '').startswith('__editable___vgpu_0')]; "
+        f"sys.path.insert(0, {src!r}); sys.argv[0] = 'vgpu'; "
+        "runpy.run_module('vgpu.commands.cli', run_name='__main__')"
+    )
+    return [sys.executable, "-c", boot]
 
 
 class Extender:
@@ -268,7 +293,10 @@ class Extender:
         qps: int = 200,
         short_parser: bool = True,
         client_auth: bool = True,
+        src: str | None = None,
+        lease_name: str = "vgpu-bench-extender",
     ) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
         ca = CertificateAuthority(folder / "pki")
         self.ca_path = str(ca.cert_path)
         pair = ca.issue("extender", ["127.0.0.1"])
@@ -277,13 +305,13 @@ class Extender:
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-        env["VGPU_LEADER_LEASE"] = "vgpu-bench-extender"
+        env["VGPU_LEADER_LEASE"] = lease_name
         if not short_parser:
             env[SHORT_PARSER_ENV] = "0"
         # as the scheduler's account, which the tenant boundary's placement policy trusts
         kubeconfig = product.account_kubeconfig(sb, "bench-scheduler", product.SCHEDULER_ACCOUNT)
         argv = [
-            sys.executable, "-m", "vgpu.commands.cli", "extender", f"--kubeconfig={kubeconfig}",
+            *python_of(src), "extender", f"--kubeconfig={kubeconfig}",
             f"--listen=127.0.0.1:{self.port}", f"--cert-file={pair.cert}", f"--key-file={pair.key}",
             f"--metrics-listen=127.0.0.1:{self.metrics_port}", "--namespace=kube-system",
             f"--scheduler-name={SCHEDULER}", "--identity=bench",
@@ -450,6 +478,102 @@ def run_pairs(
         )
 
 
+def profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` and its children (gunicorn's worker) until SIGINT, raw stacks in ``out``."""
+    spy = Path(sys.executable).with_name("py-spy")
+    argv = [str(spy), "record", "-p", str(pid), "-r", "250", "-f", "raw", "-o", str(out)]
+    return subprocess.Popen(
+        [*argv, "--threads", "--subprocesses"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def stop_profiles(spies: list[subprocess.Popen[bytes]]) -> None:
+    while spies:
+        spy = spies.pop()
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
+def run_ab(
+    sb: Sandbox,
+    kube: Kube,
+    folder: Path,
+    plain: str,
+    start_ext: Callable[[str, str | None], Extender],
+    src: str,
+    n: int,
+    pods: int,
+    pairs: int,
+    filter_calls: int,
+    names: list[str],
+) -> None:
+    """``pairs`` rounds of kube-scheduler alone, then with the extender from ``src`` ("base") and
+    with this checkout's ("new"), the two in turn first; one extender process runs at a time."""
+    shares: dict[str, list[float]] = {"base": [], "new": []}
+    for k in range(1, pairs + 1):
+        tag = f"[{n} nodes] round {k}/{pairs}"
+        WATCHED.pop("extender", None)
+        start = lambda: start_scheduler(sb, folder, "plain", plain)  # noqa: E731
+        alone = burst(sb, kube, "plain-bench", pods, {"cpu": "10m"}, start)
+        print(f"{tag} kube-scheduler alone: {pods} pods, {alone:6.1f} pods/s", flush=True)
+        print(f"{tag}   {LAST_CPU[0]}", flush=True)
+        delete_pods(sb, kube)
+        order = [("base", src), ("new", None)]
+        for variant, where in order if k % 2 else order[::-1]:
+            ext = start_ext(variant, where)
+            spies: list[subprocess.Popen[bytes]] = []
+            try:
+                WATCHED["extender"] = ext.procs[0].pid
+
+                def go(
+                    e: Extender = ext,
+                    v: str = variant,
+                    k: int = k,
+                    spies: list[subprocess.Popen[bytes]] = spies,
+                ) -> subprocess.Popen[bytes]:
+                    if PROFILE:  # py-spy on the extender over the burst, once it settled
+                        spies.append(profile(e.procs[0].pid, Path(PROFILE) / f"{n}-{v}-{k}.txt"))
+                    return start_scheduler(sb, folder, "vgpu", e.scheduler_config)
+
+                rate = burst(sb, kube, SCHEDULER, pods, {"nvidia.com/gpumem": "1000"}, go)
+                stop_profiles(spies)
+                shares[variant].append(100.0 * rate / alone)
+                print(
+                    f"{tag} {variant} extender: {pods} pods, {rate:6.1f} pods/s "
+                    f"({shares[variant][-1]:.0f} % of alone)",
+                    flush=True,
+                )
+                print(f"{tag}   {variant} {LAST_CPU[0]}", flush=True)
+                print(f"{tag}   {variant} server side: {ext.verb_latency()}", flush=True)
+            finally:
+                stop_profiles(spies)
+                ext.stop()
+                WATCHED.pop("extender", None)
+            delete_pods(sb, kube)
+    for variant, got in shares.items():
+        print(
+            f"[{n} nodes] {variant}: share of kube-scheduler alone, median "
+            f"{statistics.median(got):.0f} %, each: " + ", ".join(f"{x:.0f} %" for x in got),
+            flush=True,
+        )
+    if filter_calls:
+        for variant, where in (("base", src), ("new", None), ("base", src), ("new", None)):
+            ext = start_ext(variant, where)
+            try:
+                WATCHED["extender"] = ext.procs[0].pid
+                settle()
+                p50, p99, passed, cpu = filter_latency(ext, names, filter_calls)
+                print(
+                    f"[{n} nodes] {variant} /filter with all {n} nodes, {filter_calls} calls, idle: "
+                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms ({passed} passed), "
+                    f"extender CPU {cpu * 1000:.2f} ms per call",
+                    flush=True,
+                )
+            finally:
+                ext.stop()
+                WATCHED.pop("extender", None)
+
+
 def run_size(
     n: int,
     pods: int,
@@ -461,6 +585,7 @@ def run_size(
     short_parser: bool = True,
     client_auth: bool = True,
     policies: str = "both",
+    extender_src: str | None = None,
 ) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
@@ -489,6 +614,27 @@ def run_size(
         print(f"[{n} nodes] {n} nodes created and Ready in {time.monotonic() - t0:.1f} s", flush=True)
         folder = work / f"ext-{n}"
         product.grant_accounts(sb)  # the scheduler's account, which the extender impersonates
+        if extender_src is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            WATCHED.clear()
+            up = sb.state()
+            for c in up.components if up else []:
+                if c.name in ("kube-apiserver", "etcd", "kwok", "kube-controller-manager"):
+                    WATCHED[c.name] = c.pid
+            plain = controlplane.scheduler_config(
+                sb.kubeconfig, scheduler_name="plain-bench", percentage_of_nodes_to_score=percentage,
+                client_qps=qps,
+            )  # fmt: skip
+
+            def start_ext(variant: str, src: str | None) -> Extender:
+                return Extender(
+                    sb, work / f"ext-{n}-{variant}", percentage, qps, short_parser, client_auth, src,
+                    f"vgpu-bench-extender-{variant}",
+                )  # fmt: skip
+
+            names = [x["metadata"]["name"] for x in nodes]
+            run_ab(sb, kube, folder, plain, start_ext, extender_src, n, pods, pairs, filter_calls, names)
+            return
         ext = Extender(sb, folder, percentage, qps, short_parser, client_auth)
         state = sb.state()
         WATCHED.clear()
@@ -575,6 +721,13 @@ def main() -> int:
         default="both",
         help="the bursts without, then with the chart's tenant-boundary admission policies (default both)",
     )
+    parser.add_argument(
+        "--extender-src",
+        default=None,
+        help="a checkout of another commit (git worktree add DIR main): each round runs "
+        "kube-scheduler alone, then the extender from DIR and this checkout's, in turn first; "
+        "one extender process at a time (policies off)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     print(
@@ -593,6 +746,7 @@ def main() -> int:
                 args.short_parser == "on",
                 args.client_auth == "on",
                 args.policies,
+                args.extender_src,
             )
     return 0
 

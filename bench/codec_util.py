@@ -13,7 +13,7 @@ Workloads (``--workload``; ``auto`` takes the first that can run here):
 The workload runs in a child process; this one reads the card's per-process samples every
 ``--every`` seconds, raw from NVML (``nvmlDeviceGetProcessesUtilizationInfo``, else
 ``nvmlDeviceGetProcessUtilization``) and through the node's own reader
-(``vgpu.plugin.nvml.NvmlDiscovery.processes``: the figures the monitor exports), and prints
+(``vgpu.node.nvml.NvmlDiscovery.processes``: the figures the monitor exports), and prints
 them for the child's PID, then the mean and peak of each engine.
 
     python bench/codec_util.py [--workload auto|jpeg|nvdec] [--seconds 20] [--device 0]
@@ -120,7 +120,7 @@ def main() -> int:
     except nv.NVMLError as err:
         return no_gpu(f"NVML cannot start ({err})")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's vgpu, installed or not
-    from vgpu.plugin.nvml import NvmlDiscovery
+    from vgpu.node.nvml import NvmlDiscovery
 
     handle = nv.nvmlDeviceGetHandleByIndex(args.device)
     name = nv.nvmlDeviceGetName(handle)

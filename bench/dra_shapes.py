@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.dra.slices import DRIVER, build_slice, slice_name
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 CARD_MIB = 81920
 MIB = 1 << 20

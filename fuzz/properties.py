@@ -35,7 +35,7 @@ from vgpu.extender.app import _dumps, create_app
 from vgpu.extender.state import SchedulerState
 from vgpu.hookabi import grant as grants
 from vgpu.hookabi import layout, region
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 CONFIG = SchedulerConfig()
 

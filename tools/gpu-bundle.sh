@@ -15,7 +15,7 @@
 # with xz -7 (kube, the multi-call kube-apiserver/controller-manager/scheduler/kubectl: 123 MB ->
 # 24 MB); containerd 2, containerd-shim-runc-v2 and ctr (tools/build.sh containerd, from
 # $VGPU_BIN_DIR/current) go into one tar.xz and are staged into $VGPU_STAGE/bin/current, where the
-# real node looks for them (vgpu_sandbox.realnode.CONTAINERD_BINARIES); runc (Debian's package,
+# real node looks for them (vgpu_sandbox.realnode.prechecks.CONTAINERD_BINARIES); runc (Debian's package,
 # unpacked, found on PATH) and the CNI bridge/host-local/loopback plugins go into another; the wheels (pip download for Python 3.12,
 # manylinux x86_64) are installed into a folder here, without kubernetes' asyncio client, and
 # that folder goes into one tar.xz (33 MB of wheels -> 12 MB). KWOK and crictl stay behind: the
@@ -39,7 +39,7 @@ WHEELS=(flask==3.1.3 itsdangerous==2.2.0 blinker==1.9.0 gunicorn==27.0.1 kuberne
 # 2: containerd 2 from \$VGPU_BIN_DIR (containerd.tar.xz), runtime.tar.xz only runc and the CNI
 # 3: helm in part b (the sandbox installs the chart with helm)
 LAYOUT=3
-# containerd 2's binaries, staged beside the kubelet (vgpu_sandbox.realnode.CONTAINERD_BINARIES)
+# containerd 2's binaries, staged beside the kubelet (vgpu_sandbox.realnode.prechecks.CONTAINERD_BINARIES)
 CONTAINERD=(containerd containerd-shim-runc-v2 ctr)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 

@@ -369,7 +369,7 @@ static int capped(int idx) {
 
 /* One measure of a share: the node, which reads the driver's samples of this container's GPU
  * time, writes their ratio to this measure into the grant, and the hook charges its measure (and
- * predicts its launches) times that; 1.0 until the node says (vgpu/plugin/monitor/sharescale.py). */
+ * predicts its launches) times that; 1.0 until the node says (vgpu/monitor/sharescale.py). */
 static inline int64_t scaled(int idx, int64_t ns) {
     const struct vgpu_grant *g = __atomic_load_n(&vgpu_grant_mapped, __ATOMIC_RELAXED);
     uint32_t scale = g ? __atomic_load_n(&g->share_scale[idx], __ATOMIC_RELAXED) : 0;

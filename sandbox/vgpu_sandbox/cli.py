@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vgpu_sandbox.cluster import Sandbox, Spec, default_dir
 from vgpu_sandbox.errors import SandboxError
+from vgpu_sandbox.realnode.layout import MONITOR_PORT, NODE_IP
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -143,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
             # 0 when nothing is wrong: healthy, stopped by `down`, or never started here
             return 0 if report.get("ok") else 1
         if args.action == "restart":
-            from vgpu_sandbox import realnode
+            from vgpu_sandbox.realnode import lifecycle
 
-            seconds = realnode.restart(sandbox, args.component)
+            seconds = lifecycle.restart(sandbox, args.component)
             print(f"sandbox: {args.component} restarted in {seconds:.1f}s")
             return 0
         if args.action == "down":
@@ -167,12 +168,12 @@ _PORTS = {
     "kwok": ("KWOK's server (metrics, health)", "http://127.0.0.1:{}/metrics"),
     "extender": ("the extender: filter, bind, webhook", "https://127.0.0.1:{}"),
     "extender-metrics": ("the extender's metrics", "http://127.0.0.1:{}/metrics"),
-    "kubelet": ("the real node's kubelet", "https://10.244.200.1:{}"),
+    "kubelet": ("the real node's kubelet", f"https://{NODE_IP}:{{}}"),
     "kubelet-healthz": ("the real node's kubelet health", "http://127.0.0.1:{}/healthz"),
-    "real-node-monitor": ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
-    "real-node-extender": ("the chart's extender, on the real node", "https://10.244.200.1:{}"),
-    "real-node-scheduler-metrics": ("the chart's scheduler metrics", "http://10.244.200.1:{}/metrics"),
-    "real-node-kube-scheduler": ("the chart's kube-scheduler (healthz)", "https://10.244.200.1:{}/healthz"),
+    MONITOR_PORT: ("the real node's monitor (the chart's)", "http://127.0.0.1:{}/metrics"),
+    "real-node-extender": ("the chart's extender, on the real node", f"https://{NODE_IP}:{{}}"),
+    "real-node-scheduler-metrics": ("the chart's scheduler metrics", f"http://{NODE_IP}:{{}}/metrics"),
+    "real-node-kube-scheduler": ("the chart's kube-scheduler (healthz)", f"https://{NODE_IP}:{{}}/healthz"),
 }
 
 

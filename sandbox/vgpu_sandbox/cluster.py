@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.core.errors import KubeError
-from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs, product, realnode
+from vgpu.core.requests import RESOURCE_GPU
+from vgpu_sandbox import binaries, controlplane, kubeconfig, nodes, pki, procs, product
 from vgpu_sandbox.errors import SandboxError
+from vgpu_sandbox.realnode import lifecycle, prechecks
+from vgpu_sandbox.realnode.layout import COMPONENTS as REAL_NODE_COMPONENTS
 from vgpu_sandbox.runtime import IDENTITIES as IDENTITIES
 from vgpu_sandbox.runtime import Component as Component
 from vgpu_sandbox.runtime import Handle, Spec, State
@@ -26,7 +29,6 @@ from vgpu_sandbox.runtime import default_dir as default_dir
 
 __all__ = ["IDENTITIES", "Component", "Sandbox", "Spec", "State", "default_dir"]
 
-KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 MAX_SOCKET_PATH = 107
 
 
@@ -52,7 +54,7 @@ class Sandbox(Handle):
         if spec.apiserver_port:
             procs.check_port_free(spec.apiserver_port, "kube-apiserver", "--apiserver-port")
         if spec.real_node:
-            reason = realnode.why_not(spec.real_gpu)
+            reason = prechecks.why_not(spec.real_gpu)
             if reason:
                 raise SandboxError(f"--real-node: {reason}")
         start = time.monotonic()
@@ -67,7 +69,7 @@ class Sandbox(Handle):
                 self._create_nodes(spec, progress, advertise_gpus=not parts.plugins)
             product.start(self, spec, parts, progress)
             if spec.real_node:
-                realnode.start(self, spec, progress)
+                lifecycle.start(self, spec, progress)
             self._state.ready = True
             self._save()
         except BaseException:
@@ -78,7 +80,7 @@ class Sandbox(Handle):
 
     def _check_socket_paths(self, spec: Spec) -> None:
         """Each node's kubelet.sock lives under the state folder; unix socket paths have 107 bytes."""
-        longest = self.layout.node_root(nodes.node_name(max(spec.nodes - 1, 0))) / KUBELET_SOCKET
+        longest = self.layout.node_root(nodes.node_name(max(spec.nodes - 1, 0))) / nodes.KUBELET_SOCKET
         if len(str(longest).encode()) > MAX_SOCKET_PATH:
             raise SandboxError(
                 f"the state folder {self.state_dir} is too deep: node sockets such as {longest} would pass "
@@ -240,7 +242,7 @@ class Sandbox(Handle):
                             c["type"] == "Ready" and c["status"] == "True"
                             for c in n["status"].get("conditions", [])
                         ),
-                        "gpus": n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0"),
+                        "gpus": n["status"].get("allocatable", {}).get(RESOURCE_GPU, "0"),
                     }
                     for n in listed.get("items", [])
                 ]
@@ -264,8 +266,8 @@ class Sandbox(Handle):
             pids |= {c.pid for c in state.components}
             if state.spec.real_node:
                 # Pods through the CRI first, while the API server still answers nothing new.
-                realnode.stop(
-                    self, {c.name: c.pid for c in state.components if c.name in realnode.COMPONENTS}
+                lifecycle.stop(
+                    self, {c.name: c.pid for c in state.components if c.name in REAL_NODE_COMPONENTS}
                 )
         procs.stop_all(pids, self.state_dir)
         self.forget_clients()

@@ -28,6 +28,7 @@ from vgpu.core.annotations import (
 )
 from vgpu.core.errors import AnnotationError
 from vgpu.core.output import run_command
+from vgpu.core.requests import RESOURCE_GPU, RESOURCE_MEM
 from vgpu.hookabi.grant import DEFAULT_CONTEXT_RESERVE
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.cluster import Sandbox, Spec
@@ -157,16 +158,16 @@ def explain(logs: str) -> list[str]:
 
 def run_on_the_real_node(sandbox: Sandbox) -> None:
     """A pod from the sample image on the real node: its limits, the hook's refusal, its logs."""
-    from vgpu_sandbox import realnode
+    from vgpu_sandbox.realnode import layout, sample
 
     command = (
         "echo limit=$CUDA_DEVICE_MEMORY_LIMIT_0 preload=$(cat /etc/ld.so.preload); "
         f"t_alloc link alloc {CHUNK_MIB} | grep -E 'chunks|refused'; sleep infinity | t_hold {HOLD_MIB}"
     )
-    limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(LIMIT_MIB)}
-    pod = realnode.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
+    limits = {RESOURCE_GPU: "1", RESOURCE_MEM: str(LIMIT_MIB)}
+    pod = sample.sample_pod(REAL_NODE_POD, command, limits, Spec().gpu_memory_mib)
     say(
-        f"a pod on the real node {realnode.NAME}: the sample image, {LIMIT_MIB} MiB, "
+        f"a pod on the real node {layout.NAME}: the sample image, {LIMIT_MIB} MiB, "
         f"filled {CHUNK_MIB} at a time"
     )
     sandbox.kubectl("delete", "pod", REAL_NODE_POD, "--ignore-not-found", "--wait=true", check=False)

@@ -40,14 +40,13 @@ from vgpu.core import logs
 from vgpu.core.backoff import Backoff
 from vgpu.core.errors import KubeError
 from vgpu.core.service import Service
+from vgpu.deviceplugin.api import api_pb2, api_pb2_grpc
 from vgpu.kube.informer import Informer
-from vgpu.plugin.api import api_pb2, api_pb2_grpc
 from vgpu_sandbox.nodes import ERROR_ANNOTATION, RECORD_ANNOTATION
 
 log = logging.getLogger("vgpu_sandbox.kubelet")
 
 __all__ = ["ERROR_ANNOTATION", "RECORD_ANNOTATION", "Kubelet"]
-KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 REJECT_REASON = "UnexpectedAdmissionError"  # what kubelet sets when a device plugin refuses Allocate
 
 

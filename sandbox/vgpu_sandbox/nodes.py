@@ -9,14 +9,17 @@ from typing import Any
 
 import yaml
 
+from vgpu.commands.status import RECORD_ANNOTATION  # vgpu status reads it
 from vgpu.core.requests import RESOURCE_GPU
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_LABEL = ("gpu", "on")
 # What the kubelet stand-in (vgpu_sandbox.kubelet) writes on a pod it admitted: each container's
-# Allocate answer, and why admission failed (absent when it did not).
-RECORD_ANNOTATION = "sandbox.vgpu.openaios.io/containers"
+# Allocate answer (RECORD_ANNOTATION, named where `vgpu status` reads it), and why admission failed
+# (absent when it did not).
 ERROR_ANNOTATION = "sandbox.vgpu.openaios.io/admission-error"
+# The kubelet's registration socket under a KWOK node's folder, where its stand-in serves it.
+KUBELET_SOCKET = "var/lib/kubelet/device-plugins/kubelet.sock"
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def manifest(name: str, spec: GPUSpec, advertise_gpus: bool) -> dict[str, Any]:
     """A Node that KWOK manages; without a device plugin, `nvidia.com/gpu` is set here directly."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "250", "ephemeral-storage": "1Ti"}
     if advertise_gpus:
-        resources["nvidia.com/gpu"] = str(spec.count * spec.split)
+        resources[RESOURCE_GPU] = str(spec.count * spec.split)
     return {
         "apiVersion": "v1",
         "kind": "Node",

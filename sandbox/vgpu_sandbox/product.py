@@ -25,8 +25,11 @@ from typing import Any
 
 import yaml
 
+from vgpu.core.annotations import DEVICES_ANNOTATION
 from vgpu.core.boundary import NODE_CLAIM
+from vgpu.core.mig import RESOURCE_PREFIX as MIG_PREFIX
 from vgpu.core.mig import mig_resources
+from vgpu.core.requests import RESOURCE_GPU, RESOURCES
 from vgpu_sandbox import controlplane, nodes
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.errors import SandboxError
@@ -35,14 +38,10 @@ from vgpu_sandbox.runtime import Handle, Spec
 NAMESPACE = "kube-system"
 SCHEDULER_NAME = "vgpu-scheduler"
 MANAGED_RESOURCES = (
-    "nvidia.com/gpu",
-    "nvidia.com/gpumem",
-    "nvidia.com/gpumem-percentage",
-    "nvidia.com/gpucores",
-    "nvidia.com/priority",
+    *RESOURCES,
     *mig_resources(),  # a pod asking only for nvidia.com/mig-<profile> goes to the extender too
 )
-INVENTORY_ANNOTATION = "vgpu.openaios.io/devices"
+INVENTORY_ANNOTATION = DEVICES_ANNOTATION
 # The product's parts run as the accounts the chart makes for release vgpu in kube-system (the
 # playbook's, inventory/sandbox.yml), so the chart's tenant-boundary policies, which the sandbox
 # applies at up, judge them as they judge the chart's own pods: the extender as the scheduler
@@ -76,7 +75,7 @@ def _installed(module: str) -> bool:
 def available() -> Parts:
     return Parts(
         extender=_installed("vgpu.extender.cli"),
-        plugins=_installed("vgpu.plugin.cli") and _installed("vgpu_sandbox.kubelet"),
+        plugins=_installed("vgpu.commands.device_plugin") and _installed("vgpu_sandbox.kubelet"),
     )
 
 
@@ -326,7 +325,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         gpus_file = root / "gpus.yaml"
         gpus_file.write_text(yaml.safe_dump({"gpus": nodes.fake_gpus(name, gpu)}, sort_keys=False))
-        # new cards for a new sandbox: their MIG instances start from gpus.yaml (vgpu/plugin/fake_mig.py)
+        # new cards for a new sandbox: their MIG instances start from gpus.yaml (vgpu/node/fake_mig.py)
         (root / "gpus.yaml.mig.json").unlink(missing_ok=True)
         config_file = root / "node-config.yaml"
         config_file.write_text(yaml.safe_dump({"split": spec.split, "migStrategy": spec.mig}))
@@ -365,9 +364,7 @@ def start_node_agents(sandbox: Handle, spec: Spec, progress: Callable[[str], Non
             annotations = item["metadata"].get("annotations") or {}
             allocatable = item.get("status", {}).get("allocatable", {})
             offered = sum(
-                int(v)
-                for k, v in allocatable.items()
-                if k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")
+                int(v) for k, v in allocatable.items() if k == RESOURCE_GPU or k.startswith(MIG_PREFIX)
             )
             if INVENTORY_ANNOTATION in annotations and offered > 0:
                 done += 1

@@ -25,58 +25,34 @@ from typing import Any
 
 import yaml
 
-from vgpu_sandbox import product
+from vgpu.core.claimconfig import DRIVER, MPS_CLASS
+from vgpu.core.drarecord import claims_dir
+from vgpu.core.gpumode import GPU_MODE_LABEL as MODE_LABEL
+from vgpu.dra.cdi import spec_path
+from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, MPS_SELECTOR, SHARED_SELECTOR
+from vgpu_sandbox import procs, product
 from vgpu_sandbox.errors import SandboxError
 from vgpu_sandbox.runtime import Handle, Spec
 
 COMPONENT = "dra-plugin-real-node"
-DRIVER = "vgpu.openaios.io"
-MODE_LABEL = "openaios.io/gpu-mode"
 CDI_DIR = Path("/var/run/cdi")
-DEVICE_CLASS: dict[str, Any] = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "DeviceClass",
-    "metadata": {"name": DRIVER},
-    "spec": {
-        "selectors": [
-            {
-                "cel": {
-                    "expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
-                    f' && (!has(device.attributes["{DRIVER}"].sharing)'
-                    f' || device.attributes["{DRIVER}"].sharing == "timeslice")'
-                }
-            }
-        ]
-    },
-}
-# A share of a card shared through MPS, as the chart makes it (docs/dra.md#mps-shares).
-MPS_DEVICE_CLASS: dict[str, Any] = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "DeviceClass",
-    "metadata": {"name": f"mps.{DRIVER}"},
-    "spec": {
-        "selectors": [
-            {
-                "cel": {
-                    "expression": f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
-                    f' && has(device.attributes["{DRIVER}"].sharing)'
-                    f' && device.attributes["{DRIVER}"].sharing == "mps"'
-                }
-            }
-        ]
-    },
-}
-# A MIG slice, as the chart makes it (docs/mig.md#mig-with-dra: dra-plugin --mig dynamic).
-MIG_DEVICE_CLASS: dict[str, Any] = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "DeviceClass",
-    "metadata": {"name": f"mig.{DRIVER}"},
-    "spec": {
-        "selectors": [
-            {"cel": {"expression": f'device.driver == "{DRIVER}" && !device.allowMultipleAllocations'}}
-        ]
-    },
-}
+
+
+def _device_class(name: str, selector: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": selector}}]},
+    }
+
+
+# The DeviceClasses as the chart makes them (charts/vgpu/templates/dra-deviceclass.yaml): shares of
+# time-sliced cards, shares of a card shared through MPS (docs/dra.md#mps-shares), a MIG slice
+# (docs/mig.md#mig-with-dra: dra-plugin --mig dynamic).
+DEVICE_CLASS = _device_class(DRIVER, SHARED_SELECTOR)
+MPS_DEVICE_CLASS = _device_class(MPS_CLASS, MPS_SELECTOR)
+MIG_DEVICE_CLASS = _device_class(MIG_CLASS, MIG_SELECTOR)
 
 
 # ``--mig``: the first of the stub driver's cards as the fake NVML's H100 80GB in MIG mode, with
@@ -153,8 +129,8 @@ def forget_specs(node_root: Path, cdi_dir: Path = CDI_DIR) -> list[Path]:
     """The CDI specs of the claims the node still had prepared (the kubelet gone before it
     unprepared them): removed from the machine's CDI folder, which outlives the node."""
     removed = []
-    for record in sorted((state_dir(node_root) / "dra" / "claims").glob("*.json")):
-        path = cdi_dir / f"{DRIVER}-claim_{record.stem}.json"
+    for record in sorted(claims_dir(state_dir(node_root)).glob("*.json")):
+        path = spec_path(cdi_dir, record.stem)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)
@@ -176,15 +152,7 @@ def kill_and_restart(sandbox: Handle) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(old.pid, signal.SIGKILL)
     # not watched as a component: its exit is what is waited for (a watched exit fails the wait)
-    sandbox.wait_for("the killed DRA plugin to exit", lambda: not _alive(old.pid), 30)
+    sandbox.wait_for("the killed DRA plugin to exit", lambda: not procs.alive(old.pid), 30)
     sandbox.adopt(state)
     state.components.remove(old)
     sandbox.launch(COMPONENT, old.argv, old.port)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -17,12 +17,13 @@ from pathlib import Path
 import yaml
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.driver import find_driver
+from vgpu.core.requests import RESOURCE_GPU
+from vgpu.node.driver import find_driver
 from vgpu_sandbox import product
+from vgpu_sandbox.realnode.layout import MONITOR_PORT
 from vgpu_sandbox.runtime import Handle, Spec
 
 COMPONENT = "device-plugin-real-node"
-MONITOR_PORT = "real-node-monitor"
 
 
 def why_not() -> str | None:
@@ -66,7 +67,7 @@ def start_plugin(sandbox: Handle, spec: Spec, node: str, folder: Path) -> None:
         item = sandbox.api_get(f"/api/v1/nodes/{node}")
         annotations = item.get("metadata", {}).get("annotations") or {}
         allocatable = item.get("status", {}).get("allocatable", {})
-        return product.INVENTORY_ANNOTATION in annotations and int(allocatable.get("nvidia.com/gpu", "0")) > 0
+        return product.INVENTORY_ANNOTATION in annotations and int(allocatable.get(RESOURCE_GPU, "0")) > 0
 
     sandbox.wait_for(
         f"the device plugin to advertise {node}'s GPUs (real NVML)", advertised, 90, [COMPONENT, "kubelet"]

@@ -3,14 +3,14 @@
 The chart's device plugin runs one ``nvidia-cuda-mps-control`` daemon per MPS card and looks for
 that tool where the driver's tools are: under its driver root (the chart's ``driver.root``,
 mounted at ``/driver-root`` in its pod) in the driver's bin folders, else on its PATH
-(vgpu/plugin/mps.py ``find_control``). The real node has no driver, so the sandbox gives the
+(vgpu/node/mps.py ``find_control``). The real node has no driver, so the sandbox gives the
 plugin a stub driver root of its own, ``<sandbox>/real-node/driver``, holding one executable,
 ``usr/bin/nvidia-cuda-mps-control``: a wrapper that runs the fake daemon of the plugin's own
-image (``python3 -m vgpu.plugin.fake_mps``, vgpu/plugin/fake_mps.py). The plugin puts the tool's
+image (``python3 -m vgpu.node.fake_mps``, vgpu/node/fake_mps.py). The plugin puts the tool's
 folder first on the daemon's PATH, which is why the root holds nothing else: ``python3`` is then
 the image's (``/opt/vgpu/bin``, where ``vgpu`` is installed), never a host's.
 
-The daemons' pipe and log folders are the host's (``/var/lib/vgpu/mps/<uuid>``, vgpu/plugin/paths.py),
+The daemons' pipe and log folders are the host's (``/var/lib/vgpu/mps/<uuid>``, vgpu/node/paths.py),
 which the plugin leaves behind; ``down`` removes those of the node's cards (:func:`forget`).
 
 The node's sharing mode is set for this node alone (``devicePlugin.nodeOverrides``), as an
@@ -23,13 +23,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.paths import HostPaths
 
 CONTROL = "nvidia-cuda-mps-control"
 WRAPPER = (
     "#!/bin/sh\n"
     "# the fake MPS control daemon of the device plugin's image (vgpu_sandbox.realmps)\n"
-    'exec python3 -m vgpu.plugin.fake_mps "$@"\n'
+    'exec python3 -m vgpu.node.fake_mps "$@"\n'
 )
 
 

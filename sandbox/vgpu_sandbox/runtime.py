@@ -41,6 +41,14 @@ def default_dir() -> Path:
     return sandbox_dir()
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` through a sibling ``.tmp`` and a rename: a reader sees the old or the new
+    text, never a part (the sandbox's records: ``state.json``, the real node's ``node.json``)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 @dataclass
 class Spec:
     nodes: int = 3
@@ -58,7 +66,7 @@ class Spec:
     # plugin, on the real cards with real_gpu, on the stub driver's fake NVML without.
     dra: bool = False
     # False: no local extender, kube-scheduler nor webhook; the chart's scheduler Deployment runs
-    # them in a pod on the real node (needs real_node; realnode.scheduler_values).
+    # them in a pod on the real node (needs real_node; realnode/values.py).
     local_scheduler: bool = True
     # MIG ("none": off). On the simulated nodes: their cards as H100 80GB in MIG mode, offered
     # by the device plugin's migStrategy (nodes.MIG_LAYOUTS: single, seven 1g.10gb a card; mixed,
@@ -68,7 +76,7 @@ class Spec:
     mig: str = "none"
     # How the real node's cards are shared (docs/mps.md): "timeslice" (the hook's time slices) or
     # "mps": the chart's device plugin there runs with ``sharingMode: mps`` for that node
-    # (``nodeOverrides``) and finds a fake ``nvidia-cuda-mps-control`` (vgpu/plugin/fake_mps.py)
+    # (``nodeOverrides``) and finds a fake ``nvidia-cuda-mps-control`` (vgpu/node/fake_mps.py)
     # in a stub driver root of its own (vgpu_sandbox.realmps).
     sharing: str = "timeslice"
 
@@ -207,9 +215,7 @@ class Handle:
 
     def _save(self) -> None:
         assert self._state is not None
-        tmp = self.layout.state_file.with_suffix(".tmp")
-        tmp.write_text(self._state.to_json())
-        tmp.replace(self.layout.state_file)
+        write_whole(self.layout.state_file, self._state.to_json())
 
     def port(self, name: str) -> int:
         assert self._state is not None

@@ -21,7 +21,7 @@ from vgpu_sandbox.cluster import Sandbox
 from tests.support import poll
 from tests.support.dra import resource_claim
 from vgpu.dra.slices import DRIVER, build_slice
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 NODE = nodes.node_name(0)
 DEVICE = "gpu-0"

@@ -24,7 +24,7 @@ from tests.support.dra import vgpu_config
 from vgpu.core.claimconfig import VgpuConfig
 from vgpu.dra.claims import plan
 from vgpu.dra.slices import DRIVER, build_slice
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 pytestmark = pytest.mark.e2e
 

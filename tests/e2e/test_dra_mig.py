@@ -34,7 +34,7 @@ from vgpu.core.mig import H100_80GB, Placement
 from vgpu.dra.api import dra_pb2, dra_pb2_grpc
 from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, SHARED_SELECTOR, device_name
 from vgpu.dra.slices import DRIVER
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_nvml import FakeDiscovery
 
 NODE = node_name(0)
 REPO = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ from vgpu.dra.api import dra_pb2, dra_pb2_grpc
 from vgpu.dra.migslices import MPS_SELECTOR, SHARED_SELECTOR
 from vgpu.dra.slices import DRIVER
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER
-from vgpu.plugin.mps import accepts
+from vgpu.node.mps import accepts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -64,12 +64,12 @@ class Plugin:
             "computeCapability: '9.0'}\n"
         )
         # the card's MPS control daemon's pipe folder: the plugin starts the daemon there itself
-        # (vgpu/plugin/mps.py), here the fake one (vgpu/plugin/fake_mps.py) found on PATH
+        # (vgpu/node/mps.py), here the fake one (vgpu/node/fake_mps.py) found on PATH
         self.pipe = top / "state/mps" / self.uuid / "pipe"
         tools = top / "tools"
         tools.mkdir()
         self.tool = tools / "nvidia-cuda-mps-control"
-        self.tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.plugin.fake_mps "$@"\n')
+        self.tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.node.fake_mps "$@"\n')
         self.tool.chmod(0o755)
         env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ.get('PATH', '')}")
         self.log = top / "plugin.log"

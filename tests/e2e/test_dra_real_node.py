@@ -14,9 +14,10 @@ control plane, containerd 2 with CDI on); skipped, naming what is missing, where
 built. Run it under the machine's real-node lock:
 ``flock /tmp/vgpu-realnode.lock pytest tests/e2e/test_dra_real_node.py``.
 
-The sandbox's real node must run containerd 2 with CDI (``realnode.CDI_SPEC_DIRS``, from the
-1.36 work); with the Debian containerd 1.6 node there is no CDI and the test is skipped. The
-sandbox's kubelet has a ``--root-dir`` of its own, so the plugin is pointed at its registry.
+The sandbox's real node must run containerd 2 with CDI
+(``vgpu_sandbox.realnode.configs.CDI_SPEC_DIRS``, from the 1.36 work); with the Debian containerd
+1.6 node there is no CDI and the test is skipped. The sandbox's kubelet has a ``--root-dir`` of its
+own, so the plugin is pointed at its registry.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from typing import Any
 
 import pytest
 import yaml
-from vgpu_sandbox import binaries, realnode
+from vgpu_sandbox import binaries
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import layout, lifecycle, prechecks, sample
 
 from tests.support import start, stop, wait_for
 from tests.support.dra import claim_template, resource_health, vgpu_config
 from tests.support.groups import REAL_NODE
 from vgpu.hookabi.grant import read_grant
 
-NODE = realnode.NAME
+NODE = layout.NAME
 CARD_MIB = 8192
 HOOK = Path(__file__).resolve().parents[2] / "native/hook/build/libvgpu.so"
 VGPU = Path(sys.executable).with_name("vgpu")
@@ -50,7 +52,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group
 
 
 def _why_not() -> str | None:
-    why = realnode.why_not()
+    why = prechecks.why_not()
     if why:
         return why
     containerd = binaries.bin_dir() / "containerd"
@@ -81,7 +83,7 @@ def node() -> Iterator[Sandbox]:
 def plugin(node: Sandbox) -> Iterator[subprocess.Popen[bytes]]:
     """``vgpu dra-plugin`` as root on the machine, on the real node's kubelet folders, the node
     labelled for DRA and the DeviceClass made as the chart makes it."""
-    lay = realnode.layout_of(node)
+    lay = layout.layout_of(node)
     node.kubectl("label", "node", NODE, "openaios.io/gpu-mode=dra", "--overwrite")
     device_class = {
         "apiVersion": "resource.k8s.io/v1",
@@ -121,7 +123,7 @@ CDI_DIR = Path("/var/run/cdi")
 
 
 def _state_dir(node: Sandbox) -> Path:
-    return realnode.layout_of(node).root / "vgpu-dra"
+    return layout.layout_of(node).root / "vgpu-dra"
 
 
 WORKLOAD = "t_alloc link alloc 256; echo holding; sleep infinity"
@@ -133,7 +135,7 @@ def _pod(name: str, memory: str, cores: str, **config: Any) -> list[dict[str, An
     template = claim_template(name, memory=memory, cores=cores)
     if config:
         template["spec"]["spec"]["devices"]["config"] = [vgpu_config(["gpu"], **config)]
-    pod = realnode.sample_pod(name, WORKLOAD, None, CARD_MIB)
+    pod = sample.sample_pod(name, WORKLOAD, None, CARD_MIB)
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": name}]
     pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
     return [template, pod]
@@ -223,7 +225,7 @@ def test_a_claim_of_3000mi_holds_its_container_and_claims_share_the_card(
 def test_a_kubelet_restart_keeps_the_prepared_claims(node: Sandbox, plugin: subprocess.Popen[bytes]) -> None:
     log = node.logs_dir / "dra-plugin.log"
     prepared = log.read_text().count("prepared ResourceClaim default/dra-a")
-    realnode.restart(node, "kubelet")
+    lifecycle.restart(node, "kubelet")
     wait_for(
         lambda: _get(node, "pod", "-n", "default", "dra-a")["status"]["phase"] == "Running",
         "dra-a running after the kubelet restart",
@@ -252,7 +254,7 @@ def test_a_card_going_unhealthy_shows_in_the_status_of_the_pod_holding_it(
     and on): the card marked unhealthy (here in the fake NVML file, as an Xid would through NVML)
     shows Unhealthy, with why, in the status of the pod whose claim holds it, and Healthy again
     when it comes back."""
-    gpus = realnode.layout_of(node).gpus_file
+    gpus = layout.layout_of(node).gpus_file
     was = gpus.read_text()
     claim_a = next(
         c

@@ -33,11 +33,11 @@ from vgpu.core.annotations import (
     decode_devices,
     lease_name,
 )
+from vgpu.deviceplugin.daemon import Daemon
 from vgpu.kube.agent import NodeAgentClient
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 NAMESPACE = "kube-system"
 SPLIT = 4
@@ -388,7 +388,7 @@ def test_a_plugin_whose_node_is_deleted_says_so_once_backs_off_and_publishes_whe
     fix, retries after 1, 2, 4 .. 30 s, and the inventory is back once the Node is."""
     reporter = agent.daemon.reporter
     node = agent.node()
-    with caplog.at_level(logging.INFO, logger="vgpu.plugin.report"):
+    with caplog.at_level(logging.INFO, logger="vgpu.deviceplugin.report"):
         agent.sandbox.kubectl("delete", "node", agent.name)
         assert poll(lambda: reporter.failures >= 1, timeout=20, every=0.1)
         time.sleep(10)
@@ -396,7 +396,7 @@ def test_a_plugin_whose_node_is_deleted_says_so_once_backs_off_and_publishes_whe
         warnings = [
             r.getMessage()
             for r in caplog.records
-            if r.name == "vgpu.plugin.report" and r.levelno == logging.WARNING
+            if r.name == "vgpu.deviceplugin.report" and r.levelno == logging.WARNING
         ]
         assert len(warnings) == 1, warnings
         assert warnings[0].startswith(f"node {agent.name} does not exist (deleted?)")

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import procs, realnode, realruntime
+from vgpu_sandbox import procs, realruntime
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import daemons, layout, lifecycle, sample
 
 from playbooks import play, play_recap
 from tests.support import wait_for
@@ -32,7 +33,7 @@ from tests.support.groups import REAL_NODE
 from tests.support.sandboxes import real_node_sandbox
 
 VGPU = Path(sys.executable).with_name("vgpu")
-NODE = realnode.NAME
+NODE = layout.NAME
 CARD_MIB = 8192
 SPLIT = 4
 NAMESPACE = "kube-system"
@@ -54,8 +55,8 @@ class Node:
 
     def __init__(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
-        self.lay = realnode.layout_of(sandbox)
-        self.inventory = realnode.inventory_file(sandbox)
+        self.lay = layout.layout_of(sandbox)
+        self.inventory = layout.inventory_file(sandbox)
         self.plays: list[subprocess.CompletedProcess[str]] = []
 
     def play(self, playbook: str = "site.yml") -> subprocess.CompletedProcess[str]:
@@ -128,7 +129,7 @@ def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node
     assert f'Root = "{node.lay.runc_root}"' in config and "restrict_oom_score_adj = true" in config
     handler = "GPU node | Restart containerd with gpu_node_containerd_restart_command"
     assert f"RUNNING HANDLER [gpu_node : {handler}]" in first.stdout
-    assert realnode.restarts(node.sandbox)["containerd"] == 1
+    assert lifecycle.restarts(node.sandbox)["containerd"] == 1
     assert node.get("node", NODE)["metadata"]["labels"].get("gpu") == "on"
     _log(f"first run: {NODE} {recap[NODE]}; containerd restarted once; label gpu=on")
 
@@ -136,7 +137,7 @@ def test_the_role_merges_containerds_config_restarts_it_once_and_labels_the_node
     assert again.returncode == 0, again.stdout[-4000:]
     recap2 = play_recap(again)
     assert all(counts["changed"] == 0 for counts in recap2.values()), recap2
-    assert realnode.restarts(node.sandbox)["containerd"] == 1, "containerd restarted without a change"
+    assert lifecycle.restarts(node.sandbox)["containerd"] == 1, "containerd restarted without a change"
     _log(f"second run: {recap2}; containerd restarts still 1")
 
 
@@ -151,12 +152,12 @@ def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_wi
         every=1.0,
         ignore=_FLAKY,
     )
-    images = realnode.built_images()
+    images = layout.built_images()
     status = pod["status"]["containerStatuses"][0]
     assert status["image"].endswith("vgpu/device-plugin:dev"), status
     assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
     # containerd ran it: the CRI reports a container, and its image is the one imported.
-    listed = realnode._crictl(node.lay, "ps", "--name", "device-plugin", "-o", "json")
+    listed = daemons.crictl(node.lay, "ps", "--name", "device-plugin", "-o", "json")
     running = json.loads(listed.stdout)["containers"]
     assert running and running[0]["state"] == "CONTAINER_RUNNING", listed.stdout[-2000:]
     _log(f"device-plugin pod {pod['metadata']['name']} running from {images['device-plugin']['ref']}")
@@ -172,7 +173,7 @@ def test_the_charts_device_plugin_pod_runs_from_the_built_image_and_registers_wi
 
 
 def _sample_pod(name: str, command: str, resources: dict[str, str] | None) -> dict[str, Any]:
-    return realnode.sample_pod(name, command, resources, CARD_MIB)
+    return sample.sample_pod(name, command, resources, CARD_MIB)
 
 
 WORKLOAD = (
@@ -329,7 +330,7 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_the_container_ke
     before = node.kubelet_log().count("registration request from device plugin")
     running = node.get("pod", "-n", "default", "cuda-3000")
     container_id = running["status"]["containerStatuses"][0]["containerID"]
-    seconds = realnode.restart(node.sandbox, "kubelet")
+    seconds = lifecycle.restart(node.sandbox, "kubelet")
     _log(f"kubelet restarted in {seconds:.1f}s")
 
     def registered_again() -> bool:
@@ -364,11 +365,11 @@ def test_after_a_containerd_restart_the_running_container_keeps_running_and_its_
     node = prepared
     before = node.get("pod", "-n", "default", "cuda-3000")["status"]["containerStatuses"][0]
     old_pid = node.component_pid("containerd")
-    seconds = realnode.restart(node.sandbox, "containerd")
+    seconds = lifecycle.restart(node.sandbox, "containerd")
     assert node.component_pid("containerd") != old_pid and not procs.alive(old_pid)
     _log(f"containerd restarted in {seconds:.1f}s (pid {old_pid} -> {node.component_pid('containerd')})")
     # The shims kept the containers; the kubelet finds containerd again on the same socket.
-    listed = realnode._crictl(node.lay, "ps", "--name", "cuda", "-o", "json")
+    listed = daemons.crictl(node.lay, "ps", "--name", "cuda", "-o", "json")
     assert any(c["state"] == "CONTAINER_RUNNING" for c in json.loads(listed.stdout)["containers"]), (
         listed.stdout
     )

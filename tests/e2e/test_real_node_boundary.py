@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import realnode, realruntime
+from vgpu_sandbox import binaries, realruntime
 from vgpu_sandbox.cluster import Spec
+from vgpu_sandbox.realnode import layout, sample
 
 from tests.e2e import test_real_node as real_node
 from tests.e2e.test_real_node import _plugin_running
@@ -35,7 +36,7 @@ from tests.support.sandboxes import real_node_sandbox
 from tests.support.tenant import AS_SCHEDULER, Tenant, as_kubeconfig, refused_by, token_kubeconfig
 from vgpu.core import annotations as ann
 
-NODE = realnode.NAME
+NODE = layout.NAME
 CARD_MIB = 8192
 NAMESPACE = "kube-system"
 CARDS = realruntime.CARDS_IN_CONTAINER
@@ -63,7 +64,7 @@ class Node(real_node.Node):
         annotations: dict[str, str] | None = None,
     ) -> tuple[dict[str, Any], str]:
         """A sample pod on the real node running ``command`` to its end: (the pod, its log)."""
-        manifest = realnode.sample_pod(name, command, limits, CARD_MIB)
+        manifest = sample.sample_pod(name, command, limits, CARD_MIB)
         manifest["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in (env or {}).items()]
         if annotations:
             manifest["metadata"]["annotations"] = annotations
@@ -81,7 +82,7 @@ class Node(real_node.Node):
 
     def toolkit(self, accept_env: bool) -> None:
         """The toolkit's config as the role leaves it (False), or as it was before (True)."""
-        ctk = realnode.binaries.bin_dir() / "nvidia-ctk"
+        ctk = binaries.bin_dir() / "nvidia-ctk"
         subprocess.run(
             [str(ctk), "config", "--in-place", f"--config-file={realruntime.toolkit_config(self.lay.root)}",
              "--set", f"accept-nvidia-visible-devices-envvar-when-unprivileged={str(accept_env).lower()}"],
@@ -182,7 +183,7 @@ def test_a_tenants_placement_is_refused_and_one_past_admission_is_refused_by_the
         allocation = ann.Allocation(
             NODE, (ann.ContainerAllocation("cuda", (ann.DeviceAllocation(card, 0, 0),)),)
         )
-        forged = realnode.sample_pod(
+        forged = sample.sample_pod(
             "forged", LIST, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}, CARD_MIB
         )
         forged["metadata"] = {

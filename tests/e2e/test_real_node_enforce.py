@@ -25,7 +25,8 @@ import urllib.request
 from typing import Any
 
 import pytest
-from vgpu_sandbox import binaries, realnode
+from vgpu_sandbox import binaries
+from vgpu_sandbox.realnode import layout, sample
 
 from tests.e2e.test_real_node import NAMESPACE, Node, _log, _plugin_running, node, prepared
 from tests.support import wait_for
@@ -40,7 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def _pod(node: Node, name: str, command: str) -> None:
-    manifest = realnode.sample_pod(
+    manifest = sample.sample_pod(
         name,
         command,
         {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"},
@@ -199,7 +200,7 @@ def _upgrade(node: Node, *values: str) -> None:
     wait_for(
         lambda: (
             node.kubelet_log().count("registration request from device plugin") > registered
-            and node.get("node", realnode.NAME)["status"]["allocatable"].get("nvidia.com/gpu") == "4"
+            and node.get("node", layout.NAME)["status"]["allocatable"].get("nvidia.com/gpu") == "4"
         ),
         "the new plugin to register with the kubelet",
         120,
@@ -243,7 +244,7 @@ def test_evict_set_for_this_node_alone_evicts_the_pod_through_the_api_server(plu
     _upgrade(
         node,
         "devicePlugin.enforcement.memory=report",
-        f"devicePlugin.nodeOverrides[0].name={realnode.NAME}",
+        f"devicePlugin.nodeOverrides[0].name={layout.NAME}",
         "devicePlugin.nodeOverrides[0].enforcement.memory=evict",
     )
     _pod(node, "greedy-evict", "exec t_bypass 512 3000")

@@ -3,7 +3,7 @@ plugin with ``sharingMode: mps`` for this node alone (``nodeOverrides``), and th
 
 ``vgpu sandbox up --real-node --sharing-mode mps`` gives the plugin a stub driver root whose
 ``usr/bin/nvidia-cuda-mps-control`` runs the fake daemon of the plugin's image
-(vgpu/plugin/fake_mps.py, vgpu_sandbox.realmps); the plugin starts one per card, its pipe folder
+(vgpu/node/fake_mps.py, vgpu_sandbox.realmps); the plugin starts one per card, its pipe folder
 under the host's /var/lib/vgpu/mps. The sample image's programs load the stub driver, which makes a
 process whose pipe's control socket accepts at cuInit an MPS client and writes ``mps 1``,
 ``mps_threads`` and ``mps_pinned`` into its process file, where the plugin's fake NVML reads it.
@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import realmps, realnode
+from vgpu_sandbox import realmps
 from vgpu_sandbox.cluster import Spec
+from vgpu_sandbox.realnode import layout, sample
 
 from tests.e2e.test_real_node import Node, _log, _plugin_running
 from tests.support import wait_for
@@ -43,11 +44,11 @@ from tests.support.sandboxes import real_node_sandbox
 from vgpu.core import annotations as ann
 from vgpu.hookabi.grant import decode
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
-from vgpu.plugin.monitor.enforce import REASON_LEFT_MPS
+from vgpu.monitor.enforce import REASON_LEFT_MPS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 
-NODE = realnode.NAME
+NODE = layout.NAME
 CARD_MIB = 8192
 SPLIT = 4
 MIB = 1 << 20
@@ -122,7 +123,7 @@ def _mps_cards(node: Node) -> list[str]:
 
 
 def _pod(node: Node, name: str, command: str, mode: str | None, env: dict[str, str] | None = None) -> None:
-    manifest = realnode.sample_pod(
+    manifest = sample.sample_pod(
         name,
         command,
         {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(GRANT_MIB), "nvidia.com/gpucores": str(CORES)},

@@ -35,11 +35,11 @@ from test_real_node import (  # noqa: F401  (node and prepared: this module's ow
     node,
     prepared,
 )
-from vgpu_sandbox import realnode
+from vgpu_sandbox.realnode import daemons
 
 from tests.support import wait_for
-from vgpu.plugin.hooklib import record_path
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.hooklib import record_path
+from vgpu.node.paths import HostPaths
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "dev2"
@@ -103,7 +103,7 @@ def _start(real: Node, name: str) -> tuple[dict[str, Any], str]:
 
 
 def _version_of(pod: dict[str, Any]) -> str:
-    """The hook version the plugin recorded for the pod's container (vgpu/plugin/hooklib.py)."""
+    """The hook version the plugin recorded for the pod's container (vgpu/node/hooklib.py)."""
     return record_path(HOST, f"{pod['metadata']['uid']}_cuda").read_text().strip()
 
 
@@ -137,7 +137,7 @@ def test_a_running_container_keeps_its_hook_across_a_helm_upgrade_and_the_old_li
 ) -> None:
     real = prepared
     image = _dev2_image()
-    imported = realnode._ctr(real.lay, "images", "import", image["file"])
+    imported = daemons.ctr(real.lay, "images", "import", image["file"])
     assert imported.returncode == 0, imported.stderr
     plugin = wait_for(lambda: _plugin_running(real), "the dev plugin pod", 180, every=1.0, ignore=_FLAKY)
     assert plugin["status"]["containerStatuses"][0]["image"].endswith("device-plugin:dev")

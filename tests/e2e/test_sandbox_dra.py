@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from vgpu_sandbox import realdra, realnode
+from vgpu_sandbox import realdra
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import layout
 
 from tests.e2e.test_dra_real_node import _pod, _why_not
 from tests.support import wait_for
@@ -51,7 +52,7 @@ def node() -> Iterator[Sandbox]:
 
 
 def test_the_sandbox_in_dra_mode_prepares_a_claim_that_holds_its_container(node: Sandbox) -> None:
-    labels = json.loads(node.kubectl("get", "node", realnode.NAME, "-o", "json").stdout)["metadata"]["labels"]
+    labels = json.loads(node.kubectl("get", "node", layout.NAME, "-o", "json").stdout)["metadata"]["labels"]
     assert labels.get("openaios.io/gpu-mode") == "dra"
     node.kubectl("get", "deviceclass", realdra.DRIVER)
     assert "real-node-0" in node.kubectl("get", "resourceslices", "-o", "name").stdout
@@ -81,7 +82,7 @@ def test_the_sandbox_in_dra_mode_prepares_a_claim_that_holds_its_container(node:
     edits = json.loads(spec_file.read_text())["devices"][0]["containerEdits"]
     mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
     assert mounts["/etc/vgpu/limits"].endswith(f"dra_{uid}_gpu.limits"), mounts
-    assert mounts["/etc/vgpu/limits"].startswith(str(realdra.state_dir(realnode.layout_of(node).root)))
+    assert mounts["/etc/vgpu/limits"].startswith(str(realdra.state_dir(layout.layout_of(node).root)))
     assert "/etc/ld.so.preload" in mounts, mounts
     assert "deviceNodes" not in edits  # the stub driver is the image's: no driverInject: plugin
     shown = subprocess.run(

@@ -21,17 +21,18 @@ from typing import Any
 
 import pytest
 import yaml
-from vgpu_sandbox import realdra, realnode
+from vgpu_sandbox import realdra
 from vgpu_sandbox.binaries import repo_root
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import layout
 
 from tests.e2e.test_dra_real_node import _why_not
 from tests.support import wait_for
 from tests.support.groups import REAL_NODE
 from vgpu.core.mig import H100_80GB, Placement
 from vgpu.dra.migslices import device_name
-from vgpu.plugin.fake_mig import FakeMig
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_mig import FakeMig
+from vgpu.node.fake_nvml import FakeDiscovery
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.xdist_group(REAL_NODE)]
 EXAMPLE = repo_root() / "examples" / "dra-mig.yaml"
@@ -53,7 +54,7 @@ def node() -> Iterator[Sandbox]:
 
 
 def _mig(node: Sandbox) -> tuple[FakeMig, str]:
-    discovery = FakeDiscovery(realnode.layout_of(node).gpus_file)
+    discovery = FakeDiscovery(layout.layout_of(node).gpus_file)
     assert discovery.mig is not None
     return discovery.mig, discovery.cards()[0].uuid
 
@@ -90,8 +91,7 @@ def _placement(claim: dict[str, Any]) -> tuple[str, Placement]:
 
 def test_the_mig_example_runs_its_slices_and_a_plugin_crash_leaks_nothing(node: Sandbox) -> None:
     assert (
-        f"{realnode.NAME}-vgpu.openaios.io-gpu-0"
-        in node.kubectl("get", "resourceslices", "-o", "name").stdout
+        f"{layout.NAME}-vgpu.openaios.io-gpu-0" in node.kubectl("get", "resourceslices", "-o", "name").stdout
     )
     node.kubectl("get", "deviceclass", f"mig.{realdra.DRIVER}")
     pods = [d["metadata"]["name"] for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "Pod"]

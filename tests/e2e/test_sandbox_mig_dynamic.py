@@ -32,7 +32,7 @@ from vgpu_sandbox.nodes import gpu_uuid, node_name
 from tests.support import container, pod
 from vgpu.core.annotations import ALLOCATION_ANNOTATION, PHASE_ANNOTATION, decode_allocation
 from vgpu.core.mig import H100_80GB, Placement
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_nvml import FakeDiscovery
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 all in the scheduler Deployment's pod, TLS and RBAC as the chart makes them.
 
 The sandbox starts without its own extender, kube-scheduler and webhook (``--scheduler-in-cluster``);
-`helm install` with the values the sandbox writes for its real node (realnode.scheduler_values)
+`helm install` with the values the sandbox writes for its real node (realnode/values.py)
 puts the chart's scheduler pod on the real node, from the images `make images` built: the
 extender's and kube-scheduler's of the cluster's version. The node has no kube-proxy, so the pod
 runs in the node's network and the API server calls the webhook at the Service's endpoint
@@ -28,8 +28,9 @@ from typing import Any
 
 import pytest
 import yaml
-from vgpu_sandbox import nodes, realnode
+from vgpu_sandbox import nodes
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import daemons, layout, sample
 
 from tests.support import wait_for
 from tests.support.sandboxes import real_node_sandbox
@@ -37,7 +38,7 @@ from vgpu.core import annotations as ann
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vgpu"
-NODE = realnode.NAME
+NODE = layout.NAME
 NAMESPACE = "kube-system"  # the release's, as roles/vgpu_scheduler installs it
 RELEASE = "vgpu"
 KWOK_NODES = 2
@@ -59,7 +60,7 @@ def _log(message: str) -> None:
 class Cluster:
     def __init__(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
-        self.lay = realnode.layout_of(sandbox)
+        self.lay = layout.layout_of(sandbox)
 
     def get(self, *args: str) -> Any:
         return json.loads(self.sandbox.kubectl("get", *args, "-o", "json").stdout)
@@ -104,7 +105,7 @@ def cluster() -> Iterator[Cluster]:
         _log(f"vgpu sandbox up --real-node --scheduler-in-cluster: {time.monotonic() - started:.1f}s")
         # The values `up` wrote for the playbook's chart install (inventory.yml), given to helm
         # here; the role's own steps on the node are test_real_node's.
-        inventory = yaml.safe_load(realnode.inventory_file(sandbox).read_text())
+        inventory = yaml.safe_load(layout.inventory_file(sandbox).read_text())
         values = inventory["all"]["children"]["kube_control"]["vars"]["vgpu_scheduler_values"]
         values_file = sandbox.state_dir / "values.yaml"
         values_file.write_text(yaml.safe_dump(values))
@@ -157,7 +158,7 @@ def test_the_charts_scheduler_pod_runs_on_the_real_node_from_the_built_images(cl
     assert images["kube-scheduler"]["image"] == f"registry.k8s.io/kube-scheduler:{KUBE_VERSION}"
     assert images["extender"]["image"] == "docker.io/vgpu/scheduler:dev"
     # containerd runs both, from the images tools/images.sh built and the sandbox imported.
-    listed = json.loads(realnode._crictl(cluster.lay, "ps", "-o", "json").stdout)["containers"]
+    listed = json.loads(daemons.crictl(cluster.lay, "ps", "-o", "json").stdout)["containers"]
     running = {c["metadata"]["name"] for c in listed if c["state"] == "CONTAINER_RUNNING"}
     assert {"kube-scheduler", "extender"} <= running, running
     # kube-scheduler is the cluster's version, as the chart renders it.
@@ -177,10 +178,10 @@ def test_the_charts_scheduler_pod_runs_on_the_real_node_from_the_built_images(cl
         for a in e["addresses"]
         for p in s["ports"]
     ]
-    assert ready == [(realnode.NODE_IP, state.ports["real-node-extender"])], slices
+    assert ready == [(layout.NODE_IP, state.ports["real-node-extender"])], slices
     _log(
         f"scheduler pod {pod['metadata']['name']} on {NODE}: kube-scheduler {KUBE_VERSION}, "
-        f"extender at {realnode.NODE_IP}:{state.ports['real-node-extender']}; Lease held by "
+        f"extender at {layout.NODE_IP}:{state.ports['real-node-extender']}; Lease held by "
         f"{lease['spec']['holderIdentity']}"
     )
 
@@ -223,7 +224,7 @@ def test_vgpu_pods_are_admitted_by_the_pods_webhook_and_placed_by_its_kube_sched
     for name in names:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(_vgpu_pod(name, 3000)))
     # A pod for the real node: it runs there, its grant held by the hook.
-    runner = realnode.sample_pod(
+    runner = sample.sample_pod(
         "vgpu-real", "t_alloc link alloc 256", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}, CARD_MIB
     )
     cluster.kubectl("apply", "-f", "-", input=json.dumps(runner))

@@ -105,7 +105,7 @@ def build_rootfs(rootfs: Path, env_prefix: Path) -> Path:
         objects += _shared_objects(site / "torch" / "lib") + _shared_objects(site / "nvidia")
     # What the driver's own files link (the plugin mounts them, the image must carry their needs).
     try:
-        from vgpu.plugin.driver import find_driver
+        from vgpu.node.driver import find_driver
 
         driver = find_driver(Path("/"))
         objects += sorted({Path(host) for _, host in (*driver.libraries, *driver.binaries)})

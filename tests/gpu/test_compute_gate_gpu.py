@@ -6,7 +6,7 @@ Every part is real: PyTorch loops (gpu_loops.py) under libvgpu and a grant file 
 plugin's Allocate writes one (root's, mode 0644, the region's path in it; the loop runs as
 ``nobody`` where that user can run PyTorch from this checkout, else as the current user, and says
 which), each in a cgroup named as the kubelet names a container's, and the compute enforcer
-(``vgpu.plugin.monitor.compute``) reading ``nvmlDeviceGetProcessUtilization`` through
+(``vgpu.monitor.compute``) reading ``nvmlDeviceGetProcessUtilization`` through
 ``NvmlDiscovery``. The shares asserted are the driver's: each test reads the same samples
 through a second NVML reader of its own over the loop's run.
 
@@ -34,10 +34,10 @@ from test_limits_gpu import LOOPS, Child, busy_ns, hook_env
 from tests.support.attacks import BucketWriter
 from tests.support.cgroups import granted_container, kubepods_cgroups, reap
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.compute import MARGIN, ComputeEnforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 

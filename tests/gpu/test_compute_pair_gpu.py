@@ -12,7 +12,7 @@ tenant's rate over its last SECONDS / 2 against the loop alone on the card:
   of what the driver would give it (PyTorch prefill on an H100: 0.43 / 0.39 against 0.55 / 0.56,
   bench/bench_mps.py);
 - ``node``: the same with the node running (the gate and the share scale it writes,
-  vgpu/plugin/monitor/sharescale.py): the scale brings the hook's measure to the driver's, so a
+  vgpu/monitor/sharescale.py): the scale brings the hook's measure to the driver's, so a
   tenant within its share is not held, and each keeps what the driver gives (within 3 points).
 
 Prints one JSON line (``compute-pair``). Part a of tests/gpu/procedure.py.

@@ -1,4 +1,4 @@
-"""One measure of a compute share on a real GPU (vgpu.plugin.monitor.sharescale): for short
+"""One measure of a compute share on a real GPU (vgpu.monitor.sharescale): for short
 kernels, launch-bound ones, matrix products and a mix, at a 30 % grant, side by side:
 
 - bare: the loop's rate and the driver's share of it;

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 from test_plugin_on_gpu import bind_pod, plugin_on_real_nvml  # tests/gpu is on sys.path
-from vgpu_sandbox import binaries, realnode
+from vgpu_sandbox import binaries
+from vgpu_sandbox.realnode import configs, layout, lifecycle, prechecks
 
-from vgpu.plugin.hooklib import install_hook
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.hooklib import install_hook
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ DRIVER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 
 def _tool(name: str) -> str:
-    if name in realnode.CONTAINERD_BINARIES:
+    if name in prechecks.CONTAINERD_BINARIES:
         built = binaries.bin_dir() / name
         if not built.exists():
             pytest.skip(f"{name} is not built in {built.parent}: run `tools/build.sh containerd`")
@@ -108,7 +109,7 @@ def work() -> Iterator[Path]:
     try:
         yield path
     finally:
-        realnode.unmount_under(path)
+        lifecycle.unmount_under(path)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -120,7 +121,7 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
     # The plugin on real NVML, with the hook installed as the DaemonSet installs it.
     node_root = work / "node"
     hook = install_hook(BUILD / "libvgpu.so", HostPaths(node_root))
-    lay = realnode.NodeLayout(work / "ctd")
+    lay = layout.NodeLayout(work / "ctd")
     containerd: subprocess.Popen[bytes] | None = None
     with plugin_on_real_nvml(node_root, hook) as (api, kubelet, _daemon):
         try:
@@ -134,7 +135,7 @@ def test_a_container_started_by_containerd_with_the_plugins_allocate_is_held_to_
             # containerd, with everything of its own under the work folder.
             lay.root.mkdir(parents=True)
             lay.containerd_config.write_text(
-                realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
+                configs.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/"))
             )
             containerd = subprocess.Popen(
                 [tools["containerd"], f"--config={lay.containerd_config}"],

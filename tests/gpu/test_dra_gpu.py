@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import binaries, realdra, realnode
+from vgpu_sandbox import binaries, realdra
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import configs, layout, prechecks
 
 from tests.support import wait_for
 from tests.support.dra import resource_health
@@ -106,7 +107,7 @@ def _out(name: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def sandbox() -> Iterator[Sandbox]:
-    reason = realnode.why_not(real_gpu=True)
+    reason = prechecks.why_not(real_gpu=True)
     if reason:
         pytest.skip(f"no real node on this GPU machine: {reason}")
     import importlib.util
@@ -147,14 +148,14 @@ def _image(box: Sandbox) -> None:
     try:
         build_rootfs(work / "rootfs", Path(sys.prefix))
         archive = docker_archive(work / "rootfs", IMAGE, work / "host-torch.tar")
-        lay = realnode.layout_of(box)
+        lay = layout.layout_of(box)
         ctr = [str(binaries.bin_dir() / "ctr"), f"--address={lay.containerd_socket}", "--namespace=k8s.io"]
         done = subprocess.run(
             [*ctr, "images", "import", str(archive)],
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "CONTAINERD_SNAPSHOTTER": realnode.snapshotter()},
+            env={**os.environ, "CONTAINERD_SNAPSHOTTER": configs.snapshotter()},
         )
         assert done.returncode == 0, done.stderr
     finally:
@@ -188,10 +189,10 @@ def _objects(python: str, prefix: str) -> dict[str, Any]:
         "metadata": {"name": POD, "namespace": "default"},
         "spec": {
             "restartPolicy": "Never",
-            "hostNetwork": True,  # no pod network needed (realnode._make_bridge)
-            "nodeSelector": {"kubernetes.io/hostname": realnode.NAME},
+            "hostNetwork": True,  # no pod network needed (vgpu_sandbox.realnode.lifecycle)
+            "nodeSelector": {"kubernetes.io/hostname": layout.NAME},
             "terminationGracePeriodSeconds": 1,
-            "tolerations": realnode.TOLERATIONS,
+            "tolerations": layout.TOLERATIONS,
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": POD}],
             "containers": [container],
             "volumes": [{"name": "torch", "hostPath": {"path": prefix, "type": "Directory"}}],

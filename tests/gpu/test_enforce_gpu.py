@@ -31,10 +31,10 @@ import pytest
 
 from tests.support import wait_for
 from tests.support.cgroups import granted_container, kubepods_cgroups, reap, reaped_at
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 

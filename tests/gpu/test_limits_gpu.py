@@ -284,7 +284,7 @@ def test_sm_limit_changes_on_a_running_process(lib: Path, tmp_path: Path) -> Non
 
 
 def test_priority_1_yields_while_priority_0_is_busy_and_resumes_after(lib: Path, tmp_path: Path) -> None:
-    from vgpu.plugin.monitor.arbiter import Arbiter
+    from vgpu.monitor.arbiter import Arbiter
 
     containers = tmp_path / "containers"
     for name in ("low", "high"):

@@ -12,7 +12,7 @@ import ctypes
 import pytest
 
 from vgpu.core.mig import MigError, table_for_model
-from vgpu.plugin.mig import NvmlMig
+from vgpu.node.mig import NvmlMig
 
 pytestmark = pytest.mark.gpu
 

@@ -41,7 +41,7 @@ from gpu_figures import record
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.layout import SHARING_MPS
 from vgpu.hookabi.region import Region
-from vgpu.plugin.mps import accepts
+from vgpu.node.mps import accepts
 
 pytestmark = pytest.mark.gpu
 
@@ -397,12 +397,12 @@ def test_the_nodes_second_line_kills_a_process_that_dropped_the_pipe_past_its_gr
     """test_enforce_gpu.py's row on an MPS card: the bypasser is a plain process there, seen by the
     node's enforcer through NVML's compute list and killed within 1 s of crossing its grant."""
     why = "the node's enforcer needs the product's dependencies: stage bundle part a (tools/gpu-bundle.sh)"
-    enforce = pytest.importorskip("vgpu.plugin.monitor.enforce", reason=why)
+    enforce = pytest.importorskip("vgpu.monitor.enforce", reason=why)
     from tests.support import wait_for
     from tests.support.cgroups import granted_container, kubepods_cgroups, reap, reaped_at
-    from vgpu.plugin.monitor.hostview import HostView
-    from vgpu.plugin.nvml import NvmlDiscovery
-    from vgpu.plugin.paths import HostPaths
+    from vgpu.monitor.hostview import HostView
+    from vgpu.node.nvml import NvmlDiscovery
+    from vgpu.node.paths import HostPaths
 
     paths = HostPaths(tmp_path / "root")
     paths.grants_dir.mkdir(parents=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.plugin.nvml import NvmlDiscovery
+from vgpu.node.nvml import NvmlDiscovery
 
 pytestmark = pytest.mark.gpu
 

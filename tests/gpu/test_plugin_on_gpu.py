@@ -15,12 +15,13 @@ import pytest
 from vgpu_sandbox.kubelet import Kubelet
 
 from tests.support import FakeKube, bound_pod, short_dir
+from vgpu.commands.device_plugin import plugin_monitor
 from vgpu.core.annotations import PHASE_ANNOTATION
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.hooklib import HookInstall
-from vgpu.plugin.nvml import NvmlDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.deviceplugin.daemon import Daemon
+from vgpu.node.config import NodeConfig
+from vgpu.node.hooklib import HookInstall
+from vgpu.node.nvml import NvmlDiscovery
+from vgpu.node.paths import HostPaths
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +49,7 @@ def plugin_on_real_nvml(
         NvmlDiscovery(),
         api,
         hook,
-        ("127.0.0.1", 0),
+        monitor_factory=plugin_monitor(("127.0.0.1", 0)),
     )
     daemon.start()
     try:

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vgpu_sandbox import binaries, realnode
+from vgpu_sandbox import binaries
 from vgpu_sandbox.cluster import Sandbox, Spec
+from vgpu_sandbox.realnode import configs, layout, prechecks
 
 from tests.support import wait_for
 
@@ -93,7 +94,7 @@ def _out(name: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def sandbox() -> Iterator[Sandbox]:
-    reason = realnode.why_not(real_gpu=True)
+    reason = prechecks.why_not(real_gpu=True)
     if reason:
         pytest.skip(f"no real node on this GPU machine: {reason}")
     import importlib.util
@@ -129,7 +130,7 @@ def _image(box: Sandbox) -> None:
         t0 = time.monotonic()
         build_rootfs(work / "rootfs", Path(sys.prefix))
         archive = docker_archive(work / "rootfs", IMAGE, work / "host-torch.tar")
-        lay = realnode.layout_of(box)
+        lay = layout.layout_of(box)
         done = subprocess.run(
             [
                 str(binaries.bin_dir() / "ctr"),  # containerd 2's own (tools/build.sh containerd)
@@ -142,7 +143,7 @@ def _image(box: Sandbox) -> None:
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "CONTAINERD_SNAPSHOTTER": realnode.snapshotter()},
+            env={**os.environ, "CONTAINERD_SNAPSHOTTER": configs.snapshotter()},
         )
         assert done.returncode == 0, done.stderr
         print(
@@ -161,11 +162,11 @@ def _pod(python: str, prefix: str) -> dict[str, Any]:
         "metadata": {"name": POD, "namespace": "default"},
         "spec": {
             "restartPolicy": "Never",
-            # No pod network needed (and none on a kernel without bridges: realnode._make_bridge).
+            # No pod network needed (and none on a kernel without bridges: realnode/lifecycle.py).
             "hostNetwork": True,
-            "nodeSelector": {"kubernetes.io/hostname": realnode.NAME},
+            "nodeSelector": {"kubernetes.io/hostname": layout.NAME},
             "terminationGracePeriodSeconds": 1,
-            "tolerations": [{"key": realnode.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": [{"key": layout.RESERVED["key"], "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [
                 {
                     "name": "torch",

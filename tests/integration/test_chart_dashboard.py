@@ -21,16 +21,16 @@ from chart_support import CHART, KUBE_VERSION, NS, find, helm, render
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu.hookabi import region
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.monitor.arbiter import Arbiter
-from vgpu.plugin.monitor.collector import NodeCollector, make_registry
-from vgpu.plugin.monitor.compute_metrics import ComputeCollector
-from vgpu.plugin.monitor.enforce import HostCollector
-from vgpu.plugin.monitor.service import NodeMonitor
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from tests.support.region import format_region
+from vgpu.monitor.arbiter import Arbiter
+from vgpu.monitor.collector import NodeCollector, make_registry
+from vgpu.monitor.compute_metrics import ComputeCollector
+from vgpu.monitor.enforce import HostCollector
+from vgpu.monitor.service import NodeMonitor
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 NAME = "vgpu-grafana-dashboard"
 ENABLED = ["--set", "monitoring.grafanaDashboard.enabled=true"]
@@ -135,7 +135,7 @@ def monitor_series(tmp: Path) -> set[str]:
     paths = HostPaths(tmp / "root")
     folder = paths.container_dir("uid-1", "train")
     folder.mkdir(parents=True)
-    region.format_region(folder / REGION_FILE_NAME, ["GPU-a"], limits=[1 << 30], sm_limits=[30])
+    format_region(folder / REGION_FILE_NAME, ["GPU-a"], limits=[1 << 30], sm_limits=[30])
     clock = iter(range(10**12, 10**13, 5 * 10**9))  # CLOCK_MONOTONIC, 5 s per reading
     arbiter = Arbiter(paths.containers_dir, clock=lambda: next(clock))
     arbiter.rescan()

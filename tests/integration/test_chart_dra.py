@@ -15,7 +15,7 @@ from chart_support import CHART, REPO, container, find, helm, render, template
 
 from vgpu.core.claimconfig import MPS_CLASS, VgpuConfig, check_entries
 from vgpu.dra.migslices import MIG_CLASS, MIG_SELECTOR, MPS_SELECTOR, SHARED_SELECTOR
-from vgpu.plugin.monitor import cli as monitor_cli
+from vgpu.monitor import cli as monitor_cli
 
 K134 = "1.34.0"
 K136 = "1.36.0"

@@ -117,7 +117,7 @@ def test_what_the_build_context_lets_in_is_enough_to_build_the_vgpu_package(tmp_
     shutil.copytree(REPO / "vgpu", context / "vgpu", ignore=shutil.ignore_patterns("__pycache__"))
     wheel = _wheel(context, tmp_path, "vgpu-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/plugin/cli.py"} <= set(names)
+    assert {"vgpu/commands/cli.py", "vgpu/extender/cli.py", "vgpu/deviceplugin/cli.py"} <= set(names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vgpu = vgpu.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -134,7 +134,9 @@ def test_the_products_wheel_built_from_the_whole_repo_leaves_the_sandbox_out(tmp
     product = _wheel(clone, tmp_path / "product", "vgpu-*.whl")
     names = zipfile.ZipFile(product).namelist()
     floors = {n.split("/")[1] for n in names if n.startswith("vgpu/") and n.count("/") >= 2}
-    assert {"core", "hookabi", "kube", "commands", "extender", "plugin"} <= floors
+    product_floors = {"core", "hookabi", "kube", "commands", "extender"}
+    product_floors |= {"node", "deviceplugin", "dra", "monitor"}
+    assert product_floors <= floors
     assert not [n for n in names if "sandbox" in n.split("/")[0] or n.startswith("vgpu/sandbox")]
     sandbox = _wheel(clone / "sandbox", tmp_path / "sandbox", "vgpu_sandbox-*.whl")
     sandbox_names = zipfile.ZipFile(sandbox).namelist()

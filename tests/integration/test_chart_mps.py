@@ -8,7 +8,7 @@ import yaml
 from vgpu_sandbox import realmps
 
 from tests.integration.chart_support import container, find, render, template
-from vgpu.plugin.config import parse_node_config
+from vgpu.node.config import parse_node_config
 
 
 def test_sharing_mode_reaches_the_node_config_cluster_wide_and_per_node() -> None:

@@ -30,9 +30,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from vgpu.core.annotations import LEASE_PREFIX
 from vgpu.core.config import load_config
 from vgpu.core.mig import mig_resources
+from vgpu.deviceplugin import cli as plugin_cli
 from vgpu.extender import cli as extender_cli
-from vgpu.plugin import cli as plugin_cli
-from vgpu.plugin.config import NodeConfig, parse_node_config
+from vgpu.node.config import NodeConfig, parse_node_config
 
 
 def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests import support
+from tests.support.region import format_region
 from tests.support.tmp import short_dir
 from vgpu.commands.cli import build_parser
-from vgpu.hookabi.region import format_region
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.node.paths import REGION_FILE_NAME
 
 GPUS = "gpus:\n  - {uuid: GPU-a, memoryMiB: 1000}\n"
 

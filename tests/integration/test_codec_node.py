@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.support import wait_for
 from tests.support.cgroups import StubNode, granted_container, stub_node
 from vgpu.core.annotations import CODEC_ANNOTATION
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.monitor.collector import NodeCollector
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.monitor.lines import LinesCollector, lease_annotations
+from vgpu.monitor.collector import NodeCollector
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.monitor.lines import LinesCollector, lease_annotations
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-0000000c0dec"

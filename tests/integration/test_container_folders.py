@@ -1,4 +1,4 @@
-"""A container's writable folder as a tmpfs of its own (vgpu/plugin/folders.py): size-limited,
+"""A container's writable folder as a tmpfs of its own (vgpu/node/folders.py): size-limited,
 nosuid,nodev,noexec, and the bind mount a runtime makes of it keeps all of that. Mounting needs
 root; without it these tests skip, saying so."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.plugin import folders
-from vgpu.plugin.folders import TMPFS_BYTES
+from vgpu.node import folders
+from vgpu.node.folders import TMPFS_BYTES
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -95,7 +95,7 @@ def test_a_folder_mounted_more_than_once_is_removed_whole(tmp_path: Path) -> Non
 _UNDER_A_VIEW_OF_THE_HOST = """
 import ctypes, os, sys
 from pathlib import Path
-from vgpu.plugin import folders
+from vgpu.node import folders
 
 folder, view = Path(sys.argv[1]), Path(sys.argv[2])
 folders.make(folder, folders.TMPFS)

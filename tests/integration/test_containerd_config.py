@@ -16,7 +16,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from vgpu_sandbox import binaries, realnode
+from vgpu_sandbox import binaries
+from vgpu_sandbox.realnode import configs, layout
 
 CTK = binaries.bin_dir() / "nvidia-ctk"
 CONTAINERD = binaries.bin_dir() / "containerd"
@@ -49,9 +50,9 @@ def _dump(config: Path) -> dict:  # type: ignore[type-arg]
 def test_nvidia_ctk_merges_its_runtime_into_containerd_2s_config_and_containerd_reads_it(
     tmp_path: Path,
 ) -> None:
-    lay = realnode.NodeLayout(tmp_path / "node")
+    lay = layout.NodeLayout(tmp_path / "node")
     config = tmp_path / "containerd.toml"
-    config.write_text(realnode.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/usr/lib/cni")))
+    config.write_text(configs.containerd_config(lay, "registry.k8s.io/pause:3.10", Path("/usr/lib/cni")))
     assert _dump(config)["plugins"]["io.containerd.cri.v1.runtime"]["enable_cdi"] is True
 
     first = _configure(config)

@@ -37,9 +37,9 @@ from vgpu.dra.api import (
 )
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.server import DraServer
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.hooklib import install_hook
+from vgpu.node.config import NodeConfig
+from vgpu.node.discovery import Card
+from vgpu.node.hooklib import install_hook
 
 NODE = "node-a"
 UID = "0b7c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3"

@@ -29,15 +29,15 @@ from hook_harness import Built, build, env
 
 from tests.support import wait_for
 from tests.support.cgroups import StubNode, granted_container, stub_node
-from vgpu.plugin.fake_memcap import CapCall
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.memcap import LIMIT_MAX
-from vgpu.plugin.monitor.cgroupscan import CgroupScan
-from vgpu.plugin.monitor.drivercap import DriverCap
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.monitor.lines import memory_lines
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.monitor.cgroupscan import CgroupScan
+from vgpu.monitor.drivercap import DriverCap
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.monitor.lines import memory_lines
+from vgpu.node.fake_memcap import CapCall
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.memcap import LIMIT_MAX
+from vgpu.node.paths import REGION_FILE_NAME
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000ca90"

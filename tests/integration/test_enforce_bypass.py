@@ -6,7 +6,7 @@ finds cuMemAlloc_v2 in its ELF symbol table, under libvgpu with a 1000 MiB limit
 meets; the stub records each process's memory where the fake NVML backend reads it, as the real
 driver does for NVML; each process is put into a real cgroup named as the kubelet names a
 container's (``.../kubepods/burstable/pod<uid>/<id>``, the cgroupfs driver's form), and the
-enforcer (``vgpu.plugin.monitor.enforce``) runs on its own thread, reading /proc. Needs root (to
+enforcer (``vgpu.monitor.enforce``) runs on its own thread, reading /proc. Needs root (to
 make cgroups); skipped otherwise, saying why.
 """
 
@@ -22,8 +22,8 @@ from hook_harness import Built, build, env
 
 from tests.support import wait_for
 from tests.support.cgroups import StubNode, granted_container, reaped_at, stub_node
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000e2e0"

@@ -5,7 +5,7 @@ and a container within its grant is never touched.
 Real parts throughout: the hook (libvgpu.so) under a grant file, the stub driver recording each
 process's GPU time where the fake NVML backend turns it into ``nvmlDeviceGetProcessUtilization``
 samples, real cgroups named as the kubelet names a container's (for the PID -> container mapping
-and the freezer), and the compute enforcer (``vgpu.plugin.monitor.compute``) on its own thread.
+and the freezer), and the compute enforcer (``vgpu.monitor.compute``) on its own thread.
 Needs root (cgroups); skipped otherwise, saying why. Each test prints its figures.
 """
 
@@ -23,8 +23,8 @@ from hook_harness import Built, build, env
 from tests.support.attacks import BucketWriter
 from tests.support.cgroups import StubNode, granted_container, stub_node
 from vgpu.hookabi.grant import Grant, read_grant, update_grant, write_grant
-from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
-from vgpu.plugin.monitor.hostview import HostView
+from vgpu.monitor.compute import MARGIN, ComputeEnforcer
+from vgpu.monitor.hostview import HostView
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000c0de"

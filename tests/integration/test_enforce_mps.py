@@ -23,10 +23,10 @@ from tests.support import wait_for
 from tests.support.cgroups import StubNode, granted_container, reaped_at, stub_node
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
-from vgpu.plugin.monitor.enforce import REASON_LEFT_MPS, Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.mps import MpsDaemons
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.enforce import REASON_LEFT_MPS, Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.node.mps import MpsDaemons
+from vgpu.node.paths import HostPaths
 
 MIB = 1 << 20
 CARD = "GPU-3f1c0d6e-0000-4000-8000-00000000e2e1"
@@ -68,7 +68,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 def daemons(tmp_path: Path) -> Iterator[MpsDaemons]:
     tool = tmp_path / "driver/usr/bin/nvidia-cuda-mps-control"
     tool.parent.mkdir(parents=True)
-    tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.plugin.fake_mps "$@"\n')
+    tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.node.fake_mps "$@"\n')
     tool.chmod(0o755)
     # a short root: a unix socket's path is at most 107 bytes
     with tempfile.TemporaryDirectory(prefix="vmps", dir="/tmp") as root:

@@ -16,8 +16,9 @@ import yaml
 from hook_harness import Built, Holder, build, env
 
 from tests.support import VGPU, wait_for
+from tests.support.region import format_region
 from vgpu.hookabi import layout, region
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 # the stub's device N has a UUID made of bytes 0x10+N
 UUID0 = "GPU-10101010-1010-1010-1010-101010101010"
@@ -146,7 +147,7 @@ def test_a_container_cutting_its_region_short_cannot_kill_the_monitor(tmp_path: 
     for name, prio in (("uid-1_good", 0), ("uid-2_evil", 1)):
         (paths.containers_dir / name).mkdir(parents=True)
         regions[name] = paths.containers_dir / name / REGION_FILE_NAME
-        region.format_region(regions[name], [UUID0], priority=prio)
+        format_region(regions[name], [UUID0], priority=prio)
     good, evil = regions["uid-1_good"], regions["uid-2_evil"]
     whole = evil.read_bytes()
     gpus = tmp_path / "gpus.yaml"

@@ -15,11 +15,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu.hookabi.region import Region
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
-from vgpu.plugin.monitor.collector import NodeCollector, make_registry
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.monitor.collector import NodeCollector, make_registry
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.discovery import Card, CardUsage, HealthEvent
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 S = 1_000_000_000
 

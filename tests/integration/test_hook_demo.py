@@ -23,7 +23,7 @@ def test_the_demo_explains_each_value_of_its_pod_in_the_numbers_the_hook_gave(tm
     region = tmp_path / "containers/uid-1_cuda/vgpu.region"
     region.parent.mkdir(parents=True)
     grant = tmp_path / "grants/uid-1_cuda.limits"
-    # as Allocate writes it (vgpu/plugin/answer.py): the context charge left at the hook's default
+    # as Allocate writes it (vgpu/deviceplugin/answer.py): the context charge left at the hook's default
     write_grant(grant, Grant(("GPU-stub-0",), (demo.LIMIT_MIB * MIB,), (0,), region_path=str(region)))
     environ = env(built, VGPU_GRANT_FILE=str(grant))
     alloc = run(built, "t_alloc", "link", "alloc", str(demo.CHUNK_MIB), environ=environ)

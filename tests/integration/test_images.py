@@ -15,11 +15,11 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from vgpu_sandbox import realnode
+from vgpu_sandbox.realnode import layout
 
 from tests.support.groups import REAL_NODE
 
-IMAGE_DIR = realnode.image_dir()  # make images writes there (VGPU_IMAGE_DIR, else <repo>/.cache/images)
+IMAGE_DIR = layout.image_dir()  # make images writes there (VGPU_IMAGE_DIR, else <repo>/.cache/images)
 REFS = {
     "device-plugin": "docker.io/vgpu/device-plugin:dev",
     "scheduler": "docker.io/vgpu/scheduler:dev",

@@ -19,12 +19,12 @@ from vgpu_sandbox.kubelet import Kubelet
 from tests.support import FakeKube, bound_pod, short_dir
 from tests.support.driver import LIBDIR, VERSION, fake_driver
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.config import NodeConfig, parse_node_config
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.driver import CONTAINER_LIB_DIR, find_driver
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.node import NodeSettings, driver_files
-from vgpu.plugin.paths import HostPaths
+from vgpu.deviceplugin.daemon import Daemon
+from vgpu.node.config import NodeConfig, parse_node_config
+from vgpu.node.driver import CONTAINER_LIB_DIR, find_driver
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
+from vgpu.node.wiring import NodeSettings, driver_files
 
 NODE = "node-d"
 
@@ -88,9 +88,7 @@ def _daemon(root: Path, config: NodeConfig, settings: NodeSettings, api: FakeKub
         FakeDiscovery(gpus, poll_s=0.05),
         api,  # type: ignore[arg-type]
         None,
-        None,
-        None,
-        driver_files(settings, config),
+        driver=driver_files(settings, config),
     )
 
 

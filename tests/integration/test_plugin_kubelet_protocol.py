@@ -19,15 +19,16 @@ import yaml
 from vgpu_sandbox.kubelet import Kubelet
 
 from tests.support import FakeKube, bound_pod, poll, short_dir
+from vgpu.commands.device_plugin import plugin_monitor
 from vgpu.core.annotations import (
     DEVICES_ANNOTATION,
     PHASE_ANNOTATION,
     decode_devices,
 )
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.deviceplugin.daemon import Daemon
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 NODE = "node-a"
 SPLIT = 3
@@ -66,7 +67,7 @@ def node(tmp_path: Path) -> Iterator[tuple[Daemon, Kubelet, FakeKube, Path]]:
         FakeDiscovery(gpus, poll_s=0.05),
         api,  # type: ignore[arg-type]
         None,
-        ("127.0.0.1", 0),
+        monitor_factory=plugin_monitor(("127.0.0.1", 0)),
     )
     daemon.server.watch_interval_s = 0.1
     daemon.start()
@@ -187,7 +188,7 @@ def test_the_monitor_serves_per_card_metrics(node: Any) -> None:
 def test_a_refusing_kubelet_is_retried_with_backoff_until_it_accepts(tmp_path: Path) -> None:
     from concurrent import futures
 
-    from vgpu.plugin.api import api_pb2, api_pb2_grpc
+    from vgpu.deviceplugin.api import api_pb2, api_pb2_grpc
 
     class Refusing(api_pb2_grpc.RegistrationServicer):
         def __init__(self) -> None:

@@ -18,12 +18,13 @@ import yaml
 from vgpu_sandbox.kubelet import Kubelet
 
 from tests.support import FakeKube, short_dir
+from vgpu.commands.device_plugin import plugin_monitor
 from vgpu.core.annotations import DEVICES_ANNOTATION, SHARING_MPS, decode_devices
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.daemon import Daemon
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.mps import PID_FILE, accepts
-from vgpu.plugin.paths import HostPaths
+from vgpu.deviceplugin.daemon import Daemon
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.mps import PID_FILE, accepts
+from vgpu.node.paths import HostPaths
 
 NODE = "node-m"
 CARDS = ("GPU-0", "GPU-1")
@@ -37,7 +38,7 @@ def tmp_path() -> Iterator[Path]:
 
 def install_tool(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.plugin.fake_mps "$@"\n')
+    path.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.node.fake_mps "$@"\n')
     path.chmod(0o755)
 
 
@@ -55,7 +56,7 @@ def start(tmp_path: Path, tool: Path) -> tuple[Daemon, Kubelet, FakeKube]:
         FakeDiscovery(gpus, poll_s=0.05),
         api,  # type: ignore[arg-type]
         None,
-        ("127.0.0.1", 0),
+        monitor_factory=plugin_monitor(("127.0.0.1", 0)),
         mps_control=str(tool),
     )
     daemon.server.watch_interval_s = 0.1

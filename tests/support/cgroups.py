@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 
 def cgroup_root() -> Path | None:

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vgpu.hookabi.grant import Grant, read_grant, write_grant
-from vgpu.plugin.discovery import SmSample
-from vgpu.plugin.monitor.compute import ComputeEnforcer
-from vgpu.plugin.monitor.hostview import HostView, Owner
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.compute import ComputeEnforcer
+from vgpu.monitor.hostview import HostView, Owner
+from vgpu.node.discovery import SmSample
+from vgpu.node.paths import HostPaths
 
 CARD, OTHER = "GPU-a", "GPU-b"
 PASS_NS = 100_000_000

@@ -35,8 +35,8 @@ def _called(call: ast.Call) -> str:
 def real_node_uses(source: str) -> list[str]:
     """What in a test module's ``source`` starts the real node or reads its images, each as
     "line N: what": ``.up(Spec(real_node=...))`` (or a name bound to such a Spec), a call of
-    ``realnode.start``, ``realnode.restart`` or ``realnode.image_dir``, or an argv holding ``up``
-    and ``--real-node``."""
+    ``lifecycle.start``, ``lifecycle.restart`` or ``layout.image_dir`` (of vgpu_sandbox.realnode),
+    or an argv holding ``up`` and ``--real-node``."""
     tree = ast.parse(source)
 
     def real_spec(node: ast.AST) -> bool:
@@ -63,7 +63,7 @@ def real_node_uses(source: str) -> list[str]:
                 real_spec(a) or (isinstance(a, ast.Name) and a.id in specs) for a in args
             ):
                 what = "Sandbox.up(Spec(real_node=...))"
-            elif called in ("realnode.start", "realnode.restart", "realnode.image_dir"):
+            elif called in ("lifecycle.start", "lifecycle.restart", "layout.image_dir"):
                 what = f"{called}()"
         elif isinstance(node, ast.List | ast.Tuple):
             strings = {n.value for n in node.elts if isinstance(n, ast.Constant)}

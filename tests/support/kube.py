@@ -66,7 +66,7 @@ class FakeKube:
             p["spec"]["nodeName"] = node
             _merge(p["metadata"].setdefault("annotations", {}), annotations or {})
 
-    # -- the device plugin (vgpu.plugin.allocate.PodSource, vgpu.plugin.report.NodeAPI) --------------
+    # -- the device plugin (vgpu.deviceplugin.allocate.PodSource, vgpu.deviceplugin.report.NodeAPI) ----
 
     def list_node_pods(self, node: str) -> list[Obj]:
         return [p for p in self.pods if p.get("spec", {}).get("nodeName") == node]
@@ -103,7 +103,7 @@ class FakeKube:
         """The annotations of each renewal of Lease ``name`` (None: renewed without)."""
         return [a for lease, _, a in self.renewals if lease == name]
 
-    # -- the plugin's arrival watch (vgpu.plugin.arrivals.PodWatchSource) ----------------------------
+    # -- the plugin's arrival watch (vgpu.deviceplugin.arrivals.PodWatchSource) ----------------------------
 
     def list_pods(self, field_selector: str | None = None) -> tuple[list[Obj], str]:
         self.selectors.append(field_selector)
@@ -124,9 +124,9 @@ class FakeKube:
 
 
 def _satisfies_the_protocols() -> None:  # checked by mypy (pyproject's [tool.mypy] packages), never run
+    from vgpu.deviceplugin.arrivals import PodWatchSource
+    from vgpu.deviceplugin.daemon import NodeClient
     from vgpu.extender.state import KubeAPI
-    from vgpu.plugin.arrivals import PodWatchSource
-    from vgpu.plugin.daemon import NodeClient
 
     kube = FakeKube()
     _api: KubeAPI = kube

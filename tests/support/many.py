@@ -32,7 +32,7 @@ import yaml
 
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.region import Region, Snapshot
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_nvml import FakeDiscovery
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "native" / "hook" / "build"

@@ -19,7 +19,6 @@ from vgpu.core.annotations import (
     NodeInventory,
     decode_allocation,
     decode_devices,
-    decode_phase,
     encode_allocation,
     encode_devices,
     lease_name,
@@ -192,13 +191,6 @@ def test_a_bad_allocation_raises_an_error_naming_the_field(doc: dict[str, object
         decode_allocation(json.dumps(doc))
     assert info.value.field == field
     assert info.value.source == ALLOCATION_ANNOTATION
-
-
-def test_phase_decoding_accepts_the_three_phases_and_rejects_others() -> None:
-    assert [decode_phase(p) for p in ("bound", "allocated", "failed")] == ["bound", "allocated", "failed"]
-    assert decode_phase(None) is None
-    with pytest.raises(AnnotationError):
-        decode_phase("done")
 
 
 def test_the_plugin_lease_is_named_after_the_node() -> None:

@@ -81,3 +81,16 @@ def test_reject_unsatisfiable_is_a_boolean_from_flag_environment_or_file(tmp_pat
     with pytest.raises(ConfigError) as info:
         load_config(env={"VGPU_REJECT_UNSATISFIABLE": "2"})
     assert "VGPU_REJECT_UNSATISFIABLE" in str(info.value)
+
+
+def test_each_setting_is_either_a_scheduling_or_a_process_setting() -> None:
+    import dataclasses
+
+    from vgpu.core.config import ProcessSettings, SchedulingSettings
+
+    every = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    scheduling = {f.name for f in dataclasses.fields(SchedulingSettings)}
+    process = {f.name for f in dataclasses.fields(ProcessSettings)}
+    assert scheduling.isdisjoint(process) and scheduling | process == every
+    cfg = load_config({"node_policy": "spread", "listen": "127.0.0.1:1"}, env={})
+    assert cfg.scheduling.node_policy == "spread" and cfg.process.listen == "127.0.0.1:1"

@@ -19,9 +19,9 @@ from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError
 from vgpu.dra.mig import MigNode
 from vgpu.dra.prepare import Preparer, StatePaths
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.fake_mig import FakeMig
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_mig import FakeMig
+from vgpu.node.fake_nvml import FakeDiscovery
 
 NODE = "node-a"
 H100 = "GPU-11111111-0000-4000-8000-000000000000"
@@ -203,7 +203,7 @@ def test_an_instance_at_the_placement_with_processes_no_claim_holds_is_not_hande
 
 
 def test_under_driver_inject_plugin_the_spec_carries_the_instances_capability_nodes(tmp_path: Path) -> None:
-    from vgpu.plugin.driver import DriverFiles
+    from vgpu.node.driver import DriverFiles
 
     dev = tmp_path / "dev"
     dev.mkdir()

@@ -15,8 +15,8 @@ from tests.unit.test_dra_publish import Store
 from vgpu.dra.mig import MigNode
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.config import NodeConfig
+from vgpu.node.fake_nvml import FakeDiscovery
 
 NODE = "node-a"
 BASE = f"{NODE}-vgpu.openaios.io"

@@ -26,7 +26,7 @@ from vgpu.dra.migslices import (
     mig_slices,
     slots,
 )
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 CARD = Card(
     uuid="GPU-h100", index=0, model="NVIDIA H100 80GB HBM3", memory_mib=81559, compute_capability="9.0"

@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 
 from tests.support.dra import allocation_result, asked_for, vgpu_config
+from vgpu.core.drarecord import record_path
 from vgpu.dra import cdi
 from vgpu.dra.claims import ClaimError, plan
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
-from vgpu.dra.state import Checkpoint, record_path
+from vgpu.dra.state import Checkpoint
 from vgpu.hookabi.grant import read_grant
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.hooklib import install_hook
+from vgpu.node.config import NodeConfig
+from vgpu.node.discovery import Card
+from vgpu.node.hooklib import install_hook
 
 NODE = "node-a"
 UID = "11111111-2222-3333-4444-555555555555"
@@ -323,7 +324,7 @@ def test_the_checkpoint_is_written_whole_and_read_back(tmp_path: Path) -> None:
 
 
 def test_the_device_plugins_sweep_leaves_prepared_claims_alone(tmp_path: Path) -> None:
-    from vgpu.plugin.paths import sweep_container_dirs
+    from vgpu.node.paths import sweep_container_dirs
 
     p = preparer(tmp_path, Claims(claim()))
     p.prepare("ns", UID, "c")

@@ -20,7 +20,7 @@ from vgpu.dra.claims import ClaimError
 from vgpu.dra.prepare import Preparer, StatePaths, folder_name
 from vgpu.hookabi.grant import read_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS, SHARING_TIMESLICE
-from vgpu.plugin.config import NodeConfig
+from vgpu.node.config import NodeConfig
 
 _LISTENING: list[socket.socket] = []  # the stand-in daemons' control sockets, open for the session
 
@@ -39,7 +39,7 @@ def listening(pipe: Path) -> None:
 
 def preparer(tmp_path: Path, claims: Claims, sharing: str = "mps", daemons: bool = True) -> Preparer:
     paths = StatePaths(Path("/"), tmp_path / "state")
-    if daemons:  # the card's MPS control daemon answering (vgpu/plugin/mps.py starts it)
+    if daemons:  # the card's MPS control daemon answering (vgpu/node/mps.py starts it)
         for card in CARDS:
             listening(paths.mps_pipe(card.uuid))
     return Preparer(NODE, paths, tmp_path / "cdi", NodeConfig(), claims, lambda: list(CARDS), sharing=sharing)

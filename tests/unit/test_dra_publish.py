@@ -13,7 +13,7 @@ import pytest
 
 from vgpu.core.errors import ConflictError
 from vgpu.dra.publish import SlicePublisher
-from vgpu.plugin.fake_nvml import FakeDiscovery
+from vgpu.node.fake_nvml import FakeDiscovery
 
 GPUS = """driverVersion: "570.86"
 gpus:

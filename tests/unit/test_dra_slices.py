@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vgpu.dra.slices import DRIVER, build_slice, fingerprint, semver, slice_name
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 CARDS = [
     Card(uuid="GPU-a", index=0, model="NVIDIA H200", memory_mib=143771, numa=0, compute_capability="9.0"),

@@ -9,7 +9,7 @@ import copy
 from vgpu.commands.status_dra import dra_cards
 from vgpu.core import draslice as shape
 from vgpu.dra.slices import build_slice
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 
 def _slice(sharing: str = "timeslice") -> dict:

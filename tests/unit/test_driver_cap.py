@@ -20,15 +20,15 @@ import yaml
 
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.config import parse_node_config
-from vgpu.plugin.fake_memcap import CapCall, FakeCaps, read_log
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.memcap import LIMIT_MAX, CapError, NvmlCaps, _Get, _Set
-from vgpu.plugin.monitor.cgroupscan import CgroupScan
-from vgpu.plugin.monitor.drivercap import REFUSED_REASON, DriverCap
-from vgpu.plugin.monitor.hostview import Held, Owner, View
-from vgpu.plugin.monitor.lines import memory_lines
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.monitor.cgroupscan import CgroupScan
+from vgpu.monitor.drivercap import REFUSED_REASON, DriverCap
+from vgpu.monitor.hostview import Held, Owner, View
+from vgpu.monitor.lines import memory_lines
+from vgpu.node.config import parse_node_config
+from vgpu.node.fake_memcap import CapCall, FakeCaps, read_log
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.memcap import LIMIT_MAX, CapError, NvmlCaps, _Get, _Set
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 MIB = 1 << 20
 UID_A = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
@@ -388,7 +388,7 @@ def test_the_nvml_structs_are_nvml_h_s_and_a_580_driver_reads_as_missing() -> No
 
 
 def test_only_a_cgroup_v2_hierarchy_is_walked(tmp_path: Path) -> None:
-    from vgpu.plugin.monitor.cgroupscan import unified_root
+    from vgpu.monitor.cgroupscan import unified_root
 
     v1 = tmp_path / "v1"
     (v1 / "cpu" / "kubepods").mkdir(parents=True)

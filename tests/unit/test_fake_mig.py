@@ -1,4 +1,4 @@
-"""The fake NVML's MIG (vgpu/plugin/fake_mig.py): answers and refusals as NVML gives them, and
+"""The fake NVML's MIG (vgpu/node/fake_mig.py): answers and refusals as NVML gives them, and
 state that outlives the process holding it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from vgpu.core.errors import ConfigError
 from vgpu.core.mig import Placement
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.mig import (
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.mig import (
     IN_USE,
     INSUFFICIENT_RESOURCES,
     INVALID_ARGUMENT,

@@ -1,8 +1,8 @@
 """The floors (docs/architecture.md#floors), checked in the suite as `make lint` checks them: the
 import contracts hold (import-linter), no modules import each other in a circle (every import
 counts, lazy ones and those under TYPE_CHECKING too; tools/import_cycles.py finds a circle and only
-a circle), the node's two commands only call its wiring, and no module of the product grows past
-what a reader takes in at one sitting without saying why at its top."""
+a circle), the node's two commands only call its wiring, and no module of the product or the
+sandbox grows past what a reader takes in at one sitting without saying why at its top."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import grimp
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = 450  # lines; a longer module says why in an "# Over 450 lines: ..." line near its top
-GENERATED = {"vgpu/plugin/api", "vgpu/dra/api"}
+GENERATED = {"vgpu/deviceplugin/api", "vgpu/dra/api"}
 
 
 def _cycles_module():  # tools/ is not a package; load the script as the lint step runs it
@@ -82,12 +82,28 @@ def test_the_import_contracts_hold() -> None:
     assert "0 broken" in result.stdout
 
 
-def test_the_nodes_two_commands_only_call_its_wiring() -> None:
+def test_the_nodes_two_commands_only_call_their_wiring() -> None:
     graph = grimp.build_graph("vgpu")
-    for command in ("vgpu.plugin.cli", "vgpu.plugin.monitor.cli"):
-        assert graph.direct_import_exists(importer=command, imported="vgpu.plugin.node")
-        for part in ("vgpu.plugin.daemon", "vgpu.plugin.devices", "vgpu.kube.client"):
+    wiring = {
+        "vgpu.commands.device_plugin": "vgpu.deviceplugin.node",
+        "vgpu.monitor.cli": "vgpu.monitor.node",
+    }
+    for command, builds in wiring.items():
+        assert graph.direct_import_exists(importer=command, imported=builds)
+        for part in ("vgpu.deviceplugin.daemon", "vgpu.node.devices", "vgpu.kube.client"):
+            if part == "vgpu.deviceplugin.daemon" and command == "vgpu.commands.device_plugin":
+                continue  # it hands the Daemon its node monitor
             assert not graph.direct_import_exists(importer=command, imported=part), (command, part)
+
+
+def test_the_device_plugin_dra_plugin_and_monitor_stand_side_by_side_on_the_node_floor() -> None:
+    graph = grimp.build_graph("vgpu")
+    sides = ("vgpu.deviceplugin", "vgpu.dra", "vgpu.monitor")
+    for a in sides:
+        for b in sides:
+            if a != b:
+                assert not graph.chain_exists(importer=a, imported=b, as_packages=True), (a, b)
+    assert not graph.chain_exists(importer="vgpu.node", imported="vgpu.deviceplugin", as_packages=True)
 
 
 def test_the_dra_plugin_command_only_calls_its_wiring_and_no_shell_imports_it() -> None:
@@ -95,13 +111,20 @@ def test_the_dra_plugin_command_only_calls_its_wiring_and_no_shell_imports_it() 
     assert graph.direct_import_exists(importer="vgpu.dra.cli", imported="vgpu.dra.node")
     for part in ("vgpu.dra.prepare", "vgpu.dra.server", "vgpu.dra.publish", "vgpu.kube.resourceapi"):
         assert not graph.direct_import_exists(importer="vgpu.dra.cli", imported=part), part
-    for shell in ("vgpu.plugin", "vgpu.extender", "vgpu.kube", "vgpu.core", "vgpu.hookabi"):
+    for shell in (
+        "vgpu.deviceplugin",
+        "vgpu.monitor",
+        "vgpu.node",
+        "vgpu.extender",
+        "vgpu.kube",
+        "vgpu.core",
+    ):
         assert not graph.chain_exists(importer=shell, imported="vgpu.dra", as_packages=True), shell
 
 
-def test_no_module_of_the_product_is_long_without_a_reason_at_its_top() -> None:
+def test_no_module_of_the_product_or_the_sandbox_is_long_without_a_reason_at_its_top() -> None:
     long_without_reason = []
-    for path in sorted((ROOT / "vgpu").rglob("*.py")):
+    for path in sorted([*(ROOT / "vgpu").rglob("*.py"), *(ROOT / "sandbox" / "vgpu_sandbox").rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         if any(rel.startswith(g) for g in GENERATED):
             continue

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.region import format_region
 from vgpu.hookabi.grant import (
     Grant,
     GrantError,
@@ -21,7 +22,7 @@ from vgpu.hookabi.grant import (
     write_grant,
 )
 from vgpu.hookabi.layout import GRANT_LAYOUT, GRANT_PAYLOAD, fnv1a64
-from vgpu.hookabi.region import Region, format_region
+from vgpu.hookabi.region import Region
 from vgpu.hookabi.resize import LimitError, apply_limits, validate_limits
 
 GIB = 1 << 30

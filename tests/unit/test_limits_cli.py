@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.region import format_region
 from vgpu.commands.cli import main
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, read_grant, write_grant
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.node.paths import REGION_FILE_NAME
 
 MIB = 1 << 20
 
@@ -22,7 +23,7 @@ def folder(tmp_path: Path) -> Path:
     folder = tmp_path / "uid-1_main"
     folder.mkdir()
     path = folder / REGION_FILE_NAME
-    region.format_region(path, ["GPU-a", "GPU-b"], limits=[3000 * MIB, 0], sm_limits=[30, 0], priority=0)
+    format_region(path, ["GPU-a", "GPU-b"], limits=[3000 * MIB, 0], sm_limits=[30, 0], priority=0)
     data = bytearray(path.read_bytes())
     struct.pack_into("=Q", data, layout.HEADER_LAYOUT.offsets["used"], 1000 * MIB)
     path.write_bytes(bytes(data))
@@ -149,7 +150,7 @@ def test_with_a_grant_set_changes_it_and_show_names_a_region_that_differs(
     folder.mkdir(parents=True)
     path = folder / REGION_FILE_NAME
     # the container raised its region's copy to 64 GiB; it was granted 3000 MiB
-    region.format_region(path, ["GPU-a"], limits=[64 << 30], sm_limits=[30])
+    format_region(path, ["GPU-a"], limits=[64 << 30], sm_limits=[30])
     grant = tmp_path / "var/lib/vgpu/grants/uid-1_main.limits"
     write_grant(grant, Grant(("GPU-a",), (3000 * MIB,), (30,)))
     assert main(["limits", "show", "--container-dir", str(folder)]) == 0

@@ -11,20 +11,21 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.unit.test_status import NOW, lease, node, pod
+from vgpu.commands.device_plugin import plugin_monitor
 from vgpu.commands.status import build_status, render_text
 from vgpu.core.annotations import CODEC_ANNOTATION, LINES_ANNOTATION
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Codec, GpuProcess
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.monitor.cgroup import start_time
-from vgpu.plugin.monitor.collector import NodeCollector
-from vgpu.plugin.monitor.enforce import Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.monitor.lines import LinesCollector, lease_annotations
-from vgpu.plugin.nvml import _mean_codec
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.monitor.cgroup import start_time
+from vgpu.monitor.collector import NodeCollector
+from vgpu.monitor.enforce import Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.monitor.lines import LinesCollector, lease_annotations
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.discovery import Codec, GpuProcess
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.nvml import _mean_codec
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 MIB = 1 << 20
 UID_A = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
@@ -161,7 +162,7 @@ def test_vgpu_status_shows_the_lines_and_the_engines_the_lease_reports() -> None
 
 def test_the_plugins_lease_carries_the_lines_and_engines_of_its_monitor(tmp_path: Path) -> None:
     from tests.support import FakeKube
-    from vgpu.plugin.daemon import Daemon
+    from vgpu.deviceplugin.daemon import Daemon
 
     procs = tmp_path / "procs"
     procs.mkdir()
@@ -181,7 +182,16 @@ def test_the_plugins_lease_carries_the_lines_and_engines_of_its_monitor(tmp_path
     (paths.containers_dir / f"{UID_A}_main").mkdir(parents=True)
     (paths.containers_dir / f"{UID_A}_main" / REGION_FILE_NAME).write_bytes(b"")  # its hook started
     api = FakeKube()
-    daemon = Daemon("n1", "kube-system", paths, NodeConfig(), FakeDiscovery(gpus), api, None, arbiter=None)
+    daemon = Daemon(
+        "n1",
+        "kube-system",
+        paths,
+        NodeConfig(),
+        FakeDiscovery(gpus),
+        api,
+        None,
+        monitor_factory=plugin_monitor(None, None),
+    )
     assert daemon.monitor.driver_cap is not None and daemon.monitor.enforcer is not None
     daemon.reporter.renew()
     [(_, _, annotations)] = api.renewals
@@ -196,7 +206,7 @@ def test_required_without_the_drivers_process_list_stops_the_node_at_start_and_o
     import pytest
 
     from vgpu.core.errors import ConfigError
-    from vgpu.plugin.monitor.service import NodeMonitor
+    from vgpu.monitor.service import NodeMonitor
 
     gpus = tmp_path / "gpus.yaml"
     gpus.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-a", "memoryMiB": 1000}]}))  # no processDir

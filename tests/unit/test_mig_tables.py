@@ -14,7 +14,6 @@ from vgpu.core.mig import (
     profile_of_resource,
     resource_for,
     room_after,
-    smallest_profile,
     table_for_model,
 )
 
@@ -73,19 +72,6 @@ def test_free_placements_respect_overlap_and_counts() -> None:
     assert free_placements(t, "1g.10gb+me", [("1g.10gb+me", Placement(0, 1))]) == []
     # 4g.40gb: one per card even with room for a second
     assert free_placements(t, "4g.40gb", [("4g.40gb", Placement(0, 4))]) == []
-
-
-def test_smallest_profile_holds_the_request() -> None:
-    t = H100_80GB
-    assert smallest_profile(t, 4000).name == "1g.10gb"  # type: ignore[union-attr]
-    assert smallest_profile(t, 15000).name == "1g.20gb"  # type: ignore[union-attr]
-    assert smallest_profile(t, 15000, 20).name == "2g.20gb"  # type: ignore[union-attr]
-    assert smallest_profile(t, 4000, 30).name == "3g.40gb"  # type: ignore[union-attr]  # 3/7 = 42 %
-    assert smallest_profile(t, 4000, 50).name == "4g.40gb"  # type: ignore[union-attr]
-    assert smallest_profile(t, 50000).name == "7g.80gb"  # type: ignore[union-attr]
-    assert smallest_profile(t, 90000) is None
-    assert smallest_profile(t, 4000, media=True).name == "1g.10gb+me"  # type: ignore[union-attr]
-    assert smallest_profile(H200_141GB, 20000).name == "1g.35gb"  # type: ignore[union-attr]
 
 
 def test_best_placement_keeps_large_profiles_possible() -> None:

@@ -1,4 +1,4 @@
-"""MIG on demand on the node (vgpu/plugin/migdynamic.py) against the fake NVML's MIG: Allocate
+"""MIG on demand on the node (vgpu/deviceplugin/migdynamic.py) against the fake NVML's MIG: Allocate
 makes the booked instance (or finds it after a restart), refuses a busy card or a taken
 placement, and reclaim destroys what no live pod names, never an instance with processes."""
 
@@ -23,12 +23,12 @@ from vgpu.core.annotations import (
     encode_allocation,
 )
 from vgpu.core.mig import H100_80GB, Placement
-from vgpu.plugin.allocate import AllocateError, Allocator
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.migdynamic import DynamicMig
-from vgpu.plugin.paths import HostPaths
+from vgpu.deviceplugin.allocate import AllocateError, Allocator
+from vgpu.deviceplugin.migdynamic import DynamicMig
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 NODE = "node-a"
 A = "GPU-aaaaaaaa-0000-4000-8000-000000000000"
@@ -273,7 +273,7 @@ def test_a_node_not_in_dynamic_mode_refuses_a_mig_placement(tmp_path: Path) -> N
 
 
 def test_a_card_whose_instances_cannot_be_read_is_never_published_empty(tmp_path: Path) -> None:
-    from vgpu.plugin.mig import NOT_SUPPORTED, MigRefused
+    from vgpu.node.mig import NOT_SUPPORTED, MigRefused
 
     gpus(tmp_path, "[{profile: 1g.10gb, start: 6}]")
     kube = FakeKube()
@@ -329,7 +329,7 @@ def test_two_pods_kubelet_cannot_order_with_different_placements_are_refused_nev
 
 def test_under_driver_inject_plugin_the_container_gets_its_instances_capability_files(tmp_path: Path) -> None:
     from tests.support.driver import fake_driver
-    from vgpu.plugin.driver import find_driver
+    from vgpu.node.driver import find_driver
 
     gpus(tmp_path)
     kube = FakeKube()
@@ -337,7 +337,7 @@ def test_under_driver_inject_plugin_the_container_gets_its_instances_capability_
     node = Node(tmp_path, kube)
     host = fake_driver(tmp_path / "host")
     (host / "dev/nvidia-caps").mkdir()
-    from vgpu.plugin.mig import formula_minor
+    from vgpu.node.mig import formula_minor
 
     # card B is index 1; a 2g.20gb at slice 2 is the fake's GPU instance 4, its compute instance 0
     gi, ci = formula_minor(1, 4), formula_minor(1, 4, 0)
@@ -364,7 +364,7 @@ def test_under_driver_inject_plugin_the_container_gets_its_instances_capability_
 def test_the_node_metrics_count_instances_made_reclaimed_refused_and_left_busy(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from vgpu.plugin.migmetrics import MigCollector
+    from vgpu.deviceplugin.migmetrics import MigCollector
 
     gpus(tmp_path, "[{profile: 1g.10gb, start: 0}]")  # a leftover
     kube = FakeKube()
@@ -388,7 +388,7 @@ def test_the_node_metrics_count_instances_made_reclaimed_refused_and_left_busy(t
 
 def test_a_bad_mig_strategy_names_the_field_and_the_values() -> None:
     from vgpu.core.errors import ConfigError
-    from vgpu.plugin.config import parse_node_config
+    from vgpu.node.config import parse_node_config
 
     assert parse_node_config("migStrategy: dynamic", "n", "cfg").mig_strategy == "dynamic"
     assert parse_node_config("nodes: {n: {migStrategy: dynamic}}", "n", "cfg").mig_strategy == "dynamic"

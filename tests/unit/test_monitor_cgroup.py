@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.plugin.monitor.cgroup import ContainerRef, container_of, parse_cgroup, start_time
+from vgpu.monitor.cgroup import ContainerRef, container_of, parse_cgroup, start_time
 
 UID = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
 UNDERSCORED = UID.replace("-", "_")

@@ -15,9 +15,9 @@ import pytest
 from tests.support.gatesim import CARD, OTHER, PAIR, PASS_NS, Sim, Slices, pair, rewriter, run
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import Grant, GrantError, encode, read_grant, update_grant, write_grant
-from vgpu.plugin.config import parse_node_config
-from vgpu.plugin.monitor.compute import MARGIN, ComputeEnforcer
-from vgpu.plugin.monitor.compute_metrics import ComputeCollector
+from vgpu.monitor.compute import MARGIN, ComputeEnforcer
+from vgpu.monitor.compute_metrics import ComputeCollector
+from vgpu.node.config import parse_node_config
 
 
 def test_containers_within_their_grants_are_never_held_nor_acted_on(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_nvml_samples_become_gpu_time_over_the_cards_usual_gap() -> None:
     stretch counts as one usual gap, and the wall-clock stamps land on CLOCK_MONOTONIC."""
     from types import SimpleNamespace
 
-    from vgpu.plugin.nvml import NvmlDiscovery
+    from vgpu.node.nvml import NvmlDiscovery
 
     now_us = time.time_ns() // 1000
     batches = [

@@ -12,13 +12,13 @@ import pytest
 
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.config import parse_node_config
-from vgpu.plugin.discovery import GpuProcess
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.monitor.cgroup import start_time
-from vgpu.plugin.monitor.enforce import REASON, Enforcer, HostCollector, decide
-from vgpu.plugin.monitor.hostview import Held, HostView, Owner, View
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.cgroup import start_time
+from vgpu.monitor.enforce import REASON, Enforcer, HostCollector, decide
+from vgpu.monitor.hostview import Held, HostView, Owner, View
+from vgpu.node.config import parse_node_config
+from vgpu.node.discovery import GpuProcess
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 MIB = 1 << 20
 UID_A = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"

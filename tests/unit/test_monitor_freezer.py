@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu.plugin.monitor.freezer import FreezerError, freezer_of
+from vgpu.monitor.freezer import FreezerError, freezer_of
 
 POD = "pod0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"
 CID = "c" * 64

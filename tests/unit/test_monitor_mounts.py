@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.discovery import GpuProcess
-from vgpu.plugin.monitor.enforce import Enforcer, HostCollector
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.monitor.mounts import claim_of, grant_name, parse_mountinfo
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.enforce import Enforcer, HostCollector
+from vgpu.monitor.hostview import HostView
+from vgpu.monitor.mounts import claim_of, grant_name, parse_mountinfo
+from vgpu.node.discovery import GpuProcess
+from vgpu.node.paths import HostPaths
 
 MIB = 1 << 20
 POD = "0f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"

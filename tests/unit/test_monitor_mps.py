@@ -13,12 +13,12 @@ import pytest
 
 from vgpu.hookabi.grant import Grant, write_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER, SHARING_MPS
-from vgpu.plugin.discovery import GpuProcess
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.monitor.cgroup import start_time
-from vgpu.plugin.monitor.enforce import REASON, REASON_LEFT_MPS, Enforcer
-from vgpu.plugin.monitor.hostview import HostView
-from vgpu.plugin.paths import HostPaths
+from vgpu.monitor.cgroup import start_time
+from vgpu.monitor.enforce import REASON, REASON_LEFT_MPS, Enforcer
+from vgpu.monitor.hostview import HostView
+from vgpu.node.discovery import GpuProcess
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.paths import HostPaths
 
 MIB = 1 << 20
 UID_M = "2f1c2d3e-4a5b-6c7d-8e9f-0a1b2c3d4e5f"  # an MPS container

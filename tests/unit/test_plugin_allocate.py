@@ -20,14 +20,14 @@ from vgpu.core.annotations import (
     PHASE_ANNOTATION,
     REASON_ANNOTATION,
 )
+from vgpu.deviceplugin.allocate import AllocateError, Allocator
+from vgpu.deviceplugin.arrivals import Arrivals
 from vgpu.hookabi.grant import Grant, read_grant
-from vgpu.plugin.allocate import AllocateError, Allocator
-from vgpu.plugin.arrivals import Arrivals
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.hooklib import install_hook
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.discovery import Card
+from vgpu.node.hooklib import install_hook
+from vgpu.node.paths import HostPaths
 
 NODE = "node-a"
 CARDS = [Card(f"GPU-{c}", i, "H200", 80000) for i, c in enumerate("abcd")]
@@ -430,7 +430,7 @@ def test_the_cards_reach_the_container_by_mounts_or_cdi_names_never_by_its_envir
     pods: Pods, tmp_path: Path, inject: str
 ) -> None:
     """A tenant sets its container's environment, never its mounts or CDI devices: the cards a
-    container gets are named where only Allocate's answer reaches (vgpu/plugin/inject.py)."""
+    container gets are named where only Allocate's answer reaches (vgpu/node/inject.py)."""
     pods.add("p", {"main": [("GPU-b", 1000, 0), ("GPU-c", 1000, 0)]})
     config = NodeConfig(split=4, driver_inject=inject, cdi_kind="example.com/gpu")
     response = make(pods, tmp_path, config).allocate_container(["GPU-b::0", "GPU-c::0"]).response

@@ -12,11 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.region import format_region
 from vgpu.core.errors import ConfigError
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, grant_path, write_grant
-from vgpu.plugin.monitor.arbiter import Activity, Arbiter, add_arguments, decide, settings
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.monitor.arbiter import Activity, Arbiter, decide
+from vgpu.node.flags import add_arbiter_arguments as add_arguments
+from vgpu.node.flags import arbiter_settings as settings
+from vgpu.node.paths import REGION_FILE_NAME
 
 Y, A, G = layout.FLAG_YIELD, layout.FLAG_ALONE, layout.FLAG_GUARD
 MS = 1_000_000
@@ -92,7 +95,7 @@ class Clock:
 def container(root: Path, name: str, uuids: list[str], priority: int) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
-    region.format_region(folder / REGION_FILE_NAME, uuids, priority=priority)
+    format_region(folder / REGION_FILE_NAME, uuids, priority=priority)
     return folder / REGION_FILE_NAME
 
 
@@ -190,7 +193,7 @@ def test_new_removed_and_replaced_regions_are_picked_up_by_rescan(tmp_path: Path
     arbiter.rescan()
     assert arbiter.stats.regions == 1
     first.unlink()
-    region.format_region(first, ["GPU-a"], priority=0)  # the same path, a new file
+    format_region(first, ["GPU-a"], priority=0)  # the same path, a new file
     arbiter.rescan()
     arbiter.run_pass()
     assert word(first, "arbiter_ns") == Clock().ns

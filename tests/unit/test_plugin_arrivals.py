@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.support import FakeKube, poll
 from vgpu.core.errors import KubeError
-from vgpu.plugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
+from vgpu.deviceplugin.arrivals import Arrivals, ArrivalWatch, PodWatchSource
 
 
 def pod(uid: str, rv: int) -> dict[str, Any]:

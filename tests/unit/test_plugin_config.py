@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from vgpu.core.errors import ConfigError
-from vgpu.plugin.config import NodeConfig, load_node_config, parse_node_config
-from vgpu.plugin.fake_nvml import FakeDiscovery, parse_fake_gpus
+from vgpu.node.config import NodeConfig, load_node_config, parse_node_config
+from vgpu.node.fake_nvml import FakeDiscovery, parse_fake_gpus
 
 
 def test_an_empty_config_gives_the_defaults() -> None:

@@ -9,9 +9,10 @@ import threading
 import pytest
 
 from vgpu.core.annotations import decode_devices, encode_devices
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState, card_of, prefer
-from vgpu.plugin.discovery import Card
+from vgpu.deviceplugin.server import kubelet_devices
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState, card_of, prefer
+from vgpu.node.discovery import Card
 
 CARDS = [
     Card("GPU-a", 0, "H200", 1000, numa=0, links={"GPU-b": "nvlink"}),
@@ -21,7 +22,7 @@ CARDS = [
 
 def test_each_card_is_advertised_as_split_device_ids_with_its_numa_node() -> None:
     state = DeviceState(CARDS, NodeConfig(split=3))
-    devices = state.kubelet_devices()
+    devices = kubelet_devices(state)  # as ListAndWatch sends them
     assert [d.ID for d in devices] == [f"GPU-{c}::{n}" for c in "ab" for n in range(3)]
     assert {card_of(d.ID) for d in devices} == {"GPU-a", "GPU-b"}
     assert [n.ID for n in devices[0].topology.nodes] == [0]
@@ -78,21 +79,21 @@ def test_on_a_dra_node_the_plugin_offers_no_vgpu_says_why_and_offers_them_again_
 ) -> None:
     from tests.support import FakeKube
     from vgpu.core.annotations import DEVICES_ANNOTATION
-    from vgpu.plugin.report import NodeReporter
+    from vgpu.deviceplugin.report import NodeReporter
 
     api = FakeKube()
     api.labels["n1"] = {"openaios.io/gpu-mode": "dra"}
     state = DeviceState(CARDS, NodeConfig(split=2))
     reporter = NodeReporter("n1", "ns", state, api)
     seen = state.version
-    with caplog.at_level(logging.WARNING, logger="vgpu.plugin.report"):
+    with caplog.at_level(logging.WARNING, logger="vgpu.deviceplugin.report"):
         reporter.run_once()
     assert state.kubelet_devices() == [] and state.version != seen  # ListAndWatch sends the empty list
     assert decode_devices(api.nodes["n1"][DEVICES_ANNOTATION]).devices == ()
     assert "had label openaios.io/gpu-mode=dra (DRA mode)" in caplog.text
     assert "advertises no vGPUs" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vgpu.plugin.report"):
+    with caplog.at_level(logging.WARNING, logger="vgpu.deviceplugin.report"):
         reporter.run_once()  # said once per change, not at every renewal
     assert caplog.text == ""
     api.labels["n1"] = {"openaios.io/gpu-mode": "device-plugin"}

@@ -1,5 +1,5 @@
 """The hook library lands in a folder named by its content and is never overwritten in place;
-a version stays while a container of the node was handed it and goes after (vgpu/plugin/hooklib.py)."""
+a version stays while a container of the node was handed it and goes after (vgpu/node/hooklib.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from vgpu.plugin.hooklib import HookInstall, collect, hand_out, handed_out, install_hook, version_of
-from vgpu.plugin.paths import HostPaths, sweep_container_dirs
+from vgpu.node.hooklib import HookInstall, collect, hand_out, handed_out, install_hook, version_of
+from vgpu.node.paths import HostPaths, sweep_container_dirs
 
 
 def test_a_new_build_lands_beside_the_old_one_which_stays_intact(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_a_new_build_lands_beside_the_old_one_which_stays_intact(tmp_path: Path)
 def test_region_folders_of_pods_gone_from_the_node_are_swept_once_old(tmp_path: Path) -> None:
     import os
 
-    from vgpu.plugin.paths import sweep_container_dirs
+    from vgpu.node.paths import sweep_container_dirs
 
     paths = HostPaths(tmp_path)
     for name in ("live_main", "gone_main", "gone_side", "fresh_main"):
@@ -58,7 +58,7 @@ def test_region_folders_of_pods_gone_from_the_node_are_swept_once_old(tmp_path: 
 def test_the_sweep_never_takes_a_dra_claims_folder_or_grant_for_a_gone_pods(tmp_path: Path) -> None:
     import os
 
-    from vgpu.plugin.paths import sweep_container_dirs
+    from vgpu.node.paths import sweep_container_dirs
 
     paths = HostPaths(tmp_path)
     claim = "dra_7d0e4c51-93a4-4f0e-b1d6-2c3e4f5a6b7c_gpu"
@@ -160,8 +160,8 @@ def test_a_crash_mid_install_leaves_no_partial_library_in_place(tmp_path: Path) 
     crash = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from vgpu.plugin import hooklib\n"
-        "from vgpu.plugin.paths import HostPaths\n"
+        "from vgpu.node import hooklib\n"
+        "from vgpu.node.paths import HostPaths\n"
         "real = os.fsync\n"
         "def fsync(fd):\n"
         "    real(fd)\n"

@@ -24,14 +24,14 @@ from vgpu.core.fit import Plan, Rejection, fit_node
 from vgpu.core.ledger import vgpu_usage
 from vgpu.core.placementcheck import placement_problems
 from vgpu.core.requests import asks_for_vgpu, parse_pod
-from vgpu.plugin.answer import container_response
-from vgpu.plugin.config import parse_node_config
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.driver import DriverFiles
-from vgpu.plugin.fake_nvml import FakeDiscovery
-from vgpu.plugin.mig import mig_layout
-from vgpu.plugin.paths import HostPaths
-from vgpu.plugin.server import socket_name
+from vgpu.deviceplugin.answer import container_response
+from vgpu.deviceplugin.server import socket_name
+from vgpu.node.config import parse_node_config
+from vgpu.node.devices import DeviceState
+from vgpu.node.driver import DriverFiles
+from vgpu.node.fake_nvml import FakeDiscovery
+from vgpu.node.mig import mig_layout
+from vgpu.node.paths import HostPaths
 
 A = "GPU-aaaaaaaa-0000-4000-8000-000000000000"
 B = "GPU-bbbbbbbb-0000-4000-8000-000000000000"
@@ -248,7 +248,7 @@ def test_the_host_view_reads_processes_on_each_slice(tmp_path: Path) -> None:
     processes the driver lists on the MIG device itself (the fake's processDir, by its uuid)."""
     import os
 
-    from vgpu.plugin.monitor.hostview import HostView
+    from vgpu.monitor.hostview import HostView
 
     procs = tmp_path / "procs"
     procs.mkdir()
@@ -274,7 +274,7 @@ def test_the_host_view_reads_processes_on_each_slice(tmp_path: Path) -> None:
 def test_under_none_a_card_in_mig_mode_is_not_offered_whole(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("ERROR", logger="vgpu.plugin.devices"):
+    with caplog.at_level("ERROR", logger="vgpu.node.devices"):
         state = node(tmp_path, "none", MIXED_A, MIXED_B, plain=True)
     assert state.unoffered == [A, B]
     assert [c.uuid for c in state.cards()] == [PLAIN]
@@ -287,12 +287,12 @@ def test_under_none_a_card_in_mig_mode_is_not_offered_whole(
 
 def test_the_plugin_under_none_reads_the_mig_mode_and_leaves_such_cards_out(tmp_path: Path) -> None:
     from tests.support import FakeKube
-    from vgpu.plugin.config import NodeConfig
-    from vgpu.plugin.daemon import Daemon
+    from vgpu.deviceplugin.daemon import Daemon
+    from vgpu.node.config import NodeConfig
 
     node(tmp_path, "none", MIXED_A, MIXED_B, plain=True)  # writes gpus.yaml
     d = FakeDiscovery(tmp_path / "gpus.yaml")
     paths = HostPaths(tmp_path / "root")
-    daemon = Daemon("n1", "kube-system", paths, NodeConfig(), d, FakeKube(), None, arbiter=None, mig=d.mig)
+    daemon = Daemon("n1", "kube-system", paths, NodeConfig(), d, FakeKube(), None, mig=d.mig)
     assert daemon.state.unoffered == [A, B]
     assert [dev.uuid for dev in daemon.state.inventory().devices] == [PLAIN]

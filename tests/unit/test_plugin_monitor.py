@@ -13,14 +13,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import FakeKube
+from vgpu.core.drarecord import claims_dir
 from vgpu.hookabi import layout, region
 from vgpu.hookabi.grant import Grant, write_grant
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Card, CardUsage, HealthEvent
-from vgpu.plugin.monitor.arbiter import Arbiter
-from vgpu.plugin.monitor.collector import NodeCollector, make_registry
-from vgpu.plugin.paths import REGION_FILE_NAME, HostPaths
+from vgpu.monitor.arbiter import Arbiter
+from vgpu.monitor.collector import NodeCollector, make_registry
+from vgpu.node.config import NodeConfig
+from vgpu.node.devices import DeviceState
+from vgpu.node.discovery import Card, CardUsage, HealthEvent
+from vgpu.node.paths import REGION_FILE_NAME, HostPaths
 
 MIB = 1 << 20
 
@@ -295,7 +296,7 @@ def test_a_dra_claims_region_is_labelled_with_its_claim_and_the_pod_it_serves(tm
         folder = paths.containers_dir / f"dra_{uid}_gpu"
         write_region(folder / REGION_FILE_NAME, [("GPU-a", 3000 * MIB, 30)], [(101, [100 * MIB])])
         write_grant(paths.grant(folder.name), Grant(("GPU-a",), (3000 * MIB,), (30,), priority=0))
-    records = paths.vgpu_dir / "dra" / "claims"
+    records = claims_dir(paths.vgpu_dir)
     records.mkdir(parents=True)
     pod = {"name": "trainer", "uid": "uid-9"}
     (records / f"{claim}.json").write_text(
@@ -426,7 +427,7 @@ def test_a_replaced_region_starts_its_ratio_anew_and_a_removed_one_is_forgotten(
 def test_region_usage_reports_each_containers_memory_per_card_and_skips_what_it_cannot_read(
     tmp_path: Path,
 ) -> None:
-    from vgpu.plugin.monitor.collector import region_usage
+    from vgpu.node.regions import region_usage
 
     containers = tmp_path / "containers"
     write_region(
@@ -447,7 +448,7 @@ def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
     import json as _json
 
     from vgpu.core.annotations import USAGE_ANNOTATION
-    from vgpu.plugin.report import NodeReporter
+    from vgpu.deviceplugin.report import NodeReporter
 
     api = FakeKube()
     state = DeviceState(Cards().cards(), NodeConfig())
@@ -456,25 +457,3 @@ def test_the_reporter_renews_the_lease_with_the_usage_report() -> None:
     calls = [annotations for _, _, annotations in api.renewals]
     assert calls[0] is not None and _json.loads(calls[0][USAGE_ANNOTATION]) == {"uid_c": {"GPU-a": 42}}
     assert calls[1] is None
-
-
-def test_the_monitors_resize_refuses_in_plain_words_naming_no_command_flag(tmp_path: Path) -> None:
-    from vgpu.hookabi.resize import LimitError
-    from vgpu.plugin.monitor.collector import resize_container
-
-    paths = HostPaths(tmp_path)
-    path = paths.container_dir("pod-1", "main") / REGION_FILE_NAME
-    write_region(path, [("GPU-a", 1 << 30, 0)], [])
-    before = path.read_bytes()
-    for kwargs, said in (
-        ({"device": 1, "memory_bytes": 1 << 30}, "device: 1 is out of range"),
-        ({"device": 0, "sm_percent": 150}, "SM limit: 150 is not a percent"),
-        ({"device": 0}, "limits: nothing to change"),
-    ):
-        with pytest.raises(LimitError, match=said) as refused:
-            resize_container(paths, "pod-1", "main", **kwargs)  # type: ignore[arg-type]
-        assert "--" not in str(refused.value)
-    assert path.read_bytes() == before
-    assert resize_container(paths, "pod-1", "main", 0, memory_bytes=512 << 20).notes == ()
-    with region.Region(path) as r:
-        assert r.word("limit", 0) == 512 << 20

@@ -16,26 +16,26 @@ import pytest
 from tests.support import short_dir
 from vgpu.core.annotations import SHARING_MPS, SHARING_TIMESLICE, ContainerAllocation, DeviceAllocation
 from vgpu.core.errors import ConfigError
+from vgpu.deviceplugin.answer import PodFailure, container_response
 from vgpu.hookabi.grant import Grant, read_grant, write_grant
 from vgpu.hookabi.layout import MPS_PIPE_IN_CONTAINER
 from vgpu.hookabi.layout import SHARING_MPS as GRANT_MPS
 from vgpu.hookabi.layout import SHARING_TIMESLICE as GRANT_TIMESLICE
-from vgpu.plugin.answer import PodFailure, container_response
-from vgpu.plugin.config import NodeConfig, parse_node_config
-from vgpu.plugin.devices import DeviceState
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.mps import PID_FILE, MpsCollector, MpsDaemons, accepts, find_control
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.config import NodeConfig, parse_node_config
+from vgpu.node.devices import DeviceState
+from vgpu.node.discovery import Card
+from vgpu.node.mps import PID_FILE, MpsCollector, MpsDaemons, accepts, find_control
+from vgpu.node.paths import HostPaths
 
 CARDS = [Card(f"GPU-{c}", i, "H100", 80000) for i, c in enumerate("ab")]
 MPS = NodeConfig(sharing_mode="mps")
 
 
 def fake_control(folder: Path) -> Path:
-    """An executable named nvidia-cuda-mps-control that runs the fake (vgpu/plugin/fake_mps.py)."""
+    """An executable named nvidia-cuda-mps-control that runs the fake (vgpu/node/fake_mps.py)."""
     folder.mkdir(parents=True, exist_ok=True)
     tool = folder / "nvidia-cuda-mps-control"
-    tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.plugin.fake_mps "$@"\n')
+    tool.write_text(f'#!/bin/sh\nexec {sys.executable} -m vgpu.node.fake_mps "$@"\n')
     tool.chmod(0o755)
     return tool
 

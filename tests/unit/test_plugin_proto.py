@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vgpu.plugin.api import api_pb2, api_pb2_grpc
+from vgpu.deviceplugin.api import api_pb2, api_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
@@ -15,13 +15,13 @@ GENERATED = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 def test_regenerating_the_stubs_gives_the_committed_files(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
     subprocess.run(
-        ["make", "-s", "-f", "vgpu/plugin/proto.mk", f"BIN={bin_dir}", f"OUT={tmp_path}"],
+        ["make", "-s", "-f", "vgpu/deviceplugin/proto.mk", f"BIN={bin_dir}", f"OUT={tmp_path}"],
         cwd=ROOT,
         check=True,
     )
     for name in GENERATED:
-        fresh = (tmp_path / "vgpu/plugin/api" / name).read_text()
-        committed = (ROOT / "vgpu/plugin/api" / name).read_text()
+        fresh = (tmp_path / "vgpu/deviceplugin/api" / name).read_text()
+        committed = (ROOT / "vgpu/deviceplugin/api" / name).read_text()
         assert fresh == committed, f"{name} is stale: run `make proto` and commit the result"
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu.plugin.monitor.timeshare import TimeShare
+from vgpu.monitor.timeshare import TimeShare
 
 S = 1_000_000_000
 KEY = ("uid-1_train", 0, "GPU-a")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.region import format_region
 from vgpu.hookabi import layout, region
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "hook" / "region_layout.h"
@@ -27,27 +28,6 @@ def test_offsets_follow_c_alignment_rules() -> None:
     assert layout.REGION_SIZE == layout.HEADER_LAYOUT.size + layout.MAX_PROCS * layout.SLOT_LAYOUT.size
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("4096", 4096), ("4k", 4096), ("3000m", 3000 << 20), ("4g", 4 << 30), ("4G", 4 << 30)],
-)
-def test_sizes_read_like_contract_4(text: str, expected: int) -> None:
-    assert region.parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "4x", "-1", "g", "1.5g", "²"])
-def test_a_bad_size_is_refused_with_the_fix(text: str) -> None:
-    with pytest.raises(ValueError, match="k, m or g"):
-        region.parse_size(text)
-
-
-def test_a_size_past_a_64_bit_word_is_refused() -> None:
-    assert region.parse_size(str(region.MAX_BYTES)) == (1 << 64) - 1
-    for text in (str(1 << 64), "17179869184g", "99999999999999999999"):
-        with pytest.raises(ValueError, match="more than 2\\^64-1 bytes"):
-            region.parse_size(text)
-
-
 def test_a_file_that_is_not_a_region_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     bogus = tmp_path / "region"
     bogus.write_bytes(b"x" * layout.REGION_SIZE)
@@ -65,7 +45,7 @@ def test_a_short_file_is_refused_with_its_size(tmp_path: Path) -> None:
 def _with_process(path: Path, version: int, slot: int, pid: int) -> None:
     """A region of layout ``version`` (its number of slots) with one process in ``slot``."""
     procs = layout.SLOTS_BY_VERSION[version]
-    region.format_region(path, ["GPU-a"], limits=[1 << 30])
+    format_region(path, ["GPU-a"], limits=[1 << 30])
     data = bytearray(path.read_bytes()[: layout.HEADER_LAYOUT.size]) + bytearray(
         procs * layout.SLOT_LAYOUT.size
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.region import format_region
 from vgpu.hookabi import layout, region
 
 H = layout.HEADER_LAYOUT.offsets
@@ -17,7 +18,7 @@ H = layout.HEADER_LAYOUT.offsets
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
     p = tmp_path / "vgpu.region"
-    region.format_region(p, ["GPU-a", "GPU-b"], limits=[1 << 30, 0], sm_limits=[50, 0], priority=0)
+    format_region(p, ["GPU-a", "GPU-b"], limits=[1 << 30, 0], sm_limits=[50, 0], priority=0)
     return p
 
 

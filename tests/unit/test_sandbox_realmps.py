@@ -13,7 +13,7 @@ from vgpu_sandbox.cli import register
 from vgpu_sandbox.cluster import Spec
 from vgpu_sandbox.errors import SandboxError
 
-from vgpu.plugin.mps import find_control
+from vgpu.node.mps import find_control
 
 
 def test_mps_is_for_the_real_node_on_the_stub_with_the_charts_plugin() -> None:
@@ -45,7 +45,7 @@ def test_the_plugin_finds_the_wrapper_in_the_stub_driver_root(tmp_path: Path) ->
     tool = realmps.write_driver_root(node_root)
     assert find_control(realmps.driver_root(node_root)) == tool  # what the plugin runs
     assert tool.stat().st_mode & 0o777 == 0o755
-    assert tool.read_text().splitlines()[-1] == 'exec python3 -m vgpu.plugin.fake_mps "$@"'
+    assert tool.read_text().splitlines()[-1] == 'exec python3 -m vgpu.node.fake_mps "$@"'
     # the driver root holds nothing but the tool: its folder goes first on the daemon's PATH
     assert [p.relative_to(node_root) for p in sorted(node_root.rglob("*"))] == [
         Path("driver"),

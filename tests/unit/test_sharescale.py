@@ -1,4 +1,4 @@
-"""One measure of a share: the node's scale of the hook's measure (vgpu.plugin.monitor.sharescale),
+"""One measure of a share: the node's scale of the hook's measure (vgpu.monitor.sharescale),
 over a simulated container whose hook counts ``over`` times the driver's GPU time."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vgpu.hookabi.layout import SHARE_SCALE_ONE
-from vgpu.plugin.monitor.sharescale import DOWN_MARGIN, MIN_SPAN_NS, SCALE_MAX, SCALE_MIN, ShareScale
+from vgpu.monitor.sharescale import DOWN_MARGIN, MIN_SPAN_NS, SCALE_MAX, SCALE_MIN, ShareScale
 
 MS = 1_000_000
 PERIOD = 200 * MS  # the H200's sample period

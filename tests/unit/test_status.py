@@ -429,7 +429,7 @@ def test_status_reads_the_dra_objects_and_a_dra_node_may_be_named(
 def test_a_mig_card_on_the_dra_path_is_shown_once_with_each_claims_slice() -> None:
     from vgpu.core.mig import H100_80GB
     from vgpu.dra.migslices import device, mig_slices, slots
-    from vgpu.plugin.discovery import Card
+    from vgpu.node.discovery import Card
 
     card = Card(uuid="GPU-m", index=0, model="NVIDIA H100 80GB HBM3", memory_mib=81559)
     pool = mig_slices("d2-vgpu.openaios.io", "d2", [(card, slots(card, H100_80GB))])

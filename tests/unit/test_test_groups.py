@@ -29,15 +29,15 @@ def test_each_way_of_starting_the_real_node_is_found() -> None:
         "    Sandbox(tmp_path).up(spec, progress=print)\n"
         "def test_cli():\n"
         "    subprocess.run(['vgpu', 'sandbox', 'up', '--real-node'])\n"
-        "IMAGES = realnode.image_dir()\n"
+        "IMAGES = layout.image_dir()\n"
         "def test_restart(sb):\n"
-        "    realnode.restart(sb, 'kubelet')\n"
+        "    lifecycle.restart(sb, 'kubelet')\n"
     )
     assert real_node_uses(source) == [
         "line 3: Sandbox.up(Spec(real_node=...))",
         "line 5: `vgpu sandbox up --real-node`",
-        "line 6: realnode.image_dir()",
-        "line 8: realnode.restart()",
+        "line 6: layout.image_dir()",
+        "line 8: lifecycle.restart()",
     ]
 
 
@@ -45,7 +45,7 @@ def test_what_only_looks_like_the_real_node_is_not_counted() -> None:
     source = (
         "def test_config(tmp_path):\n"
         "    spec = Spec(nodes=2, real_node=True)\n"  # rendered, never started
-        "    realnode.chart_values(sb, spec, lay, 9555)\n"
+        "    values.chart_values(sb, spec, lay, 9555)\n"
         "    Sandbox(tmp_path).up(Spec(nodes=1, real_node=False))\n"
         "    demo.reuse_refusal(Sandbox(tmp_path), real_node=True)\n"
         "    run([sys.executable, '-m', 'vgpu_sandbox.demo', '--real-node', '--skip-playbook'])\n"

@@ -128,3 +128,28 @@ def test_plain_heads_are_accepted(head: bytes) -> None:
 )
 def test_what_is_not_plain_is_left_to_gunicorn(head: bytes, why: str) -> None:
     assert parse_head(head) is None, why
+
+
+def test_the_heartbeat_is_written_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gunicorn's event loop notifies the arbiter on every turn; the file write behind it is a
+    system call per event on a busy extender, so the worker passes on one a second, well within the
+    timeout the server sets."""
+    from vgpu.extender import worker
+
+    class Heartbeat:
+        writes = 0
+
+        def notify(self) -> None:
+            self.writes += 1
+
+    clock = [100.0]
+    monkeypatch.setattr(worker.time, "monotonic", lambda: clock[0])
+    w = worker.LingeringThreadWorker.__new__(worker.LingeringThreadWorker)
+    w.tmp = Heartbeat()
+    for _ in range(50):  # one busy second: many turns of the loop
+        w.notify()
+        clock[0] += 0.019
+    assert w.tmp.writes == 1
+    clock[0] += 0.1
+    w.notify()
+    assert w.tmp.writes == 2

@@ -32,9 +32,9 @@ from vgpu.core.output import run_command
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "extender": ("vgpu.extender.cli", "the kube-scheduler extender and admission webhook"),
-    "device-plugin": ("vgpu.plugin.cli", "the kubelet device plugin for one node"),
+    "device-plugin": ("vgpu.commands.device_plugin", "the kubelet device plugin for one node"),
     "dra-plugin": ("vgpu.dra.cli", "the DRA driver's node plugin: ResourceSlices, claims through CDI"),
-    "monitor": ("vgpu.plugin.monitor.cli", "the node monitor: /metrics from the hook's regions"),
+    "monitor": ("vgpu.monitor.cli", "the node monitor: /metrics from the hook's regions"),
     "status": ("vgpu.commands.status", "which container got which vGPU, per node and card"),
     "limits": ("vgpu.commands.limits", "change a running container's limits through its region"),
 }

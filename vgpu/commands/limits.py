@@ -30,7 +30,7 @@ from vgpu.hookabi.grant import as_granted, grant_beside, read_grant
 from vgpu.hookabi.layout import FLAG_ALONE, FLAG_GUARD, FLAG_YIELD
 from vgpu.hookabi.region import MAX_BYTES, Region, RegionError, Snapshot
 from vgpu.hookabi.resize import LimitError, apply_limits
-from vgpu.plugin.paths import REGION_FILE_NAME
+from vgpu.node.paths import REGION_FILE_NAME
 
 _UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # the flag of each value apply_limits names in its errors

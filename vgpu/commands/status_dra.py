@@ -18,9 +18,10 @@ from typing import Any
 
 from vgpu.commands.status_model import CardStatus, NodeStatus, Share
 from vgpu.core import draslice as shape
+from vgpu.core.claimconfig import DRIVER as DRA_DRIVER
 from vgpu.core.draslice import MIB, attribute, capacity
 from vgpu.core.errors import RequestError
-from vgpu.core.gpumode import DRA, DRA_DRIVER
+from vgpu.core.gpumode import DRA
 from vgpu.core.quantity import parse_quantity
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"

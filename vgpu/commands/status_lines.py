@@ -1,6 +1,6 @@
 """``vgpu status``'s view of what holds each container's device memory and its media engines'
 use, from the node's Lease (contract 2: ``vgpu.openaios.io/memory-lines`` and
-``vgpu.openaios.io/codec``, written by the node monitor, ``vgpu.plugin.monitor.lines``).
+``vgpu.openaios.io/codec``, written by the node monitor, ``vgpu.monitor.lines``).
 
 A share's line then ends with, for instance, ``held by hook+driver-cap+node  dec 12% jpg 30%``;
 ``held by none`` where no line holds it (the hook not in it, no driver cap, the enforcer only

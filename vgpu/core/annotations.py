@@ -83,6 +83,7 @@ HAMI_NUMA_BIND_ANNOTATION = "nvidia.com/numa-bind"  # "true" (a hard rule) is re
 
 # contract 2 (docs/contracts.md): liveness Lease of a node's device plugin
 LEASE_PREFIX = "vgpu-"
+LEASE_HOLDER_PREFIX = "vgpu-device-plugin/"  # + the node's name: the Lease's holderIdentity
 
 
 def lease_name(node: str) -> str:
@@ -158,12 +159,14 @@ class NodeInventory:
     def offering(self, resource: str) -> NodeInventory:
         """The devices offered as ``resource`` (the same object when all are, and for a second
         call with the same resource, so callers may compare by identity)."""
-        if all(d.resource == resource for d in self.devices):
-            return self
         memo: dict[str, NodeInventory] = self.__dict__.setdefault("_offering", {})
-        found = memo.get(resource)
+        found = memo.get(resource)  # asked per candidate node in filter: one dict look-up
         if found is None:
-            found = memo[resource] = NodeInventory(tuple(d for d in self.devices if d.resource == resource))
+            if all(d.resource == resource for d in self.devices):
+                found = memo[resource] = self
+            else:
+                offered = tuple(d for d in self.devices if d.resource == resource)
+                found = memo[resource] = NodeInventory(offered)
         return found
 
 
@@ -399,14 +402,3 @@ def decode_allocation(text: str | bytes | None) -> Allocation:
             )
         containers.append(ContainerAllocation(name=name, devices=tuple(devs)))
     return Allocation(node=node, containers=tuple(containers))
-
-
-def decode_phase(text: str | None) -> str | None:
-    """The phase annotation's value, or None when absent; raises AnnotationError for an unknown one."""
-    if text is None:
-        return None
-    if text not in PHASES:
-        raise AnnotationError(
-            PHASE_ANNOTATION, "", f"unknown phase {text!r}; expected one of {', '.join(PHASES)}"
-        )
-    return text

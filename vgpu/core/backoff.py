@@ -1,7 +1,7 @@
 """The one retry delay: start small, double after each failure up to a ceiling, reset on success.
 
 Pure (no threads of its own): the informers' relists (:mod:`vgpu.kube.informer`) and the device
-plugin's registration with kubelet (:mod:`vgpu.plugin.server`) each hold one.
+plugin's registration with kubelet (:mod:`vgpu.deviceplugin.server`) each hold one.
 """
 
 from __future__ import annotations

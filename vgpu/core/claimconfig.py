@@ -39,8 +39,10 @@ from typing import Any
 from vgpu.core.errors import FieldError
 from vgpu.core.quantity import quantity_value, shown
 
+# The DRA driver's name (contract 8's owner, docs/contracts.md): its DeviceClass's name, the CDI
+# vendor of its specs (vgpu.dra.cdi), its kubelet folder and registration socket (vgpu.dra.server).
 DRIVER = "vgpu.openaios.io"
-API_VERSION = "vgpu.openaios.io/v1"
+API_VERSION = f"{DRIVER}/v1"
 KIND = "VgpuConfig"
 MPS_CLASS = f"mps.{DRIVER}"  # the DeviceClass of shares of cards the node shares through MPS
 SM_POLICIES = ("cap", "elastic")

@@ -80,6 +80,19 @@ class SchedulerConfig:
         _check(self)
 
     @cached_property
+    def scheduling(self) -> SchedulingSettings:
+        """The settings placement and admission decide by (what a second replica must share)."""
+        return SchedulingSettings(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulingSettings)}
+        )
+
+    @cached_property
+    def process(self) -> ProcessSettings:
+        """The settings of the extender process itself (where it listens, its TLS, its threads, its
+        Lease): none of them changes where a pod goes."""
+        return ProcessSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ProcessSettings)})
+
+    @cached_property
     def boundary(self) -> Boundary:
         """The tenant boundary's rules (read once: the webhook asks at every review)."""
         return Boundary(
@@ -87,6 +100,39 @@ class SchedulerConfig:
             node_agent=self.node_agent_account,
             high_priority_namespaces=_namespaces(self.high_priority_namespaces),
         )
+
+
+@dataclass(frozen=True)
+class SchedulingSettings:
+    """:class:`SchedulerConfig`'s scheduling half: policies, defaults, admission, the boundary's names."""
+
+    default_mem: int
+    default_cores: int
+    node_policy: str
+    gpu_policy: str
+    scheduler_name: str
+    namespace: str
+    plugin_lease_grace_s: int
+    reject_unsatisfiable: bool
+    scheduler_account: str
+    node_agent_account: str
+    high_priority_namespaces: str
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """:class:`SchedulerConfig`'s process half: the API server, listening, TLS, threads, the Lease."""
+
+    kubeconfig: str | None
+    listen: str
+    metrics_listen: str
+    cert_file: str | None
+    key_file: str | None
+    client_ca_file: str | None
+    workers: int
+    leader_lease: str
+    identity: str
+    lease_duration_s: int
 
 
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from vgpu.core.claimconfig import DRIVER
+
 GPU_MODE_LABEL = "openaios.io/gpu-mode"
 DEVICE_PLUGIN = "device-plugin"
 DRA = "dra"
 MODES = (DEVICE_PLUGIN, DRA)
-
-# The DRA driver's name, which is also its DeviceClass's name.
-DRA_DRIVER = "vgpu.openaios.io"
 
 
 def gpu_mode(labels: Mapping[str, str] | None) -> str:
@@ -42,7 +41,7 @@ def device_plugin_refusal(labels: Mapping[str, str] | None) -> str | None:
     if mode == DRA:
         return (
             f"had label {GPU_MODE_LABEL}={DRA} (DRA mode): DRA hands out the GPUs there, through "
-            f"ResourceClaims of the DeviceClass {DRA_DRIVER}, not nvidia.com/gpu; give the pod a "
+            f"ResourceClaims of the DeviceClass {DRIVER}, not nvidia.com/gpu; give the pod a "
             f"claim (docs/dra.md), or label the node {GPU_MODE_LABEL}={DEVICE_PLUGIN}"
         )
     return (

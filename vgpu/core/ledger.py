@@ -182,10 +182,6 @@ class Ledger:
         entry = self._pods.get(uid)
         return entry[0] if entry else None
 
-    def pod_footprint(self, uid: str) -> Footprint:
-        entry = self._pods.get(uid)
-        return entry[1] if entry else {}
-
     def usage(self, node: str, excluding: str | None = None) -> Mapping[str, Usage]:
         """Committed usage per card of ``node``, leaving out pod ``excluding`` (its own earlier plan).
 

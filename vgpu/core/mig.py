@@ -85,11 +85,6 @@ class Profile:
         return self.name.endswith("+me")
 
     @property
-    def compute_percent(self) -> int:
-        """The compute share of the card, in whole percent, rounded down (1g: 14, 7g: 100)."""
-        return self.compute_slices * 100 // COMPUTE_SLICES
-
-    @property
     def placements(self) -> tuple[Placement, ...]:
         return tuple(Placement(s, self.memory_slices) for s in self.starts)
 
@@ -170,11 +165,6 @@ def table_for_model(model: str, memory_mib: int = 0) -> MigTable:
     )
 
 
-def profile_names() -> frozenset[str]:
-    """Every profile name any table has."""
-    return frozenset(p.name for t in TABLES for p in t.profiles)
-
-
 def resource_for(profile: str) -> str:
     """``nvidia.com/mig-<profile>``, a ``+`` turned into ``.`` as NVIDIA's plugin does."""
     return RESOURCE_PREFIX + profile.replace("+", ".")
@@ -182,7 +172,7 @@ def resource_for(profile: str) -> str:
 
 def profile_of_resource(resource: str) -> str | None:
     """The profile name a mixed-strategy resource asks for; None for another resource.
-    The name is not checked against the tables (``known_profile`` does that)."""
+    The name is not checked against the tables here (``parse_pod`` refuses one no table has)."""
     if not resource.startswith(RESOURCE_PREFIX):
         return None
     rest = resource[len(RESOURCE_PREFIX) :]
@@ -193,10 +183,6 @@ def mig_resources() -> tuple[str, ...]:
     """Every mixed-strategy resource a table here gives, sorted: what kube-scheduler must send
     the extender (its ``managedResources``) for a pod asking only for MIG devices."""
     return tuple(sorted({p.resource for t in TABLES for p in t.profiles}))
-
-
-def known_profile(name: str) -> bool:
-    return name in profile_names()
 
 
 # --- the scheduler side's rules -------------------------------------------------------------
@@ -218,30 +204,6 @@ def free_placements(
         return []
     taken = occupied(pl for _, pl in held)
     return [pl for pl in p.placements if not taken.intersection(pl.slices)]
-
-
-def fits(profile: Profile, memory_mib: int, compute_percent: int) -> bool:
-    """Whether a GI of ``profile`` holds a request of ``memory_mib`` and a compute share."""
-    return (
-        profile.memory_mib >= memory_mib and profile.compute_slices * 100 >= compute_percent * COMPUTE_SLICES
-    )
-
-
-def smallest_profile(
-    table: MigTable, memory_mib: int, compute_percent: int = 0, media: bool = False
-) -> Profile | None:
-    """The smallest profile (fewest memory slices, then compute slices) that holds a request of
-    ``memory_mib`` and ``compute_percent`` of the card; ``+me`` profiles only when ``media``
-    (and then only those with media extensions or the whole card). None when none holds it."""
-    found = [
-        p
-        for p in table.profiles
-        if fits(p, memory_mib, compute_percent)
-        and ((p.media_extensions or p.ofas > 0) if media else not p.media_extensions)
-    ]
-    if not found:
-        return None
-    return min(found, key=lambda p: (p.memory_slices, p.compute_slices, p.memory_mib, p.name))
 
 
 def room_after(table: MigTable, existing: list[tuple[str, Placement]]) -> tuple[int, ...]:

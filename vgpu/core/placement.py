@@ -30,7 +30,7 @@ from vgpu.core.capacity import (
     quick_utilization,
     utilization,
 )
-from vgpu.core.config import BINPACK
+from vgpu.core.config import BINPACK, SPREAD
 from vgpu.core.fit import MOST_FREE, Plan, fit_node, for_nodes
 from vgpu.core.ledger import Ledger, Usage
 from vgpu.core.requests import ContainerRequest, PodRequest
@@ -97,6 +97,10 @@ def best(feasible: list[str], binpack: bool, keep: int, cache: Cache) -> list[st
     return kept
 
 
+def _mig_on_demand(inventory: ann.NodeInventory) -> bool:
+    return any(d.mig_dynamic is not None for d in inventory.devices)
+
+
 class Placement:
     """The index the filter keeps over the ledger: nodes grouped by (capacity shape, committed
     totals), since nodes of one group rank alike under the node policy, and each node's
@@ -128,6 +132,8 @@ class Placement:
         lookup: Lookup,
         problem: Problem,
         cache: Cache,
+        plans: dict[str, Plan] | None = None,
+        gpu_policy: str = SPREAD,
     ) -> list[str] | None:
         """The nodes :meth:`every_node` keeps, found by fitting only the best candidates.
 
@@ -139,6 +145,12 @@ class Placement:
         turned away by its :class:`CardSummary` when that shows it cannot take ``c``, before any
         card is looked at. None when fewer than ``filter_keep`` nodes fit: then the full scan runs,
         for every node's reason.
+
+        With ``plans``, each candidate is fitted with :func:`~vgpu.core.fit.fit_node` (the card
+        chosen by ``gpu_policy``) instead of checked with :func:`~vgpu.core.capacity.quick_fits`,
+        and the kept nodes' plans are left there: filter then assumes the plan without a second
+        fit. On a node with MIG cut on demand the quick check stands (it turns such a node away,
+        as the full scan's quick check does before its own fit).
         """
         self._refresh_groups(lookup)
         ranked: dict[float, list[set[str]]] = {}
@@ -171,7 +183,12 @@ class Placement:
                 usage = self.ledger.usage(name)
                 if not may_fit(self._summary(name, inventory, version, usage), c):
                     continue
-                if not quick_fits(inventory, usage, c, request.selection):
+                if plans is not None and not _mig_on_demand(inventory):
+                    outcome = fit_node(name, inventory, usage, request, gpu_policy)
+                    if not isinstance(outcome, Plan):
+                        continue
+                    plans[name] = outcome
+                elif not quick_fits(inventory, usage, c, request.selection):
                     continue
                 kept.append((i, name))
                 cache[name] = (version, inventory, util)

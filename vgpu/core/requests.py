@@ -25,7 +25,7 @@ from vgpu.core.mig import TABLES, profile_of_resource, resource_for
 from vgpu.core.quantity import SOURCE, parse_quantity, shown, suffix_of
 from vgpu.core.selection import KIND_MPS, Selection, hami_modes
 
-RESOURCE_GPU = "nvidia.com/gpu"
+RESOURCE_GPU = ann.GPU_RESOURCE  # the resource kubelet counts (contract 2 says it too)
 RESOURCE_MEM = "nvidia.com/gpumem"
 RESOURCE_MEM_PERCENT = "nvidia.com/gpumem-percentage"
 RESOURCE_CORES = "nvidia.com/gpucores"

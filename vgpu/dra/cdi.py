@@ -11,17 +11,17 @@ the driver's device nodes and files. The kubelet hands the runtime the device ID
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vgpu.core.claimconfig import DRIVER
+from vgpu.hookabi.files import write_atomic
+
 CDI_VERSION = "0.6.0"
-VENDOR = "vgpu.openaios.io"
+VENDOR = DRIVER  # the CDI vendor is the driver's name
 CLASS = "claim"
 KIND = f"{VENDOR}/{CLASS}"
 
@@ -85,21 +85,4 @@ def write_json(path: Path, doc: Any, mode: int = 0o644) -> None:
     """``path`` holds ``doc`` as JSON, whole or not at all: a temporary file in the same folder,
     flushed to disk, renamed over it (a reader, or a plugin killed half way, never sees half)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(path, json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n", mode)

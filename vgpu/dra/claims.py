@@ -27,7 +27,7 @@ from vgpu.core.claimconfig import ConfigEntryError, Entry, VgpuConfig, check_ent
 from vgpu.core.errors import FieldError, RequestError
 from vgpu.core.quantity import parse_quantity, quantity_value
 from vgpu.dra.slices import DEFAULT_CORES, DEFAULT_MEMORY_BYTES, DRIVER, MIB, memory_bytes
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 RESULTS = "status.allocation.devices.results"
 CONFIG = "status.allocation.devices.config"

@@ -6,10 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
-from vgpu.core.claimconfig import SHARINGS
-from vgpu.dra.node import DraSettings, build
-from vgpu.plugin.cli import add_hook_arguments
-from vgpu.plugin.node import serve
+from vgpu.core.claimconfig import DRIVER, MPS_CLASS, SHARINGS
+from vgpu.dra.node import DRA_SOCKET_NAME, PLUGIN_DIR, REGISTRY_DIR, DraSettings, build
+from vgpu.node.flags import add_hook_arguments
+from vgpu.node.wiring import serve
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -19,26 +19,27 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugin-dir",
         type=Path,
-        default=Path("/var/lib/kubelet/plugins/vgpu.openaios.io"),
-        help="where the DRA socket (dra.sock) is served (default /var/lib/kubelet/plugins/vgpu.openaios.io)",
+        default=PLUGIN_DIR,
+        help=f"where the DRA socket ({DRA_SOCKET_NAME}) is served (default {PLUGIN_DIR})",
     )
     parser.add_argument(
         "--registry-dir",
         type=Path,
-        default=Path("/var/lib/kubelet/plugins_registry"),
-        help="the kubelet's plugin registration folder (default /var/lib/kubelet/plugins_registry)",
+        default=REGISTRY_DIR,
+        help=f"the kubelet's plugin registration folder (default {REGISTRY_DIR})",
     )
     parser.add_argument(
         "--cdi-dir",
         type=Path,
-        default=Path("/var/run/cdi"),
-        help="where the claims' CDI specs go (default /var/run/cdi)",
+        default=DraSettings.cdi_dir,
+        help=f"where the claims' CDI specs go (default {DraSettings.cdi_dir})",
     )
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=Path("/var/lib/vgpu"),
-        help="grants, region folders, hook versions, checkpoint, claim records (default /var/lib/vgpu)",
+        default=DraSettings.state_dir,
+        help="grants, region folders, hook versions, checkpoint, claim records "
+        f"(default {DraSettings.state_dir})",
     )
     parser.add_argument("--config", type=Path, help="the node config YAML the device plugin reads")
     parser.add_argument("--fake-nvml", type=Path, help="GPUS.yaml describing fake cards, instead of NVML")
@@ -67,7 +68,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         choices=SHARINGS,
         default="timeslice",
         help="how the node's whole cards are shared: timeslice (under the hook; DeviceClass "
-        "vgpu.openaios.io) or mps (each card's MPS daemon; DeviceClass mps.vgpu.openaios.io, "
+        f"{DRIVER}) or mps (each card's MPS daemon; DeviceClass {MPS_CLASS}, "
         "docs/dra.md#mps-shares); default timeslice",
     )
     parser.add_argument("--log-level", default=os.environ.get("VGPU_LOG_LEVEL", "INFO"))

@@ -28,8 +28,8 @@ from vgpu.core.errors import VgpuError
 from vgpu.core.mig import MigError, MigTable
 from vgpu.dra.claims import ClaimError
 from vgpu.dra.migslices import MigSlot, slots
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.mig import IN_USE, NOT_FOUND, NOT_SUPPORTED, MigControl, MigDevice, MigRefused, mig_layout
+from vgpu.node.discovery import Card
+from vgpu.node.mig import IN_USE, NOT_FOUND, NOT_SUPPORTED, MigControl, MigDevice, MigRefused, mig_layout
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def open_mig(discovery: object) -> MigControl:
         return fake  # type: ignore[no-any-return]
     if hasattr(discovery, "mig"):
         raise VgpuError("--mig dynamic: no card of the fake GPU file has a mig: section")
-    from vgpu.plugin.mig import NvmlMig
+    from vgpu.node.mig import NvmlMig
 
     return NvmlMig()
 
@@ -276,7 +276,7 @@ def in_mig_mode(discovery: object, cards: list[str]) -> list[str]:
     try:
         control = getattr(discovery, "mig", None)
         if control is None and not hasattr(discovery, "mig"):  # real NVML; the fake without mig: has none
-            from vgpu.plugin.mig import NvmlMig
+            from vgpu.node.mig import NvmlMig
 
             control = NvmlMig()
     except MigError as err:

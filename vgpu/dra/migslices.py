@@ -36,7 +36,7 @@ from vgpu.core.errors import VgpuError
 from vgpu.core.mig import COMPUTE_SLICES, MEMORY_SLICES, MigTable, Placement, Profile
 from vgpu.core.quantity import parse_quantity
 from vgpu.dra.slices import semver
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 COMPUTE_COUNTER = "compute-slices"
 MEDIA_COUNTER = "media-extensions"

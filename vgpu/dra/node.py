@@ -2,7 +2,7 @@
 
 Discovery (NVML or ``--fake-nvml``), the node config, the hook library and, under
 ``driverInject: plugin``, the driver's files come from the device plugin's own pieces
-(vgpu/plugin/node.py), so a DRA container is held exactly as a device-plugin one.
+(vgpu/node/wiring.py), so a DRA container is held exactly as a device-plugin one.
 """
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ from vgpu.core.service import Service
 from vgpu.dra.mig import MIG_MODES, MigNode, in_mig_mode, open_mig
 from vgpu.dra.prepare import Preparer, StatePaths
 from vgpu.dra.publish import SlicePublisher
-from vgpu.dra.server import DraServer, HealthService
-from vgpu.plugin.config import load_node_config
-from vgpu.plugin.discovery import Discovery
-from vgpu.plugin.mps import MpsDaemons
-from vgpu.plugin.node import (
+from vgpu.dra.server import (
+    DRA_SOCKET_NAME,
+    PLUGIN_DIR,
+    REGISTRATION_SOCKET_NAME,
+    REGISTRY_DIR,
+    DraServer,
+    HealthService,
+)
+from vgpu.node.config import load_node_config
+from vgpu.node.discovery import Discovery
+from vgpu.node.mps import MpsDaemons
+from vgpu.node.wiring import (
     NodeSettings,
     driver_files,
     hook_install,
@@ -40,10 +47,10 @@ MPS_CHECK_S = 2.0  # how often the MPS cards' daemons are checked (and a dead on
 @dataclass(frozen=True)
 class DraSettings:
     node: str
-    plugin_dir: Path = Path("/var/lib/kubelet/plugins/vgpu.openaios.io")
-    registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    plugin_dir: Path = PLUGIN_DIR
+    registry_dir: Path = REGISTRY_DIR
     cdi_dir: Path = Path("/var/run/cdi")
-    state_dir: Path = Path("/var/lib/vgpu")
+    state_dir: Path = StatePaths.state_dir
     config: Path | None = None
     fake_nvml: Path | None = None
     kubeconfig: Path | None = None
@@ -71,7 +78,7 @@ class DraPlugin:
         self.publisher = publisher
         self.server = server
         self.preparer = preparer
-        # --sharing-mode mps: each whole card's MPS control daemon (vgpu/plugin/mps.py), as the
+        # --sharing-mode mps: each whole card's MPS control daemon (vgpu/node/mps.py), as the
         # device plugin runs them; Prepare refuses a share whose card's pipe folder is missing
         self.mps = mps
         self._mps_watch = Service.every("dra-mps", MPS_CHECK_S, self._check_mps, logger=log)
@@ -97,8 +104,8 @@ class DraPlugin:
 
 def _check_dirs(settings: DraSettings) -> None:
     for flag, folder, name in (
-        ("--plugin-dir", settings.plugin_dir, "dra.sock"),
-        ("--registry-dir", settings.registry_dir, "vgpu.openaios.io-reg.sock"),
+        ("--plugin-dir", settings.plugin_dir, DRA_SOCKET_NAME),
+        ("--registry-dir", settings.registry_dir, REGISTRATION_SOCKET_NAME),
     ):
         if not folder.is_absolute():
             raise ConfigError(flag, "", f"{folder} must be an absolute path")

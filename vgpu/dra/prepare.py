@@ -32,21 +32,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu.core.claimconfig import VgpuConfig
+from vgpu.core.drarecord import encode_record, record_path, request_entry
 from vgpu.dra import cdi
 from vgpu.dra.claims import RESULTS, ClaimError, ClaimPlan, Share, plan
 from vgpu.dra.mig import Held, MigNode, MigView, held_of
 from vgpu.dra.prepare_mps import check_sharing
 from vgpu.dra.slices import device_name
-from vgpu.dra.state import RECORD_VERSION, Checkpoint, record_path
+from vgpu.dra.state import Checkpoint
 from vgpu.hookabi.grant import GRANT_SUFFIX
 from vgpu.hookabi.layout import GRANT_PATH_IN_CONTAINER, MPS_PIPE_IN_CONTAINER
-from vgpu.plugin import folders, inject
-from vgpu.plugin.answer import limits, write_grant_file
-from vgpu.plugin.config import NodeConfig
-from vgpu.plugin.discovery import Card
-from vgpu.plugin.driver import DriverFiles
-from vgpu.plugin.hooklib import RECORD_SUFFIX, HookInstall, hand_out
-from vgpu.plugin.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME, HostPaths
+from vgpu.node import folders, inject
+from vgpu.node.config import NodeConfig
+from vgpu.node.discovery import Card
+from vgpu.node.driver import DriverFiles
+from vgpu.node.grants import limits, write_grant_file
+from vgpu.node.hooklib import RECORD_SUFFIX, HookInstall, hand_out
+from vgpu.node.paths import CONTAINER_HOOK_PATH, DRA_PREFIX, REGION_FILE_NAME, HostPaths
 
 log = logging.getLogger(__name__)
 
@@ -247,33 +248,28 @@ class Preparer:
                     }
                 )
                 requests.append(
-                    {
-                        "request": request,
-                        "device": share.device,
-                        "uuid": share.uuid,
-                        "memoryBytes": share.memory_mib << 20,
-                        "cores": share.cores,
-                        "shareID": share.share_id,
-                        "priority": config.priority,
-                        "smPolicy": config.sm_policy,
-                        "grant": str(self.paths.grant(folder)),
-                        "regionDir": str(self.paths.containers_dir / folder),
-                    }
+                    request_entry(
+                        request=request,
+                        device=share.device,
+                        uuid=share.uuid,
+                        memory_mib=share.memory_mib,
+                        cores=share.cores,
+                        share_id=share.share_id,
+                        priority=config.priority,
+                        sm_policy=config.sm_policy,
+                        grant=self.paths.grant(folder),
+                        region_dir=self.paths.containers_dir / folder,
+                    )
                 )
         cdi.write_json(cdi.spec_path(self.cdi_dir, uid), cdi.spec(uid, edits))
-        record = {
-            "version": RECORD_VERSION,
-            "namespace": claim_plan.namespace,
-            "name": claim_plan.name,
-            "uid": uid,
-            "node": self.node,
-            "pods": [
-                {"name": r["name"], "uid": r["uid"]}
-                for r in claim_plan.reserved_for
-                if r["resource"] == "pods"
-            ],
-            "requests": requests,
-        }
+        record = encode_record(
+            namespace=claim_plan.namespace,
+            name=claim_plan.name,
+            uid=uid,
+            node=self.node,
+            reserved_for=claim_plan.reserved_for,
+            requests=requests,
+        )
         cdi.write_json(record_path(self.paths.state_dir, uid), record)
         return devices, folders
 

@@ -1,20 +1,20 @@
 """A claim's share on a card its node shares through MPS (``vgpu dra-plugin --sharing-mode mps``,
 docs/dra.md#mps-shares): what Prepare checks beyond a time-sliced share.
 
-What it writes is the device plugin's (:func:`vgpu.plugin.answer.limits` with ``mps``): the grant
+What it writes is the device plugin's (:func:`vgpu.node.grants.limits` with ``mps``): the grant
 says ``sharing = SHARING_MPS`` and names the pipe folder as the container sees it
 (:data:`~vgpu.hookabi.layout.MPS_PIPE_IN_CONTAINER`, where the CDI spec mounts the card's
-:meth:`~vgpu.plugin.paths.HostPaths.mps_pipe` read-only); the hook makes every process of the
+:meth:`~vgpu.node.paths.HostPaths.mps_pipe` read-only); the hook makes every process of the
 container a client of the card's MPS daemon with the grant's cores as its active thread percentage
 and its memory as its pinned memory limit.
 """
 
 from __future__ import annotations
 
-from vgpu.core.claimconfig import VgpuConfig
+from vgpu.core.claimconfig import DRIVER, MPS_CLASS, VgpuConfig
 from vgpu.dra.claims import ClaimError, ClaimPlan, Share
-from vgpu.plugin.mps import accepts
-from vgpu.plugin.paths import HostPaths
+from vgpu.node.mps import accepts
+from vgpu.node.paths import HostPaths
 
 
 def check_sharing(
@@ -35,7 +35,7 @@ def check_sharing(
             "spec.devices.config[].opaque.parameters.sharing",
             f"request {request} is configured sharing: {config.sharing}, but it was allocated on a card "
             f"this node shares as {sharing}: ask for the DeviceClass "
-            f"{'mps.vgpu.openaios.io' if config.sharing == 'mps' else 'vgpu.openaios.io'}, or drop sharing",
+            f"{MPS_CLASS if config.sharing == 'mps' else DRIVER}, or drop sharing",
         )
     if sharing != "mps":
         return

@@ -28,7 +28,7 @@ from vgpu.dra.migslices import fingerprint as mig_fingerprint
 from vgpu.dra.migslices import mig_slices
 from vgpu.dra.slices import DRIVER, build_slice, device_name, fingerprint, slice_name
 from vgpu.kube.resourceapi import ResourceClient
-from vgpu.plugin.discovery import Card, Discovery
+from vgpu.node.discovery import Card, Discovery
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import grpc
 
+from vgpu.core.claimconfig import DRIVER
 from vgpu.core.errors import KubeError, VgpuError
 from vgpu.core.service import Service
 from vgpu.dra.api import (
@@ -41,8 +42,7 @@ from vgpu.dra.api import (
     registration_pb2_grpc,
 )
 from vgpu.dra.prepare import Preparer
-from vgpu.dra.slices import DRIVER
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,12 @@ PLUGIN_TYPE = "DRAPlugin"
 # kubelet names them (k8s.io/kubelet/pkg/apis/dra/v1 DRAPluginService, v1beta1 likewise).
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 V1BETA1_SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+# The kubelet's folders and the sockets in them (contract 6, docs/contracts.md): the defaults of
+# ``--plugin-dir`` and ``--registry-dir``; the chart mounts the same host paths.
+PLUGIN_DIR = Path("/var/lib/kubelet/plugins") / DRIVER
+REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DRA_SOCKET_NAME = "dra.sock"
+REGISTRATION_SOCKET_NAME = f"{DRIVER}-reg.sock"
 # The health stream: past TIMEOUT_S without an update the kubelet shows a card Unknown; every card
 # is sent again at least every REFRESH_S, and at once when one changes.
 TIMEOUT_S = 60
@@ -60,7 +65,7 @@ MESSAGE_MAX = 1024  # the kubelet cuts longer messages
 
 
 def registration_socket(registry_dir: Path) -> Path:
-    return registry_dir / f"{DRIVER}-reg.sock"
+    return registry_dir / REGISTRATION_SOCKET_NAME
 
 
 class DraService(dra_pb2_grpc.DRAPluginServicer):

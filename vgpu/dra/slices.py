@@ -21,7 +21,7 @@ from vgpu.core.claimconfig import DRIVER, SHARINGS
 from vgpu.core.draslice import CORES, MIB, SHARING, device_name
 from vgpu.core.errors import VgpuError
 from vgpu.core.quantity import parse_quantity
-from vgpu.plugin.discovery import Card
+from vgpu.node.discovery import Card
 
 API_VERSION = "resource.k8s.io/v1"
 # A claim that names no memory gets 1 GiB of the card, one that names no cores the whole card's

@@ -17,20 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vgpu.core.drarecord import dra_dir
 from vgpu.dra.cdi import write_json
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
-RECORD_VERSION = 1
-
-
-def dra_dir(state_dir: Path) -> Path:
-    return state_dir / "dra"
-
-
-def record_path(state_dir: Path, claim_uid: str) -> Path:
-    return dra_dir(state_dir) / "claims" / f"{claim_uid}.json"
 
 
 def _entry_ok(entry: Any) -> bool:

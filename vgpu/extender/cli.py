@@ -135,14 +135,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"vgpu extender: {err}", file=sys.stderr)
         return 2
-    if not args.insecure_http and not (config.cert_file and config.key_file):
+    proc = config.process
+    if not args.insecure_http and not (proc.cert_file and proc.key_file):
         print(
             "vgpu extender: --cert-file and --key-file are required: kube-scheduler calls the extender over "
             "HTTPS with a verified CA (use --insecure-http only in tests)",
             file=sys.stderr,
         )
         return 2
-    if config.client_ca_file and args.insecure_http:
+    if proc.client_ca_file and args.insecure_http:
         print(
             "vgpu extender: --client-ca-file needs HTTPS (client certificates are TLS's): drop "
             "--insecure-http, or the client CA",
@@ -150,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     files = (
-        ("--cert-file", config.cert_file),
-        ("--key-file", config.key_file),
-        ("--client-ca-file", config.client_ca_file),
+        ("--cert-file", proc.cert_file),
+        ("--key-file", proc.key_file),
+        ("--client-ca-file", proc.client_ca_file),
     )
     for flag, path in files:
         if path and not os.path.isfile(path):

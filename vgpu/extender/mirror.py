@@ -1,17 +1,20 @@
 """The extender's mirror of the cluster: nodes, device plugin Leases and pods, as the watches
 deliver them (:mod:`vgpu.extender.sync` lists, then watches, and applies each event here).
 
-Nodes give their inventory annotation, Leases each device plugin's deadline, pods their
-allocation annotation, which the :class:`~vgpu.core.ledger.Ledger` commits. Everything sits
-behind one lock that :class:`vgpu.extender.state.SchedulerState` (a :class:`Mirror` with the
-verbs) shares with the placement index and the binder.
+Nodes give their inventory annotation, Leases each device plugin's deadline (read by
+:func:`vgpu.kube.lease.expires_at`), pods their allocation annotation, which the
+:class:`~vgpu.core.ledger.Ledger` commits. The mirror owns the confirmed pods' entries in the
+ledger; the :class:`~vgpu.extender.cache.PodCache` owns the assumed ones, and hears from the
+mirror when a pod is confirmed (its allocation seen) or gone; the
+:class:`~vgpu.extender.nudges.Nudges` hear when room frees. Everything sits behind the one lock of
+:class:`vgpu.extender.state.SchedulerState`, which puts these parts together.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,23 +24,14 @@ from vgpu.core.config import SchedulerConfig
 from vgpu.core.errors import AnnotationError
 from vgpu.core.gpumode import device_plugin_refusal
 from vgpu.core.ledger import Footprint, Usage
-from vgpu.core.placement import FilterResult, Placement, Shape, shape
+from vgpu.core.placement import Placement, Shape, shape
+from vgpu.extender.cache import PodCache
+from vgpu.extender.nudges import Nudges
+from vgpu.kube.lease import expires_at
 
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
-
-# A pod filter refused for lack of room is retried by kube-scheduler on cluster events, among
-# them the deletion of the pod that frees the room. That event can reach kube-scheduler, and the
-# retry reach filter, before our own pod watch has delivered it: the retry is refused again and
-# no further event comes, so kube-scheduler would wait for its next sweep of unschedulable pods
-# (every 30 s, for pods waiting longer than --pod-max-in-unschedulable-pods-duration). So when
-# the ledger frees room, pods refused within this many seconds before are nudged: the Syncer
-# annotates each (ann.ROOM_FREED_ANNOTATION), and a pod's own update makes kube-scheduler retry
-# it. At most NUDGE_MAX per freeing, the most recently refused first; REFUSED_KEPT pods tracked.
-NUDGE_WINDOW_S = 5.0
-NUDGE_MAX = 100
-REFUSED_KEPT = 4096
 
 
 @dataclass
@@ -62,34 +56,34 @@ def _rv(obj: Mapping[str, Any]) -> int:
 
 
 class Mirror:
-    def __init__(self, config: SchedulerConfig, clock: Any, placement: Placement) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        clock: Callable[[], float],
+        lock: threading.RLock,
+        placement: Placement,
+        cache: PodCache,
+        nudges: Nudges,
+    ) -> None:
         self.config = config
         self.clock = clock
-        self.lock = threading.RLock()
+        self.lock = lock
         self.placement = placement
         self.ledger = placement.ledger
+        self.cache = cache  # told when a pod is confirmed or gone
+        self.nudges = nudges  # told when room frees
         self.nodes: dict[str, NodeEntry] = {}
         # node -> (inventory, shape) for the nodes with a usable inventory; its ``get`` is placement's
         # lookup (a dict's own method: called per candidate node, so no Python frame of ours)
         self.usable: dict[str, tuple[ann.NodeInventory, Shape]] = {}
         self.lease_expiry: dict[str, float] = {}  # node -> when its plugin Lease runs out (epoch s)
         self.pod_rv: dict[str, int] = {}  # uid -> newest resourceVersion applied to the ledger
-        self.binding: set[str] = set()  # uids with a bind in flight
-        # uid -> when it lapses: the one node filter answered for the pod, held in the ledger
-        # until bind comes (see vgpu.extender.binder)
-        self.assumed: dict[str, float] = {}
-        self.recent_pods: dict[str, Obj] = {}  # uid -> pod as seen in filter (bind has only its name)
         self._pod_raw: dict[str, str] = {}  # uid -> the allocation annotation last committed
         # pods bound to a node the mirror has no Node for (deleted, or not listed yet at start):
         # node -> {uid: footprint}, out of the ledger, booked there again if the Node comes back
         self.parked: dict[str, dict[str, Footprint]] = {}
         self._parked_on: dict[str, str] = {}  # uid -> its node in ``parked``
         self.inventory_errors = 0
-        # pods filter refused for lack of room: uid -> (when, namespace, name), oldest first; and
-        # when the ledger last freed room (see NUDGE_WINDOW_S), with an event the Syncer waits on
-        self.refused: dict[str, tuple[float, str, str]] = {}
-        self.freed_at = 0.0
-        self.room_freed = threading.Event()
 
     # -- nodes ---------------------------------------------------------------------------------
     def apply_node(self, node: Obj) -> None:
@@ -179,8 +173,6 @@ class Mirror:
 
     # -- device plugin Leases ------------------------------------------------------------------
     def apply_lease(self, lease: Obj, deleted: bool = False) -> None:
-        from vgpu.kube.client import parse_time
-
         name = (lease.get("metadata") or {}).get("name") or ""
         if not name.startswith(ann.LEASE_PREFIX) or name == self.config.leader_lease:
             return
@@ -189,13 +181,8 @@ class Mirror:
             if deleted:
                 self.lease_expiry.pop(node, None)
                 return
-            spec = lease.get("spec") or {}
-            renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
-            duration = spec.get("leaseDurationSeconds") or 0
-            if renewed is None or not isinstance(duration, int):
-                self.lease_expiry[node] = 0.0
-            else:
-                self.lease_expiry[node] = renewed.timestamp() + duration + self.config.plugin_lease_grace_s
+            ends = expires_at(lease)
+            self.lease_expiry[node] = 0.0 if ends is None else ends + self.config.plugin_lease_grace_s
 
     def replace_leases(self, leases: Iterable[Obj]) -> None:
         with self.lock:
@@ -228,11 +215,10 @@ class Mirror:
         rv = _rv(pod)
         with self.lock:
             if deleted:
-                self.assumed.pop(uid, None)
+                self.cache.gone(uid)
                 self._release(uid)
                 self.pod_rv.pop(uid, None)
-                self.recent_pods.pop(uid, None)
-                self.refused.pop(uid, None)
+                self.nudges.placed(uid)
                 self._pod_raw.pop(uid, None)
                 return
             if rv and rv < self.pod_rv.get(uid, 0):
@@ -240,8 +226,8 @@ class Mirror:
             self.pod_rv[uid] = max(rv, self.pod_rv.get(uid, 0))
             if finished(pod):
                 self._pod_raw.pop(uid, None)
-                self.assumed.pop(uid, None)
-                self.refused.pop(uid, None)
+                self.cache.gone(uid)
+                self.nudges.placed(uid)
                 self._release(uid)  # finished pods hold nothing, as for any Kubernetes resource
                 return
             raw = (meta.get("annotations") or {}).get(ann.ALLOCATION_ANNOTATION)
@@ -286,7 +272,7 @@ class Mirror:
                     "; ".join(booking.problems),
                 )
                 self._count_untrusted("mismatch")
-            self.assumed.pop(uid, None)
+            self.cache.confirm(uid)  # an assumption of ours, if any, is this pod's booking now
             self._book(uid, allocation.node, booking.footprint)
             self._pod_raw[uid] = raw
 
@@ -302,8 +288,8 @@ class Mirror:
         seen = {(p.get("metadata") or {}).get("uid") for p in pods}
         with self.lock:
             for uid in [*self.ledger.pods(), *self._parked_on]:
-                if uid not in seen and uid not in self.binding:
-                    self.assumed.pop(uid, None)
+                if uid not in seen and uid not in self.cache.binding:
+                    self.cache.gone(uid)
                     self._release(uid)
                     self.pod_rv.pop(uid, None)
                     self._pod_raw.pop(uid, None)
@@ -322,35 +308,7 @@ class Mirror:
         if self.ledger.node_of(uid) is None:
             return
         self.ledger.release(uid)
-        self.freed_at = self.clock()
-        self.room_freed.set()
-
-    # -- pods refused for lack of room, nudged when room frees ---------------------------------
-    def note_refusal(self, pod: Obj, uid: str | None, result: FilterResult, now: float) -> None:
-        """Remember a pod refused for lack of room (some node failed, none fit). Caller holds the lock."""
-        if not uid:
-            return
-        self.refused.pop(uid, None)  # re-inserted last: the dict stays in refusal order
-        if result.nodes or not result.failed or result.error:
-            return
-        meta = pod.get("metadata") or {}
-        self.refused[uid] = (now, str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
-        while len(self.refused) > REFUSED_KEPT:
-            self.refused.pop(next(iter(self.refused)))
-
-    def take_nudges(self) -> list[tuple[str, str, str]]:
-        """(uid, namespace, name) of the pods to nudge since room last freed, most recent first;
-        each is forgotten (a new refusal notes it again)."""
-        with self.lock:
-            since = self.freed_at - NUDGE_WINDOW_S
-            out: list[tuple[str, str, str]] = []
-            for uid, (when, namespace, name) in reversed(self.refused.items()):
-                if when < since or len(out) == NUDGE_MAX:
-                    break
-                out.append((uid, namespace, name))
-            for uid, _, _ in out:
-                del self.refused[uid]
-            return out
+        self.nudges.freed()
 
     # -- for the webhook and metrics -------------------------------------------------------------
     def largest_card(self) -> tuple[int, int] | None:

@@ -27,16 +27,10 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 
 from vgpu.core.config import SchedulerConfig
+from vgpu.core.hostport import split_hostport
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
-
-
-def split_hostport(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{flag} must be HOST:PORT, got {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def tune_gil() -> None:

@@ -43,6 +43,10 @@ from gunicorn.util import hop_headers, http_date
 from gunicorn.workers.gthread import ThreadWorker
 
 LINGER_S = 0.01
+# gunicorn's heartbeat: the worker sets a file's times (a system call) on every turn of its event
+# loop, which on a busy extender is several times per pod; the arbiter only reads it against the
+# timeout (120 s, vgpu/extender/server.py), so once a second is as good
+NOTIFY_EVERY_S = 1.0
 # "0" (or false/no/off) turns the short parser off: every request then goes through gunicorn's
 SHORT_PARSER_ENV = "VGPU_EXTENDER_SHORT_PARSER"
 HEAD_MAX = 8192  # kube-scheduler's heads are ~200 bytes; gunicorn's own limits apply past this
@@ -139,6 +143,14 @@ class LingeringThreadWorker(ThreadWorker):  # type: ignore[misc]
     linger_s = LINGER_S
     fast_path = short_parser_enabled()
     _base_environ: dict[str, Any] | None = None
+    _notified = float("-inf")
+
+    def notify(self) -> None:
+        """Tell the arbiter the worker lives, at most every :data:`NOTIFY_EVERY_S`."""
+        now = time.monotonic()
+        if now - self._notified >= NOTIFY_EVERY_S:
+            self._notified = now
+            super().notify()
 
     def handle(self, conn: Any) -> Any:
         keep = self._serve_one(conn)

@@ -14,8 +14,9 @@ A ``checksum`` (FNV-1a 64 over every byte from ``num_devices`` on) tells a whole
 damaged one; the hook refuses every allocation under a damaged grant rather than guess.
 
 Writers (the device plugin at Allocate; live resize, ``vgpu.hookabi.resize.apply_limits``, from
-``vgpu limits set`` and the node monitor) change a grant in place, never by renaming a new file
-over it: the container's bind mount holds the inode, so a renamed file would never reach it. A
+``vgpu limits set``; the node monitor's compute gate) change a grant in place, never by renaming a
+new file over it (only a new grant is written whole, by ``vgpu.hookabi.files.write_atomic``): the
+container's bind mount holds the inode, so a renamed file would never reach it. A
 change bumps ``seq`` to odd, stores each changed word with one aligned store through the map
 (the hook reads single words without a lock, as it did from the region), stores the new
 checksum, and bumps ``seq`` to even.
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from vgpu.hookabi.files import write_atomic
 from vgpu.hookabi.layout import (
     CTYPES,
     GRANT,
@@ -52,6 +54,11 @@ from vgpu.hookabi.layout import (
 )
 from vgpu.hookabi.region import DeviceState, RegionError, Snapshot
 
+# The grant's host path, defined here alone (contract 5; vgpu/node/paths.py builds on it): the
+# grant of the container whose region folder is <vgpu dir>/containers/<folder> is
+# <vgpu dir>/grants/<folder>.limits, the vgpu dir being /var/lib/vgpu under the node's root.
+CONTAINERS_FOLDER = "containers"
+GRANTS_FOLDER = "grants"
 GRANT_SUFFIX = ".limits"
 # What one CUDA context costs on the card, charged once per process and device (the hook's
 # VGPU_CONTEXT_RESERVE default; measured on an H200 with CUDA 13, see docs/hook.md).
@@ -100,10 +107,10 @@ class Grant:
     region_path: str = ""
     context_reserve: int = DEFAULT_CONTEXT_RESERVE
     # the node's compute gate per device: no launch before this CLOCK_MONOTONIC ns (0 = open);
-    # written only by the node monitor (vgpu.plugin.monitor.compute), never at Allocate
+    # written only by the node monitor (vgpu.monitor.compute), never at Allocate
     hold_until: tuple[int, ...] = ()
     # the driver's measure of the container's GPU time over the hook's, x SHARE_SCALE_ONE (0 = 1.0);
-    # written only by the node monitor (vgpu.plugin.monitor.sharescale), never at Allocate
+    # written only by the node monitor (vgpu.monitor.sharescale), never at Allocate
     share_scales: tuple[int, ...] = ()
     # MPS mode (docs/mps.md): SHARING_MPS makes every process of the container a client of the
     # card's MPS daemon through mps_pipe (the pipe folder as the container sees it)
@@ -146,6 +153,11 @@ class Grant:
         return values[index]
 
 
+def grants_dir_of(vgpu_dir: Path) -> Path:
+    """The grants' folder of the node whose vgpu dir (``/var/lib/vgpu`` under its root) this is."""
+    return vgpu_dir / GRANTS_FOLDER
+
+
 def grant_path(grants_dir: Path, folder_name: str) -> Path:
     """The grant of the container whose folder is ``containers/<folder_name>``."""
     return grants_dir / f"{folder_name}{GRANT_SUFFIX}"
@@ -153,7 +165,7 @@ def grant_path(grants_dir: Path, folder_name: str) -> Path:
 
 def grant_of_container_dir(container_dir: Path) -> Path:
     """``/var/lib/vgpu/containers/<f>`` -> ``/var/lib/vgpu/grants/<f>.limits`` (the plugin's layout)."""
-    return grant_path(container_dir.parent.parent / "grants", container_dir.name)
+    return grant_path(grants_dir_of(container_dir.parent.parent), container_dir.name)
 
 
 def _pack(buf: bytearray | memoryview, name: str, value: int, index: int = 0) -> None:
@@ -300,10 +312,7 @@ def write_grant(path: str | os.PathLike[str], grant: Grant) -> None:
     try:
         read_grant(path)
     except GrantError:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(encode(grant))
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
+        write_atomic(path, encode(grant), 0o644)
         return
     _change(path, lambda old: grant)
 

@@ -111,14 +111,14 @@ GRANT: tuple[Field, ...] = (
     Field("budget", "uint64_t", MAX_DEVICES, doc="device bytes before spilling; 0 = card's free memory"),
     Field("uuid", "char", MAX_DEVICES, UUID_BYTES, doc="device UUID per index, NUL-terminated"),
     Field("region_path", "char", PATH_BYTES, doc="the container's region file, NUL-terminated"),
-    # grant layout 2: the node's compute gate (vgpu/plugin/monitor/compute.py)
+    # grant layout 2: the node's compute gate (vgpu/monitor/compute.py)
     Field(
         "hold_until_ns",
         "uint64_t",
         MAX_DEVICES,
         doc="the node's gate: no launch on the device before this CLOCK_MONOTONIC ns; 0 = open",
     ),
-    # grant layout 3: one measure of a compute share (vgpu/plugin/monitor/sharescale.py)
+    # grant layout 3: one measure of a compute share (vgpu/monitor/sharescale.py)
     Field(
         "share_scale",
         "uint32_t",

@@ -37,7 +37,7 @@ import os
 import stat
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -406,47 +406,6 @@ class Region:
         self._store("arbiter_ns", 0, now_ns)
 
 
-def format_region(
-    path: str | os.PathLike[str],
-    uuids: Sequence[str],
-    *,
-    limits: Sequence[int] = (),
-    sm_limits: Sequence[int] = (),
-    budgets: Sequence[int] = (),
-    priority: int = 1,
-    sm_policy: int = 0,
-) -> None:
-    """Write a fresh region file as the hook's ``init_header`` lays it out, for tests and tools.
-
-    The hook creates the real ones (it alone can set up the process-shared robust mutex; here
-    its bytes stay zero), so a CUDA process should never attach to a file made by this.
-    """
-    buf = bytearray(REGION_SIZE)
-    struct.pack_into("=Q", buf, _H["magic"], MAGIC)
-    for name, value in (
-        ("version", LAYOUT_VERSION),
-        ("header_size", HEADER_LAYOUT.size),
-        ("slot_size", SLOT_LAYOUT.size),
-        ("max_devices", MAX_DEVICES),
-        ("max_procs", MAX_PROCS),
-        ("num_devices", len(uuids)),
-        ("priority", priority),
-        ("sm_policy", sm_policy),
-    ):
-        struct.pack_into("=I", buf, _H[name], value)
-    for i, uuid in enumerate(uuids):
-        raw = uuid.encode()[: UUID_BYTES - 1]
-        buf[_H["uuid"] + i * UUID_BYTES : _H["uuid"] + i * UUID_BYTES + len(raw)] = raw
-    for name, values, code in (
-        ("limit", limits, "Q"),
-        ("sm_limit", sm_limits, "I"),
-        ("budget", budgets, "Q"),
-    ):
-        for i, value in enumerate(values):
-            struct.pack_into("=" + code, buf, _H[name] + struct.calcsize(code) * i, value)
-    Path(path).write_bytes(bytes(buf))
-
-
 def _decode(data: bytes, max_procs: int) -> Snapshot:
     h = HEADER_LAYOUT.offsets
     num = min(_u("I", data, h["num_devices"]), MAX_DEVICES)
@@ -493,18 +452,3 @@ def _decode(data: bytes, max_procs: int) -> Snapshot:
 
 
 MAX_BYTES = (1 << 64) - 1  # a limit or budget is one uint64_t word of the region and the grant
-
-
-def parse_size(text: str) -> int:
-    """Contract 4's units: a plain number is bytes; k, m, g suffixes are powers of 1024.
-
-    Refuses what a region's 64-bit word cannot hold (more than ``MAX_BYTES``)."""
-    value = text.strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:], 1)
-    digits = value[:-1] if scale != 1 else value
-    if not (digits.isascii() and digits.isdigit()):
-        raise ValueError(f"{text!r} is not a size: write bytes, or a number with k, m or g (e.g. 4096m)")
-    size = int(digits) * scale
-    if size > MAX_BYTES:
-        raise ValueError(f"{text!r} is more than 2^64-1 bytes (16 EiB), the most a size can be")
-    return size

@@ -6,8 +6,8 @@ use, the budget in force) it returns the change, with what the operator should k
 grant where there is one (the region's copy follows), else the region's own words.
 
 A ``LimitError`` names the value at fault in plain words (``field``: one of ``FIELDS``), never
-a command's flag: ``vgpu limits set`` (vgpu/commands/limits.py) maps fields to its flags, and
-the node monitor's ``resize_container`` passes the message on as it is.
+a command's flag: ``vgpu limits set`` (vgpu/commands/limits.py) maps fields to its flags; any
+other caller can pass the message on as it is.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ after the delay (one 410 lists at once, as before).
 
 ``synced`` is set once the first list is applied (``on_synced`` is then called once); ``lists``
 counts the lists. The users: the extender's pods, nodes and Leases (:mod:`vgpu.extender.sync`),
-the device plugin's arrival order (:mod:`vgpu.plugin.arrivals`) and the sandbox's kubelet
+the device plugin's arrival order (:mod:`vgpu.deviceplugin.arrivals`) and the sandbox's kubelet
 stand-in. It speaks only through the two functions, so a fake source tests it (tests/unit).
 """
 

@@ -13,7 +13,7 @@
  * STUB_CUDA_KERNEL_US (2): how long each launch occupies its stream on the simulated GPU
  * timeline (stub_launch.c), also settable with stubSetKernelNs().
  * STUB_CUDA_PROCESS_DIR: where the stub records this process's device memory as the real driver
- * keeps it for NVML (the fake NVML backend's processDir, vgpu/plugin/fake_nvml.py): the file
+ * keeps it for NVML (the fake NVML backend's processDir, vgpu/node/fake_nvml.py): the file
  * <pid>@<start time> (PID in the process's own namespace, /proc/self/stat field 22), one
  * "<uuid or index> <bytes>" line per device, rewritten (write, rename) on every allocation and free;
  * and its GPU time in <pid>@<start time>.sm (stub_launch.c), as the driver samples it for
@@ -166,7 +166,7 @@ static unsigned long long held_by(const char *dir, const char *pid, const char *
 }
 
 /* The driver's cap on this process's cgroup (r615's nvmlDeviceSetMemoryLimits_v1), as the fake NVML
- * writes it (vgpu/plugin/fake_memcap.py): STUB_CUDA_PROCESS_DIR/caps/<name of the cgroup's folder>,
+ * writes it (vgpu/node/fake_memcap.py): STUB_CUDA_PROCESS_DIR/caps/<name of the cgroup's folder>,
  * "<cgroup folder> <uuid or index> <hard bytes>" per line. 1 when taking size more on dev would take
  * the cgroup's processes (its cgroup.procs, each one's file beside ours; ours from memory) past it. */
 static int over_cgroup_cap(int dev, unsigned long long size) {

@@ -17,7 +17,7 @@
  *
  * With STUB_CUDA_PROCESS_DIR, the process's GPU time goes to <pid>@<start time>.sm there, as the
  * driver keeps it for nvmlDeviceGetProcessUtilization (the fake NVML backend turns it into
- * samples, vgpu/plugin/fake_nvml.py): one "<uuid or index> <launched ns> <end ns>..." line per
+ * samples, vgpu/node/fake_nvml.py): one "<uuid or index> <launched ns> <end ns>..." line per
  * device, the kernel time ever queued and the CLOCK_MONOTONIC end of each stream still busy, so
  * that a reader at time t counts launched - sum(end - t, for each end past t). Rewritten (write,
  * rename) by a launch when 2 ms went by or 1 ms of kernel time was queued since the last write,

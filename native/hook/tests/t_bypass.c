@@ -2,7 +2,7 @@
  * dlmopen(LM_ID_NEWLM) (where neither /etc/ld.so.preload nor LD_PRELOAD reaches) and finds
  * cuMemAlloc_v2 and the rest in libcuda's own ELF symbol table, never through dlsym (which the
  * hook interposes) nor the dynamic linker's symbol lookup. Whatever the hook's grant says, only
- * the driver decides, so only the node's enforcer (vgpu/plugin/monitor/enforce.py) can stop it.
+ * the driver decides, so only the node's enforcer (vgpu/monitor/enforce.py) can stop it.
  *
  *   t_bypass BELOW_MIB TARGET_MIB
  * allocates BELOW_MIB, says "below total_mib=..." and waits 1 s (the enforcer sees it within its

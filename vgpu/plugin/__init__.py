@@ -1,1 +1,0 @@
-"""The kubelet device plugin for vGPUs: discovery, the kubelet gRPC server, Allocate, the node monitor."""
