@@ -1,10 +1,19 @@
 """Figures for DRA: vGPU pods per second through kube-scheduler's DRA allocator, beside the
 extender path, on the same KWOK nodes in one run (docs/dra.md).
 
-Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36; ``--without-policies``
-adds a fourth burst per round on slices whose capacities carry no ``requestPolicy``):
+Run (needs a 1.34+ control plane; shares of one card, as here, need 1.36):
     .venv/bin/python bench/bench_dra.py \\
-        [--nodes 1000] [--pods 500] [--pairs 1] [--without-policies]
+        [--nodes 1000] [--pods 500] [--pairs 1] [--shapes main,current,bare,plain,current@10] \\
+        [--profile DIR [--profile-seconds 10]] [--keep DIR]
+
+``--shapes``: the slice, DeviceClass and claim shapes of bench/dra_shapes.py, a DRA burst each per
+round, in turn (each round starts where the last ended, so the slices are replaced as seldom as
+possible); ``NAME@P`` runs the shape with kube-scheduler's ``percentageOfNodesToScore`` P.
+``--profile``: a CPU profile of kube-scheduler over each DRA burst's first seconds
+(bench/dra_profile.py), its top frames printed. (The other processes' CPU per pod in a DRA burst
+is mostly the cluster's upkeep, which the run prints first: KWOK's node heartbeats cost the API
+server, etcd and KWOK the same CPU per second whatever is scheduled, so per pod they grow with
+the burst's length.)
 
 One control-plane-only sandbox in a temp folder with N KWOK nodes of 8 cards (80 GiB each), each
 node carrying both what the extender path reads (the inventory annotation and a fresh plugin
@@ -17,9 +26,9 @@ one mode). For each pair:
 
 1. kube-scheduler alone (no extender): P pods asking ``cpu``, the baseline;
 2. the extender path: P pods asking ``nvidia.com/gpumem: 1000`` through kube-scheduler + extender;
-3. the DRA path: P pods each with a claim from the template, kube-scheduler alone (its DRA
-   allocator). The claims are made by kube-controller-manager from the template when the pods are
-   created, before kube-scheduler starts.
+3. the DRA path, once per shape: P pods each with a claim from the template, kube-scheduler
+   alone (its DRA allocator). The claims are made by kube-controller-manager from the template
+   when the pods are created, before kube-scheduler starts.
 
 Pods/s from the first bound pod to the last, as a watch sees them (bench_scheduler.burst), CPU per
 pod of each process, and the share of kube-scheduler alone. Prints one line per figure and the
@@ -45,70 +54,54 @@ from bench_scheduler import (
     Extender,
     alone_then_extender,
     burst,
+    cpu_seconds,
     create,
     node_items,
     settle,
     start_scheduler,
 )
-from vgpu_sandbox import controlplane
+from dra_profile import Profiled, top
+from dra_shapes import SHAPES, Shape
+from vgpu_sandbox import controlplane, product
 from vgpu_sandbox.cluster import Sandbox, Spec
 
-from vgpu.dra.slices import DRIVER, build_slice
+from vgpu.dra.slices import DRIVER
 from vgpu.kube.client import Kube
-from vgpu.node.discovery import Card
 
-CARD_MIB = 81920
 TEMPLATE = "bench-1000mi-10"
 RESOURCE = "/apis/resource.k8s.io/v1"
 
 
-def slice_items(nodes: list[dict[str, Any]], policies: bool = True) -> list[dict[str, Any]]:
-    """One ResourceSlice per node, 8 cards each, built by `vgpu dra-plugin`'s own builder;
-    without ``policies``, its capacities lose their ``requestPolicy`` (what that costs the
-    allocator: ``--without-policies``)."""
-    out = []
-    for node in nodes:
-        name = node["metadata"]["name"]
-        cards = [
-            Card(f"GPU-{name}-{k}", k, "NVIDIA A100", CARD_MIB, numa=k // 4, compute_capability="8.0")
-            for k in range(8)
-        ]
-        made = build_slice(name, cards, 1, driver_version="570.124.6")
-        if not policies:
-            for dev in made["spec"]["devices"]:
-                for capacity in dev["capacity"].values():
-                    capacity.pop("requestPolicy", None)
-        out.append(made)
-    return out
+def base(variant: str) -> str:
+    """The shape of a ``--shapes`` entry: ``main@10`` is the shape ``main``."""
+    return variant.partition("@")[0]
 
 
-def replace_slices(sb: Sandbox, nodes: list[dict[str, Any]], policies: bool) -> None:
-    sb.kubectl("delete", "resourceslices", "--all", timeout=600)
-    create(sb, slice_items(nodes, policies))
+def percentage(variant: str) -> int | None:
+    """kube-scheduler's ``percentageOfNodesToScore`` of a ``--shapes`` entry (``main@10``: 10),
+    None for its default (at 1,000 nodes: 42 %, at least 100 nodes)."""
+    pct = variant.partition("@")[2]
+    return int(pct) if pct.isdigit() else None
 
 
-def dra_objects() -> list[dict[str, Any]]:
-    device_class = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": DRIVER},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-    }
-    request = {
-        "name": "gpu",
-        "exactly": {
-            "deviceClassName": DRIVER,
-            "count": 1,
-            "capacity": {"requests": {"memory": "1000Mi", "cores": "10"}},
-        },
-    }
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": TEMPLATE, "namespace": NAMESPACE},
-        "spec": {"spec": {"devices": {"requests": [request]}}},
-    }
-    return [device_class, template]
+def cpu_cores(seconds: float) -> str:
+    """CPU cores each watched process uses over ``seconds`` with nothing scheduled."""
+    before = {k: cpu_seconds(p) for k, p in WATCHED.items()}
+    time.sleep(seconds)
+    return ", ".join(f"{k} {(cpu_seconds(p) - before[k]) / seconds:.2f}" for k, p in WATCHED.items())
+
+
+def apply_shape(sb: Sandbox, kube: Kube, nodes: list[dict[str, Any]], shape: Shape, first: bool) -> None:
+    """Every node's slice, the DeviceClass and the claim template as ``shape`` has them."""
+    if not first:
+        # one collection delete: kubectl's --all deletes the slices one by one (minutes at 1,000)
+        sb.kubectl("delete", "--raw", f"{RESOURCE}/resourceslices", timeout=600)
+        while kube.get(f"{RESOURCE}/resourceslices?limit=1").get("items"):
+            time.sleep(0.5)
+        sb.kubectl("delete", "deviceclass", DRIVER, timeout=120)
+        sb.kubectl("delete", "resourceclaimtemplate", "-n", NAMESPACE, TEMPLATE, timeout=120)
+    create(sb, shape.slices(nodes))
+    create(sb, shape.objects(NAMESPACE, TEMPLATE))
 
 
 def claim_pod(name: str, scheduler: str) -> dict[str, Any]:
@@ -152,15 +145,26 @@ def delete_all(sb: Sandbox, kube: Kube) -> None:
     wait_claims(kube, 0)  # the claims go with their pods (the resourceclaim controller)
 
 
-def dra_burst(sb: Sandbox, kube: Kube, folder: Path, pods: int, config: str) -> float:
-    """Pods/s placing ``pods`` claim pods with kube-scheduler alone, their claims made first."""
+def dra_burst(
+    sb: Sandbox, kube: Kube, folder: Path, pods: int, config: str, profiled: Profiled | None = None
+) -> float:
+    """Pods/s placing ``pods`` claim pods with kube-scheduler alone, their claims made first
+    (``profiled``: kube-scheduler started with its pprof endpoint, and profiled)."""
     create(sb, [claim_pod(f"dra-bench-{i}", "dra-bench") for i in range(pods)])
     wait_claims(kube, pods)
-    start = lambda: start_scheduler(sb, folder, "dra", config)  # noqa: E731
-    return burst(sb, kube, "dra-bench", pods, {}, start, create_pods=False)
+    if profiled is not None:
+        start = lambda: profiled.start("dra", config)  # noqa: E731
+    else:
+        start = lambda: start_scheduler(sb, folder, "dra", config)  # noqa: E731
+    rate = burst(sb, kube, "dra-bench", pods, {}, start, create_pods=False)
+    if profiled is not None and (why := profiled.wait()):
+        print(f"  {why}", flush=True)
+    return rate
 
 
-def run(n: int, pods: int, pairs: int, work: Path, without_policies: bool = False) -> None:
+def run(
+    n: int, pods: int, pairs: int, work: Path, shapes: list[str], profile: Path | None, seconds: float
+) -> None:
     sb = Sandbox(work / f"sandbox-{n}")
     sb.up(Spec(nodes=1, product=False))
     ext = None
@@ -178,13 +182,14 @@ def run(n: int, pods: int, pairs: int, work: Path, without_policies: bool = Fals
         t0 = time.monotonic()
         create(sb, nodes)
         create(sb, leases)
-        create(sb, slice_items(nodes))
-        create(sb, dra_objects())
+        current = base(shapes[0])
+        apply_shape(sb, kube, nodes, SHAPES[current], first=True)
         print(
             f"[{n} nodes] nodes, Leases and ResourceSlices created in {time.monotonic() - t0:.1f} s",
             flush=True,
         )
         folder = work / f"ext-{n}"
+        product.grant_accounts(sb)  # the scheduler's account, which the extender impersonates
         ext = Extender(sb, folder)
         state = sb.state()
         WATCHED.clear()
@@ -194,8 +199,13 @@ def run(n: int, pods: int, pairs: int, work: Path, without_policies: bool = Fals
         WATCHED["extender"] = ext.procs[0].pid
         settle()
         plain = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="plain-bench")
-        dra = controlplane.scheduler_config(sb.kubeconfig, scheduler_name="dra-bench")
-        ext_share, dra_share, bare_share = [], [], []
+        upkeep = cpu_cores(5.0)
+        # the cluster's own upkeep (KWOK's 1,000 node heartbeats: Lease and node status writes),
+        # which every burst pays for as long as it lasts: it weighs most on the slowest burst's
+        # per-pod figures (per pod = these cores x the burst's seconds / pods)
+        print(f"[{n} nodes] upkeep with no pods, CPU cores: {upkeep}", flush=True)
+        ext_share: list[float] = []
+        shares: dict[str, list[float]] = {name: [] for name in shapes}
         for k in range(1, pairs + 1):
             tag = f"[{n} nodes] {k}/{pairs}" if pairs > 1 else f"[{n} nodes]"
             alone, rate = alone_then_extender(
@@ -205,33 +215,43 @@ def run(n: int, pods: int, pairs: int, work: Path, without_policies: bool = Fals
             print(f"{tag} extender path (gpumem 1000):     {pods} pods, {rate:6.1f} pods/s", flush=True)
             print(f"{tag}   {LAST_CPU[0]}", flush=True)
             delete_all(sb, kube)
-            claimed = dra_burst(sb, kube, folder, pods, dra)
-            dra_share.append(100.0 * claimed / alone)
-            print(f"{tag} DRA path (claim 1000Mi, 10 cores): {pods} pods, {claimed:6.1f} pods/s", flush=True)
-            print(f"{tag}   {LAST_CPU[0]}", flush=True)
-            delete_all(sb, kube)
-            if without_policies:
-                replace_slices(sb, nodes, policies=False)
-                settle()
-                bare = dra_burst(sb, kube, folder, pods, dra)
-                bare_share.append(100.0 * bare / alone)
-                print(f"{tag} DRA path, no requestPolicy:        {pods} pods, {bare:6.1f} pods/s", flush=True)
+            # each round takes the shapes in turn, starting where the last round ended
+            order = shapes if base(shapes[0]) == current else list(reversed(shapes))
+            for name in order:
+                if base(name) != current:
+                    current = base(name)
+                    apply_shape(sb, kube, nodes, SHAPES[current], first=False)
+                    settle()
+                dra = controlplane.scheduler_config(
+                    sb.kubeconfig, scheduler_name="dra-bench", percentage_of_nodes_to_score=percentage(name)
+                )
+                profiled = None
+                if profile is not None:
+                    out = profile / f"dra-{n}-{name}-{k}.pb.gz"
+                    profiled = Profiled(sb, folder, seconds, out)
+                claimed = dra_burst(sb, kube, folder, pods, dra, profiled)
+                shares[name].append(100.0 * claimed / alone)
+                print(
+                    f"{tag} DRA path, shape {name:9s}: {pods} pods, {claimed:6.1f} pods/s "
+                    f"({shares[name][-1]:.0f} % of alone)",
+                    flush=True,
+                )
                 print(f"{tag}   {LAST_CPU[0]}", flush=True)
+                if profiled is not None and profiled.out.exists():
+                    print(f"{tag}   profile {profiled.out}", flush=True)
+                    print(top(sb.bin("kube-scheduler"), profiled.out), flush=True)
                 delete_all(sb, kube)
-                replace_slices(sb, nodes, policies=True)
-                settle()
-        if bare_share:
-            print(
-                f"[{n} nodes] DRA path without requestPolicy, share of alone, median over {pairs}: "
-                f"{statistics.median(bare_share):.0f} % ({', '.join(f'{x:.0f}' for x in bare_share)})",
-                flush=True,
-            )
         print(
             f"[{n} nodes] share of kube-scheduler alone, median over {pairs}: extender path "
-            f"{statistics.median(ext_share):.0f} % ({', '.join(f'{x:.0f}' for x in ext_share)}), DRA path "
-            f"{statistics.median(dra_share):.0f} % ({', '.join(f'{x:.0f}' for x in dra_share)})",
+            f"{statistics.median(ext_share):.0f} % ({', '.join(f'{x:.0f}' for x in ext_share)})",
             flush=True,
         )
+        for name, got in shares.items():
+            print(
+                f"[{n} nodes]   DRA path, shape {name}: {statistics.median(got):.0f} % "
+                f"({', '.join(f'{x:.0f}' for x in got)})",
+                flush=True,
+            )
     finally:
         if ext is not None:
             ext.stop()
@@ -242,20 +262,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, default=1000, help="KWOK nodes")
     parser.add_argument("--pods", type=int, default=500, help="pods per burst")
-    parser.add_argument("--pairs", type=int, default=1, help="rounds of the three bursts (median share)")
+    parser.add_argument("--pairs", type=int, default=1, help="rounds of the bursts (median share)")
     parser.add_argument(
-        "--without-policies",
-        action="store_true",
-        help="a fourth burst per round: the DRA path on slices whose capacities have no requestPolicy",
+        "--shapes",
+        default="current",
+        help=f"comma-separated shapes ({', '.join(SHAPES)}), a DRA burst each per round; NAME@P: with "
+        "kube-scheduler's percentageOfNodesToScore P",
     )
+    parser.add_argument(
+        "--profile", type=Path, help="folder for a CPU profile of kube-scheduler per DRA burst"
+    )
+    parser.add_argument("--keep", type=Path, help="work in this folder (kept) instead of a temporary one")
+    parser.add_argument("--profile-seconds", type=float, default=10, help="length of each profile")
     args = parser.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if base(s) not in SHAPES or (percentage(s) or 1) not in range(1, 101)]
+    if unknown or not shapes:
+        parser.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     print(
         f"machine: {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
         f"VGPU_BIN_DIR={os.environ.get('VGPU_BIN_DIR', '')}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="vgpu-bench-dra-") as tmp:
-        run(args.nodes, args.pods, args.pairs, Path(tmp), args.without_policies)
+        run(
+            args.nodes,
+            args.pods,
+            args.pairs,
+            Path(args.keep or tmp),
+            shapes,
+            args.profile,
+            args.profile_seconds,
+        )
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     return 0
 
 

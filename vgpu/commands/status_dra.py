@@ -17,12 +17,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from vgpu.commands.status_model import CardStatus, NodeStatus, Share
+from vgpu.core import draslice as shape
 from vgpu.core.claimconfig import DRIVER as DRA_DRIVER
+from vgpu.core.draslice import MIB, attribute, capacity
 from vgpu.core.errors import RequestError
 from vgpu.core.gpumode import DRA
 from vgpu.core.quantity import parse_quantity
 
-MIB = 1 << 20
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"
 
@@ -32,14 +33,6 @@ def _quantity(value: Any) -> int | None:
         return parse_quantity(value, "capacity")
     except RequestError:
         return None
-
-
-def _attr(device: dict[str, Any], name: str, kind: str) -> Any:
-    return ((device.get("attributes") or {}).get(name) or {}).get(kind)
-
-
-def _capacity(device: dict[str, Any], name: str) -> int | None:
-    return _quantity(((device.get("capacity") or {}).get(name) or {}).get("value"))
 
 
 def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -52,20 +45,20 @@ def dra_cards(slices: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str,
         if spec.get("driver") != DRA_DRIVER or not isinstance(node, str):
             continue
         for d in spec.get("devices") or []:
-            if _attr(d, "type", "string") == "mig":
+            if attribute(d, shape.TYPE, "string") == shape.MIG_TYPE:
                 _mig_device(out.setdefault(node, {}), d)
                 continue
-            memory, cores = _capacity(d, "memory"), _capacity(d, "cores")
+            memory, cores = capacity(d, shape.MEMORY), capacity(d, shape.CORES_CAPACITY)
             if not isinstance(d.get("name"), str) or memory is None:
                 continue
-            index = _attr(d, "index", "int")
+            index = attribute(d, shape.INDEX, "int")
             out.setdefault(node, {})[d["name"]] = {
                 "index": index if isinstance(index, int) else -1,
-                "uuid": str(_attr(d, "uuid", "string") or ""),
-                "model": str(_attr(d, "productName", "string") or ""),
+                "uuid": str(attribute(d, shape.UUID, "string") or ""),
+                "model": str(attribute(d, shape.PRODUCT, "string") or ""),
                 "memory_mib": memory // MIB,
-                "cores": cores if cores is not None else 100,
-                "mode": str(_attr(d, "sharing", "string") or "timeslice"),
+                "cores": cores if cores is not None else shape.CORES,
+                "mode": str(attribute(d, shape.SHARING, "string") or "timeslice"),
             }
     return out
 
@@ -74,18 +67,18 @@ def _mig_device(cards: dict[str, dict[str, Any]], d: dict[str, Any]) -> None:
     """A MIG placement (docs/mig.md#mig-with-dra): its card once (``gpu-<parentIndex>``, its memory
     the whole card's slices), and the placement itself, marked ``slice_of`` that card, for the
     claims allocated on it (the slice's memory and compute share)."""
-    index, memory = _attr(d, "parentIndex", "int"), _capacity(d, "memory")
+    index, memory = attribute(d, shape.PARENT_INDEX, "int"), capacity(d, shape.MEMORY)
     if not isinstance(d.get("name"), str) or not isinstance(index, int) or memory is None:
         return
-    compute = _attr(d, "computeSlices", "int")
-    parent = f"gpu-{index}"
+    compute = attribute(d, shape.COMPUTE_SLICES, "int")
+    parent = shape.device_name(index)
     entry = {
         "index": index,
-        "uuid": str(_attr(d, "parentUUID", "string") or ""),
-        "model": f"{_attr(d, 'productName', 'string') or ''} (MIG)",
+        "uuid": str(attribute(d, shape.PARENT_UUID, "string") or ""),
+        "model": f"{attribute(d, shape.PRODUCT, 'string') or ''} (MIG)",
         "memory_mib": memory // MIB,
-        "cores": 100,
-        "mode": "mig",
+        "cores": shape.CORES,
+        "mode": shape.MIG_TYPE,
     }
     card = cards.setdefault(parent, entry)
     card["memory_mib"] = max(card["memory_mib"], memory // MIB)
@@ -110,8 +103,8 @@ def dra_shares(claims: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(r, dict) or r.get("driver") != DRA_DRIVER:
                 continue
             consumed = r.get("consumedCapacity") or {}
-            memory = _quantity(consumed.get("memory")) if "memory" in consumed else None
-            cores = _quantity(consumed.get("cores")) if "cores" in consumed else None
+            memory = _quantity(consumed[shape.MEMORY]) if shape.MEMORY in consumed else None
+            cores = _quantity(consumed[shape.CORES_CAPACITY]) if shape.CORES_CAPACITY in consumed else None
             out.append(
                 {
                     "node": str(r.get("pool", "")),

@@ -29,23 +29,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vgpu.core import draslice as shape
 from vgpu.core.claimconfig import DRIVER
+from vgpu.core.draslice import MIB, MIG_TYPE
 from vgpu.core.errors import VgpuError
 from vgpu.core.mig import COMPUTE_SLICES, MEMORY_SLICES, MigTable, Placement, Profile
 from vgpu.core.quantity import parse_quantity
 from vgpu.dra.slices import semver
 from vgpu.node.discovery import Card
 
-MIB = 1 << 20
 COMPUTE_COUNTER = "compute-slices"
 MEDIA_COUNTER = "media-extensions"
 COUNTER_SETS_PER_SLICE = 8
 DEVICES_PER_SLICE = 64  # where a device consumes counters
-MIG_TYPE = "mig"
 # The DeviceClasses (charts/vgpu/templates/dra-deviceclass.yaml): shares of whole time-sliced cards
 # (a device with no attribute sharing counts as one: slices of older plugins), shares of cards
 # shared through MPS (MPS_CLASS), MIG slices.
-_SHARING = f'device.attributes["{DRIVER}"].sharing'
+_SHARING = f'device.attributes["{DRIVER}"].{shape.SHARING}'
 SHARED_SELECTOR = (
     f'device.driver == "{DRIVER}" && device.allowMultipleAllocations'
     f' && (!has({_SHARING}) || {_SHARING} == "timeslice")'
@@ -131,28 +131,28 @@ def slots(card: Card, table: MigTable, blocked: Iterable[Placement] = ()) -> lis
 def device(slot: MigSlot, driver_version: str = "") -> dict[str, Any]:
     card, p = slot.card, slot.profile
     attributes: dict[str, Any] = {
-        "type": {"string": MIG_TYPE},
+        shape.TYPE: {"string": MIG_TYPE},
         "profile": {"string": p.name},
-        "parentUUID": {"string": card.uuid},
-        "parentIndex": {"int": card.index},
-        "productName": {"string": card.model},
+        shape.PARENT_UUID: {"string": card.uuid},
+        shape.PARENT_INDEX: {"int": card.index},
+        shape.PRODUCT: {"string": card.model},
         "placementStart": {"int": slot.placement.start},
         "placementSize": {"int": slot.placement.size},
-        "computeSlices": {"int": p.compute_slices},
+        shape.COMPUTE_SLICES: {"int": p.compute_slices},
         "memorySlices": {"int": p.memory_slices},
         "mediaExtensions": {"bool": p.media_extensions},
     }
     capability = semver(card.compute_capability)
     if capability is not None:
-        attributes["computeCapability"] = {"version": capability}
+        attributes[shape.COMPUTE_CAPABILITY] = {"version": capability}
     version = semver(driver_version)
     if version is not None:
-        attributes["driverVersion"] = {"version": version}
+        attributes[shape.DRIVER_VERSION] = {"version": version}
     return {
         "name": slot.device,
         "attributes": attributes,
         "capacity": {
-            "memory": {"value": str(p.memory_mib * MIB)},
+            shape.MEMORY: {"value": str(p.memory_mib * MIB)},
             "multiprocessors": {"value": str(p.sms)},
         },
         "consumesCounters": [
@@ -221,7 +221,7 @@ def fingerprint(slice_obj: dict[str, Any] | None) -> tuple[Any, ...] | None:
             (
                 d["name"],
                 d["attributes"]["profile"]["string"],
-                d["attributes"]["parentUUID"]["string"],
+                d["attributes"][shape.PARENT_UUID]["string"],
                 tuple((c["counterSet"], counters(c["counters"])) for c in d["consumesCounters"]),
             )
             for d in spec.get("devices") or []

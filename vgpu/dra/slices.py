@@ -16,24 +16,20 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
+from vgpu.core import draslice as shape
 from vgpu.core.claimconfig import DRIVER, SHARINGS
+from vgpu.core.draslice import CORES, MIB, SHARING, device_name
 from vgpu.core.errors import VgpuError
 from vgpu.core.quantity import parse_quantity
 from vgpu.node.discovery import Card
 
 API_VERSION = "resource.k8s.io/v1"
-MIB = 1 << 20
 # A claim that names no memory gets 1 GiB of the card, one that names no cores the whole card's
 # compute (100: no SM cap); a card is shared only between claims that each ask for cores.
 DEFAULT_MEMORY = "1Gi"
 DEFAULT_MEMORY_BYTES = 1 << 30
 DEFAULT_CORES = 100
-CORES = 100
 _NUMBERS = re.compile(r"^[0-9]+(\.[0-9]+)*$")
-
-
-def device_name(index: int) -> str:
-    return f"gpu-{index}"
 
 
 def slice_name(node: str) -> str:
@@ -59,32 +55,29 @@ def memory_bytes(card: Card, memory_scaling: float = 1.0) -> int:
     return int(card.memory_mib * Fraction(repr(memory_scaling))) * MIB
 
 
-SHARING = "sharing"  # the attribute of a card's mode: one of SHARINGS (absent: timeslice, older slices)
-
-
 def device(
     card: Card, driver_version: str = "", memory_scaling: float = 1.0, sharing: str = SHARINGS[0]
 ) -> dict[str, Any]:
     """One card as a slice's device, shared as ``sharing`` says (``timeslice`` or ``mps``)."""
     attributes: dict[str, Any] = {
-        "uuid": {"string": card.uuid},
+        shape.UUID: {"string": card.uuid},
         SHARING: {"string": sharing},
-        "productName": {"string": card.model},
-        "index": {"int": card.index},
-        "numaNode": {"int": card.numa if card.numa >= 0 else -1},
+        shape.PRODUCT: {"string": card.model},
+        shape.INDEX: {"int": card.index},
+        shape.NUMA: {"int": card.numa if card.numa >= 0 else -1},
     }
     capability = semver(card.compute_capability)
     if capability is not None:
-        attributes["computeCapability"] = {"version": capability}
+        attributes[shape.COMPUTE_CAPABILITY] = {"version": capability}
     version = semver(driver_version)
     if version is not None:
-        attributes["driverVersion"] = {"version": version}
+        attributes[shape.DRIVER_VERSION] = {"version": version}
     total = memory_bytes(card, memory_scaling)
     return {
         "name": device_name(card.index),
         "attributes": attributes,
         "capacity": {
-            "memory": {
+            shape.MEMORY: {
                 "value": str(total),
                 "requestPolicy": {
                     # the API server refuses a default past the range's max (a card under 1 GiB)
@@ -92,7 +85,7 @@ def device(
                     "validRange": {"min": "1Mi", "max": str(total), "step": "1Mi"},
                 },
             },
-            "cores": {
+            shape.CORES_CAPACITY: {
                 "value": str(CORES),
                 "requestPolicy": {
                     "default": str(DEFAULT_CORES),
@@ -147,10 +140,10 @@ def fingerprint(slice_obj: dict[str, Any] | None) -> tuple[Any, ...] | None:
         devices = tuple(
             (
                 d["name"],
-                d["attributes"]["uuid"]["string"],
+                d["attributes"][shape.UUID]["string"],
                 (d["attributes"].get(SHARING) or {}).get("string"),
-                parse_quantity(d["capacity"]["memory"]["value"], "memory"),
-                parse_quantity(d["capacity"]["cores"]["value"], "cores"),
+                parse_quantity(d["capacity"][shape.MEMORY]["value"], "memory"),
+                parse_quantity(d["capacity"][shape.CORES_CAPACITY]["value"], "cores"),
             )
             for d in spec.get("devices") or []
         )
