@@ -108,12 +108,12 @@ class FakeCaps:
         refused = self._check(uuid, cgroup)
         if refused is None and (soft > hard or hard <= 0):
             refused = "invalid-argument"
-        self._record(CapCall("set", uuid, cgroup, soft, hard, refused or "ok"))
         if refused == "not-found":
             with self._lock:  # a removed cgroup's limits went with it
                 self._limits.pop((uuid, cgroup), None)
                 self._tell_stub(cgroup)
         if refused is not None:
+            self._record(CapCall("set", uuid, cgroup, soft, hard, refused))
             raise error_of(_CODE[refused], f"setting {uuid}'s limit of {cgroup}")
         with self._lock:
             if soft == 0 and hard == LIMIT_MAX:
@@ -121,6 +121,8 @@ class FakeCaps:
             else:
                 self._limits[(uuid, cgroup)] = (soft, hard)
             self._tell_stub(cgroup)
+        # recorded once it took effect: a reader that sees the call sees the stub's file as it left it
+        self._record(CapCall("set", uuid, cgroup, soft, hard, "ok"))
 
     def _tell_stub(self, cgroup: str) -> None:
         """The cgroup's hard limits where the stub driver holds its processes to them
