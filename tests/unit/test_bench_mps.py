@@ -479,3 +479,12 @@ def test_sigterm_mid_run_stops_the_daemon_ends_the_tenants_and_prints_what_was_m
     assert bench.returncode == 143, stderr[-2000:]
     assert "| workload | alone | mps |" in stdout and "100.0 steps/s" in stdout
     no_process_left(tmp_path, records_of(out))
+
+
+def test_a_run_of_one_serving_row_is_checked_only_against_its_own_concurrency_goal() -> None:
+    high_only = mps_table.goals([], ["serve-32"])
+    assert [line for line in high_only if "serve" in line] == ["- ours-mps serve-32: each >= 0.90: not run"]
+    low_only = mps_table.goals([], ["serve-1"])
+    assert [line for line in low_only if "serve" in line] == [
+        "- ours-mps serve-1: each >= 0.70 of dedicated tokens/s: not run"
+    ]
