@@ -111,11 +111,7 @@ class PodCache:
         hit = self._memo.get(uid) if uid and rv else None
         if hit is not None and hit.rv == rv:
             return hit
-        self.parses += 1
-        try:
-            entry = Parsed(rv, pod, parse_pod(pod, config))
-        except RequestError as err:
-            entry = Parsed(rv, pod, None, err)
+        entry = self._parse(pod, rv, config)
         if uid:
             self._memo.pop(uid, None)
             self._memo[uid] = entry
@@ -129,8 +125,10 @@ class PodCache:
 
     def parse_for_bind(self, pod: Obj, config: SchedulerConfig) -> Parsed:
         """A pod bind had to read from the API server (no filter here remembers it): parsed, not kept."""
+        return self._parse(pod, _key(pod)[1], config)
+
+    def _parse(self, pod: Obj, rv: str, config: SchedulerConfig) -> Parsed:
         self.parses += 1
-        _, rv = _key(pod)
         try:
             return Parsed(rv, pod, parse_pod(pod, config))
         except RequestError as err:
